@@ -1,0 +1,112 @@
+"""kvconnector: a KV-cache connector plugin framework for LLM serving.
+
+The public API lives here; everything else is an implementation detail. Submodules
+that need torch (``kvconnector_core.worker``, ``kvconnector_core.engine``) are
+not imported by this package, so importing it is cheap.
+"""
+
+from kvconnector_core.errors import BlockSizeError
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.errors import ConnectorHookError
+from kvconnector_core.errors import DuplicateConnectorError
+from kvconnector_core.errors import InvalidConnectorError
+from kvconnector_core.errors import InvariantError
+from kvconnector_core.errors import KVConnectorError
+from kvconnector_core.errors import NoFreeBlocksError
+from kvconnector_core.errors import PluginLoadError
+from kvconnector_core.errors import RegistryError
+from kvconnector_core.errors import ShutdownError
+from kvconnector_core.errors import TransferError
+from kvconnector_core.errors import UnknownConnectorError
+from kvconnector_core.kv_cache.block_pool import BlockHashToBlockMap
+from kvconnector_core.kv_cache.block_pool import BlockPool
+from kvconnector_core.kv_cache.block_pool import FreeKVCacheBlockQueue
+from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
+from kvconnector_core.kv_cache.block_pool import KVCacheBlock
+from kvconnector_core.kv_cache.coordinator import HybridKVCacheCoordinator
+from kvconnector_core.kv_cache.coordinator import KVCacheCoordinator
+from kvconnector_core.kv_cache.coordinator import KVCacheCoordinatorNoPrefixCache
+from kvconnector_core.kv_cache.coordinator import UnitaryKVCacheCoordinator
+from kvconnector_core.kv_cache.coordinator import get_kv_cache_coordinator
+from kvconnector_core.kv_cache.hashing import NONE_HASH
+from kvconnector_core.kv_cache.hashing import BlockHash
+from kvconnector_core.kv_cache.hashing import hash_block_tokens
+from kvconnector_core.kv_cache.hashing import hash_request_tokens
+from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+from kvconnector_core.kv_cache.kv_cache_manager import KVCacheManager
+from kvconnector_core.kv_cache.kv_cache_spec import ChunkedLocalAttentionSpec
+from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec
+from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+from kvconnector_core.kv_cache.kv_cache_spec import KVCacheGroupSpec
+from kvconnector_core.kv_cache.kv_cache_spec import KVCacheSpec
+from kvconnector_core.kv_cache.kv_cache_spec import SlidingWindowSpec
+from kvconnector_core.kv_cache.kv_cache_spec import get_kv_cache_config
+from kvconnector_core.kv_cache.single_type_manager import ChunkedLocalAttentionManager
+from kvconnector_core.kv_cache.single_type_manager import FullAttentionManager
+from kvconnector_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
+from kvconnector_core.kv_cache.single_type_manager import SlidingWindowManager
+from kvconnector_core.kv_cache.single_type_manager import get_manager_for_kv_cache_spec
+from kvconnector_core.kv_events import AllBlocksCleared
+from kvconnector_core.kv_events import BlockRemoved
+from kvconnector_core.kv_events import BlockStored
+from kvconnector_core.kv_events import KVCacheEvent
+from kvconnector_core.kv_events import KVEventBatch
+from kvconnector_core.kv_events import decode_event_batch
+from kvconnector_core.kv_events import encode_event_batch
+from kvconnector_core.request import Request
+from kvconnector_core.request import RequestStatus
+
+# --- connector API (added by the connector API work) ---
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockHashToBlockMap",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockSizeError",
+    "BlockStored",
+    "ChunkedLocalAttentionManager",
+    "ChunkedLocalAttentionSpec",
+    "ConfigError",
+    "ConnectorHookError",
+    "DuplicateConnectorError",
+    "FreeKVCacheBlockQueue",
+    "FullAttentionManager",
+    "FullAttentionSpec",
+    "GPUBlockPoolView",
+    "HybridKVCacheCoordinator",
+    "InvalidConnectorError",
+    "InvariantError",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "KVCacheEvent",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVConnectorError",
+    "KVEventBatch",
+    "NONE_HASH",
+    "NoFreeBlocksError",
+    "PluginLoadError",
+    "RegistryError",
+    "Request",
+    "RequestStatus",
+    "ShutdownError",
+    "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
+    "SlidingWindowSpec",
+    "TransferError",
+    "UnitaryKVCacheCoordinator",
+    "UnknownConnectorError",
+    "decode_event_batch",
+    "encode_event_batch",
+    "get_kv_cache_config",
+    "get_kv_cache_coordinator",
+    "get_manager_for_kv_cache_spec",
+    "hash_block_tokens",
+    "hash_request_tokens",
+]

@@ -1,0 +1,365 @@
+"""Per-attention-type block bookkeeping for one KV cache group.
+
+A :class:`SingleTypeKVCacheManager` owns the block tables of one group
+(``req_to_blocks``) and knows three things about its attention type: how to
+find the longest cached prefix, which leading tokens a request no longer needs
+(``get_num_skipped_tokens``), and how many blocks a request may hold at once
+(the admission cap). Skipped positions hold the pool's null block, so block
+tables keep their token-to-block mapping.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kvconnector_core.kv_cache.hashing import BlockHash
+from kvconnector_core.kv_cache.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+if TYPE_CHECKING:
+    from kvconnector_core.request import Request
+
+__all__ = [
+    "ChunkedLocalAttentionManager",
+    "FullAttentionManager",
+    "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
+    "get_manager_for_kv_cache_spec",
+]
+
+
+def _hash_at(block_hashes: Sequence[BlockHash], block_idx: int, scale: int) -> BlockHash:
+    # Block i of size scale*hash_block_size ends where hash block (i+1)*scale-1 ends;
+    # chaining makes that hash identify the whole prefix.
+    return block_hashes[(block_idx + 1) * scale - 1]
+
+
+class SingleTypeKVCacheManager:
+    """Block tables and cache lookups of one KV cache group.
+
+    Args:
+        kv_cache_spec: the group's spec.
+        block_pool: the pool shared by all groups.
+        kv_cache_group_id: index of the group.
+        scheduler_block_size: the scheduler's block size in tokens (cache hits
+            are aligned to it).
+        max_admission_blocks_per_request: cap applied by the full-sequence
+            admission check (None: no cap, as for full attention).
+    """
+
+    spec_type: ClassVar[type[KVCacheSpec]] = KVCacheSpec
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self.scheduler_block_size = scheduler_block_size
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        self.hash_scale = self.block_size // block_pool.hash_block_size
+        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        self.num_cached_block: dict[str, int] = {}
+        self._null_block = block_pool.null_block
+
+    # -- attention-type specific ------------------------------------------------
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens whose KV no computation will read again."""
+        return 0
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Longest run of cached blocks usable as this request's prefix.
+
+        Returns one block list per group id (equal lengths); the hit covers
+        ``len(lists[0]) * block_size`` tokens, a multiple of ``alignment_tokens``,
+        at most ``max_length``.
+        """
+        raise NotImplementedError
+
+    # -- allocation ------------------------------------------------------------
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free blocks needed to hold ``num_tokens`` tokens of the request.
+
+        Counts new blocks plus cache hits that currently sit in the free queue
+        (touching them takes them out of it). With ``apply_admission_cap`` the
+        requirement is clamped to the spec's admission cap: the full-sequence
+        check then asks "can this request ever run", not "can it hold every
+        token at once".
+        """
+        num_required = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required = min(num_required, self.max_admission_blocks_per_request)
+        held = len(self.req_to_blocks.get(request_id, ()))
+        num_skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_new = max(num_required - max(num_skipped, held + len(new_computed_blocks)), 0)
+        num_evictable = 0
+        for blk in new_computed_blocks[num_skipped:]:
+            if blk.ref_cnt == 0 and not blk.is_null:
+                num_evictable += 1
+        return num_new + num_evictable
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+        """Add local cache hits to a new request's table, taking a reference on each."""
+        if not new_computed_blocks:
+            return
+        self.block_pool.touch(new_computed_blocks)
+        self.req_to_blocks[request_id].extend(new_computed_blocks)
+        # Hits are cached already: caching resumes after them.
+        self.num_cached_block[request_id] = len(self.req_to_blocks[request_id])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Grow the request's table to cover ``num_tokens`` tokens; return the new blocks.
+
+        Positions the request will never read (before its window) get the null
+        block instead of a real one.
+        """
+        req_blocks = self.req_to_blocks[request_id]
+        self.num_cached_block.setdefault(request_id, len(req_blocks))
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        num_skipped = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        num_null = max(0, min(num_skipped - len(req_blocks), num_new))
+        if num_null:
+            req_blocks.extend([self._null_block] * num_null)
+        new_blocks = self.block_pool.get_new_blocks(num_new - num_null)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Put the request's full blocks among its first ``num_tokens`` tokens in the prefix cache."""
+        rid = request.request_id
+        num_cached = self.num_cached_block.get(rid, 0)
+        hashable_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        num_full = min(num_tokens, hashable_tokens) // self.block_size
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[rid],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+            kv_cache_spec_kind=self.kv_cache_spec.kind,
+            sliding_window=getattr(self.kv_cache_spec, "sliding_window", None),
+        )
+        self.num_cached_block[rid] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release all of the request's blocks, tail first (so tails are evicted first)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace blocks that fell out of the request's window with the null block and free them.
+
+        Walks backwards from the last skipped position and stops at the first
+        null block: everything before it was released earlier.
+        """
+        num_skipped = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        if num_skipped <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        removed: list[KVCacheBlock] = []
+        null = self._null_block
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null:
+                break
+            removed.append(blocks[i])
+            blocks[i] = null
+        if removed:
+            self.block_pool.free_blocks(removed)
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's block table (empty if unknown)."""
+        return self.req_to_blocks.get(request_id, [])
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full attention: every block stays; hits are a left-to-right chained scan."""
+
+    spec_type = FullAttentionSpec
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, alignment_tokens):
+        bs = kv_cache_spec.block_size
+        scale = bs // block_pool.hash_block_size
+        hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        max_blocks = min(max_length // bs, len(block_hashes) // scale)
+        get = block_pool.get_cached_block
+        for i in range(max_blocks):
+            cached = get(_hash_at(block_hashes, i, scale), kv_cache_group_ids)
+            if cached is None:
+                break
+            for lst, blk in zip(hits, cached):
+                lst.append(blk)
+        align_blocks = max(1, alignment_tokens // bs)
+        keep = len(hits[0]) - len(hits[0]) % align_blocks
+        if keep != len(hits[0]):
+            for lst in hits:
+                del lst[keep:]
+        return hits
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding window: only the last ``sliding_window`` tokens are needed.
+
+    The cache hit is found right to left: the first run of
+    ``cdiv(sliding_window - 1, block_size)`` consecutive cached blocks (from the
+    end) is enough; blocks left of it are null.
+    """
+
+    spec_type = SlidingWindowSpec
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before ``num_computed_tokens - sliding_window + 1``."""
+        return max(0, num_computed_tokens - self.kv_cache_spec.sliding_window + 1)  # type: ignore[attr-defined]
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, alignment_tokens):
+        bs = kv_cache_spec.block_size
+        scale = bs // block_pool.hash_block_size
+        null = block_pool.null_block
+        max_blocks = min(max_length // bs, len(block_hashes) // scale)
+        need = cdiv(kv_cache_spec.sliding_window - 1, bs)
+        align_blocks = max(1, alignment_tokens // bs)
+        hits = tuple([null] * max_blocks for _ in kv_cache_group_ids)
+        get = block_pool.get_cached_block
+        # With a window of one token nothing before the last token is read.
+        length: int | None = max_blocks if need == 0 else None
+        run = 0
+        for i in range(max_blocks - 1, -1, -1):
+            if length is not None:
+                break
+            cached = get(_hash_at(block_hashes, i, scale), kv_cache_group_ids)
+            if cached is None:
+                run = 0
+                continue
+            for lst, blk in zip(hits, cached):
+                lst[i] = blk
+            run += 1
+            if run >= need:
+                length = i + need
+        if length is None:
+            # No full window anywhere: only a run starting at position 0 is usable.
+            length = 0
+            while length < max_blocks and hits[0][length] is not null:
+                length += 1
+        length -= length % align_blocks
+        for lst in hits:
+            del lst[length:]
+        # Re-aligning may leave the run shorter than the window; that is safe
+        # (fewer reusable tokens), never wrong, because recomputation starts
+        # at the new end and only needs the blocks that remain.
+        return hits
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention: tokens only see their own chunk.
+
+    Blocks before the chunk containing ``max_length`` count as (null) hits.
+    """
+
+    spec_type = ChunkedLocalAttentionSpec
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the start of the chunk that ``num_computed_tokens`` is in."""
+        chunk = self.kv_cache_spec.attention_chunk_size  # type: ignore[attr-defined]
+        return (num_computed_tokens // chunk) * chunk
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, alignment_tokens):
+        bs = kv_cache_spec.block_size
+        scale = bs // block_pool.hash_block_size
+        null = block_pool.null_block
+        chunk = kv_cache_spec.attention_chunk_size
+        max_blocks = min(max_length // bs, len(block_hashes) // scale)
+        local_start = (max_length // chunk) * chunk
+        num_null = min(local_start // bs, max_blocks)
+        hits = tuple([null] * num_null for _ in kv_cache_group_ids)
+        get = block_pool.get_cached_block
+        for i in range(num_null, max_blocks):
+            cached = get(_hash_at(block_hashes, i, scale), kv_cache_group_ids)
+            if cached is None:
+                break
+            for lst, blk in zip(hits, cached):
+                lst.append(blk)
+        align_blocks = max(1, alignment_tokens // bs)
+        keep = len(hits[0]) - len(hits[0]) % align_blocks
+        for lst in hits:
+            del lst[keep:]
+        return hits
+
+
+_MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+}
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    *,
+    block_pool: BlockPool,
+    kv_cache_group_id: int,
+    scheduler_block_size: int,
+) -> SingleTypeKVCacheManager:
+    """Build the manager for a spec, with the admission cap for specs that recycle blocks.
+
+    Raises:
+        ConfigError: the spec type has no manager.
+    """
+    manager_cls = _MANAGERS.get(type(kv_cache_spec))
+    if manager_cls is None:
+        raise ConfigError(
+            f"no KV cache manager for spec {type(kv_cache_spec).__name__}; known specs: "
+            f"{', '.join(t.__name__ for t in _MANAGERS)}"
+        )
+    cap = None
+    if not isinstance(kv_cache_spec, FullAttentionSpec):
+        cap = kv_cache_spec.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+    return manager_cls(kv_cache_spec, block_pool, kv_cache_group_id, scheduler_block_size, cap)

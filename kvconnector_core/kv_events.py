@@ -1,0 +1,137 @@
+"""KV cache events: what a medium (GPU, CPU, storage) stored and dropped.
+
+The structs match vLLM's ``vllm.distributed.kv_events`` field for field and in
+the same order, with the same msgspec options (array-like encoding, omitted
+defaults, class-name tags), so a consumer written for vLLM's event stream
+decodes ours unchanged and vice versa.
+
+Unlike vLLM's offloading events, ours are *self-describing*: every
+``BlockStored`` carries its medium, block size, parent hash and (where known)
+token ids, so a consumer replaying the stream always knows exactly which blocks
+each medium holds and what they contain.
+
+Block hashes travel in vLLM's default wire form, the low 64 bits of the digest
+as an ``int`` (see :func:`to_external_hash`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "ExternalBlockHash",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "decode_event_batch",
+    "encode_event_batch",
+    "to_external_hash",
+]
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+ExternalBlockHash = bytes | int
+"""A block hash as it appears on the wire: raw digest bytes or its 64-bit int form."""
+
+
+def to_external_hash(block_hash: bytes) -> int:
+    """Return the wire form of a block hash: its last 8 bytes as a big-endian int.
+
+    This is vLLM's default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so event
+    consumers that index vLLM's blocks index ours the same way.
+    """
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A timestamped batch of events, as published once per engine step."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of every KV cache event; encoded with its class name as the tag."""
+
+
+class BlockStored(KVCacheEvent):
+    """Blocks became available (cached) on ``medium``.
+
+    Attributes:
+        block_hashes: wire hashes of the stored blocks, in prefix order.
+        parent_block_hash: wire hash of the block before the first one, or None
+            at the start of a sequence.
+        token_ids: token ids covering all stored blocks (``len == n * block_size``),
+            or empty where the producer does not know them.
+        block_size: tokens per block (never 0 in kvconnector's events).
+        lora_id: deprecated, kept for vLLM compatibility; always None here.
+        medium: "GPU", "CPU" or "STORAGE".
+        lora_name: LoRA adapter name that is part of the hash, if any.
+        extra_keys: extra hash keys, one entry per block (None where a block has none).
+        group_idx: KV cache group the blocks belong to.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks are no longer available on ``medium``."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """Every block of the emitting medium was dropped (prefix cache reset)."""
+
+
+class KVEventBatch(EventBatch):
+    """An :class:`EventBatch` whose events are KV cache events."""
+
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_event_batch(batch: KVEventBatch) -> bytes:
+    """Encode a batch to msgpack, exactly as vLLM's publisher puts it on the wire."""
+    return _encoder.encode(batch)
+
+
+def decode_event_batch(payload: bytes) -> KVEventBatch:
+    """Decode msgpack bytes (ours or vLLM's) into a :class:`KVEventBatch`.
+
+    Raises:
+        msgspec.ValidationError: the payload is not a KV event batch.
+    """
+    return _decoder.decode(payload)
