@@ -384,10 +384,10 @@ class BlockPool:
         last_cached = -1
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
-            if blk.is_null:
+            # A block that already holds a hash is skipped: it is the null block, or
+            # a shared block re-reached after a request rolled back (failed KV load).
+            if blk.is_null or blk.block_hash is not None:
                 continue
-            if blk.block_hash is not None:
-                raise InvariantError(f"{blk!r} is already cached")
             bh = hashes[(i + 1) * scale - 1]
             key = make_block_hash_with_group_id(bh, kv_cache_group_id)
             blk.block_hash = key

@@ -227,6 +227,26 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
+    def rollback(self, request: Request, num_valid_tokens: int) -> None:
+        """Forget that the request's blocks past ``num_valid_tokens`` hold valid, cached KV.
+
+        Used after a failed KV load: blocks the request owns alone from the first
+        invalid one on leave the prefix cache (their contents are garbage), and
+        caching resumes from there as the request recomputes. The request keeps
+        its blocks; the caller sets ``request.num_computed_tokens``.
+        """
+        rid = request.request_id
+        for m in self.coordinator.single_type_managers:
+            blocks = m.req_to_blocks.get(rid)
+            if not blocks:
+                continue
+            n_valid = num_valid_tokens // m.block_size
+            self.block_pool.evict_blocks(
+                b.block_id for b in blocks[n_valid:] if b.block_hash is not None and b.ref_cnt == 1
+            )
+            if rid in m.num_cached_block:
+                m.num_cached_block[rid] = min(m.num_cached_block[rid], n_valid)
+
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks per group."""
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))

@@ -1,0 +1,606 @@
+"""Continuous-batching scheduler with connector hooks and load-failure recovery.
+
+One :meth:`Scheduler.schedule` call plans a step under a token budget: running
+requests first (decode or the next prefill chunk; preempting the newest running
+request by recompute when blocks run out), then waiting requests in arrival
+order. Admission asks the KV cache manager for the local prefix hit, asks the
+connector how many more tokens it can load (``get_num_new_matched_tokens``),
+checks with the admission caps that the whole sequence fits, allocates, and
+tells the connector (``update_state_after_alloc``). The plan ends with
+``build_connector_meta``.
+
+:meth:`Scheduler.update_from_output` applies the worker's report: invalid
+blocks first (roll the affected requests back to their first invalid block, or
+fail them), then sampled tokens, then the connector's finished transfers.
+
+Failure contract: a connector hook that raises is contained (logged, counted,
+treated as a miss); blocks written by a connector load become visible in the
+prefix cache only after the load is known to have succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+from kvconnector_core.kv_events import KVCacheEvent
+from kvconnector_core.request import Request, RequestStatus
+from kvconnector_core.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+__all__ = ["LOAD_FAILURE_POLICIES", "Scheduler", "SchedulerStats"]
+
+logger = logging.getLogger(__name__)
+
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+"""What to do with a request whose KV load failed: recompute from the first bad block, or fail it."""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of what the scheduler did, since creation.
+
+    Attributes:
+        num_steps: ``schedule()`` calls.
+        num_prompt_tokens: prompt tokens of all admitted requests (first admission).
+        num_prefill_tokens_computed: prompt tokens the model computed (recomputation included).
+        num_gpu_cache_hit_tokens: prompt tokens served from the GPU prefix cache.
+        num_connector_hit_tokens: prompt tokens loaded by the connector (successful loads).
+        num_preemptions: requests preempted by recompute.
+        num_failed_loads_recovered: requests rolled back and recomputed after a failed load.
+        num_requests_failed: requests finished with FINISHED_ERROR.
+        num_rejected: requests that can never fit the KV cache.
+        connector_errors: per hook name, how many times the connector raised.
+    """
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_prefill_tokens_computed: int = 0
+    num_gpu_cache_hit_tokens: int = 0
+    num_connector_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_failed_loads_recovered: int = 0
+    num_requests_failed: int = 0
+    num_rejected: int = 0
+    connector_errors: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Plans engine steps and keeps requests, blocks and the connector in sync.
+
+    Args:
+        kv_cache_config: the KV cache layout.
+        max_num_batched_tokens: token budget of one step.
+        max_num_seqs: most requests running at once.
+        max_model_len: longest sequence a request may reach.
+        scheduler_block_size: block size the scheduler aligns to (explicit; see KVCacheManager).
+        hash_block_size: tokens per hashed block.
+        enable_prefix_caching: reuse cached prefix blocks.
+        enable_kv_cache_events: record KV events.
+        connector: the scheduler-role connector, or None.
+        load_failure_policy: ``"recompute"`` (default) or ``"fail"``.
+
+    Raises:
+        ConfigError: an unknown ``load_failure_policy`` or non-positive budgets.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        enable_prefix_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        connector: Any = None,
+        load_failure_policy: str = "recompute",
+    ) -> None:
+        if load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError(
+                f"load_failure_policy={load_failure_policy!r}; valid: {', '.join(LOAD_FAILURE_POLICIES)}"
+            )
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ConfigError(
+                f"max_num_batched_tokens={max_num_batched_tokens}, max_num_seqs={max_num_seqs}, "
+                f"max_model_len={max_model_len}; need >= 1, >= 1 and >= 2"
+            )
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.hash_block_size = hash_block_size
+        self.recompute_on_failure = load_failure_policy == "recompute"
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            enable_caching=enable_prefix_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.block_size = scheduler_block_size
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        # Requests whose blocks are kept until the connector reports them sent.
+        self.delayed_free: dict[str, Request] = {}
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        # Requests with a sync load this step: their loaded blocks are cached
+        # only once the worker reports no error for them.
+        self._sync_load_reqs: set[str] = set()
+        self._worker_events: list[KVCacheEvent] = []
+        # Requests finished outside update_from_output's token loop (rejected,
+        # failed by policy); reported by the next update_from_output.
+        self._finished_out_of_band: list[Request] = []
+        self._aborted_while_loading: set[str] = set()
+        self.stats = SchedulerStats()
+        if connector is not None:
+            # Unconditionally, right after the KV cache manager exists (opt-in hook;
+            # the base class default does nothing).
+            self._call("bind_gpu_block_pool", None, self.kv_cache_manager.block_pool)
+
+    # -- connector calls -------------------------------------------------------
+
+    def _call(self, hook: str, default: Any, *args: Any) -> Any:
+        """Call a connector hook, containing any exception (logged, counted, ``default`` returned)."""
+        try:
+            return getattr(self.connector, hook)(*args)
+        except Exception:
+            logger.exception("connector %r raised in %s; treated as a miss/failure", self.connector, hook)
+            self.stats.connector_errors[hook] = self.stats.connector_errors.get(hook, 0) + 1
+            return default
+
+    # -- requests --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ConfigError: duplicate id, or a hash block size other than the scheduler's.
+        """
+        if request.request_id in self.requests:
+            raise ConfigError(f"request id {request.request_id!r} is already in use")
+        if request.hash_block_size != self.hash_block_size:
+            raise ConfigError(
+                f"request {request.request_id!r} hashes blocks of {request.hash_block_size} tokens; "
+                f"the scheduler needs hash_block_size={self.hash_block_size}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request still waits, runs, or has blocks held for the connector."""
+        return bool(self.waiting or self.running or self.delayed_free or self._aborted_while_loading)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Waiting plus running requests."""
+        return len(self.waiting) + len(self.running)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (abort) requests from outside, e.g. a client disconnect."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            req.status = status
+            # A request aborted while its KV is loading keeps its blocks until the
+            # connector reports the load finished (the worker may still be writing them).
+            keep = loading and rid not in self.finished_recving_kv_req_ids
+            if keep:
+                self._aborted_while_loading.add(rid)
+            self._free_request(req, keep_blocks=keep)
+
+    # -- scheduling ------------------------------------------------------------
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _count_prefill(self, req: Request, num_computed_before: int, num_new: int) -> None:
+        done = min(num_computed_before + num_new, req.num_prompt_tokens)
+        if done > num_computed_before:
+            self.stats.num_prefill_tokens_computed += done - num_computed_before
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; see the module docstring for the order of work."""
+        self.stats.num_steps += 1
+        kvm = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, KVCacheBlocks] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+                          self.max_model_len - 1 - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            blocks = kvm.allocate_slots(req, num_new)
+            while blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                blocks = kvm.allocate_slots(req, num_new)
+            if blocks is None:
+                break
+            scheduled_running.append(req)
+            new_blocks_of[req.request_id] = blocks
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests (not in a step that had to preempt).
+        skipped: deque[Request] = deque()
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._finish_remote_load(req):
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if req.is_finished():  # failed by policy; _fail dequeued it
+                    continue
+            if not kvm.can_ever_fit(req):
+                self.waiting.popleft()
+                self.stats.num_rejected += 1
+                req.stop_reason = (
+                    f"needs more KV blocks than the pool has ({kvm.block_pool.num_gpu_blocks - 1})"
+                )
+                logger.warning("rejecting request %s: %s", req.request_id, req.stop_reason)
+                req.status = RequestStatus.FINISHED_ERROR
+                self.stats.num_requests_failed += 1
+                self._finished_out_of_band.append(req)
+                self._free_request(req)
+                continue
+
+            computed_blocks = None
+            num_local = 0
+            num_external = 0
+            load_async = False
+            fresh = req.num_computed_tokens == 0
+            if fresh:
+                computed_blocks, num_local = kvm.get_computed_blocks(req)
+                if self.connector is not None:
+                    ext, load_async = self._call("get_num_new_matched_tokens", (0, False), req, num_local)
+                    if ext is None:  # the connector has not decided yet: ask next step
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    # At least the last token is always computed (its logits are needed).
+                    num_external = max(0, min(int(ext), req.num_tokens - 1 - num_local))
+                    load_async = bool(load_async) and num_external > 0
+            num_computed = (num_local + num_external) if fresh else req.num_computed_tokens
+            num_new = 0 if load_async else min(req.num_tokens - num_computed, budget)
+
+            blocks = kvm.allocate_slots(
+                req,
+                num_new,
+                num_new_computed_tokens=num_local,
+                new_computed_blocks=computed_blocks,
+                num_external_computed_tokens=num_external,
+                delay_cache_blocks=num_external > 0,
+                full_sequence_must_fit=fresh,
+            ) if (num_new > 0 or num_external > 0) else None
+            if blocks is None:
+                break  # out of blocks: admit nothing more this step
+            self.waiting.popleft()
+
+            if self.connector is not None and fresh:
+                ok = self._call_update_state(req, num_external)
+                if not ok and num_external > 0:
+                    # The connector never planned the load: start over next step
+                    # and compute those tokens instead.
+                    kvm.free(req)
+                    req.num_computed_tokens = 0
+                    req.status = RequestStatus.WAITING
+                    skipped.append(req)
+                    continue
+            if fresh:
+                self.stats.num_gpu_cache_hit_tokens += num_local
+                if req.num_preemptions == 0:
+                    self.stats.num_prompt_tokens += req.num_prompt_tokens
+            if load_async:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                req.num_computed_tokens = num_computed
+                req.num_external_computed_tokens = num_external
+                skipped.append(req)
+                continue
+            if num_external > 0:
+                self._sync_load_reqs.add(req.request_id)
+                req.num_external_computed_tokens = num_external
+
+            was_preempted = req.num_preemptions > 0 and req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            self.running.append(req)
+            (scheduled_resumed if was_preempted else scheduled_new).append(req)
+            new_blocks_of[req.request_id] = blocks
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+        out = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, new_blocks_of,
+                                num_scheduled, preempted)
+        # Advance now (as vLLM does): a failed load's valid computed tokens are
+        # then num_computed_tokens - num_scheduled_tokens[req] for sync and async alike.
+        for rid, n in num_scheduled.items():
+            req = self.requests[rid]
+            self._count_prefill(req, req.num_computed_tokens, n)
+            req.num_computed_tokens += n
+        return out
+
+    def _call_update_state(self, req: Request, num_external: int) -> bool:
+        try:
+            self.connector.update_state_after_alloc(req, self.kv_cache_manager.get_blocks(req.request_id),
+                                                    num_external)
+            return True
+        except Exception:
+            logger.exception("connector %r raised in update_state_after_alloc", self.connector)
+            errs = self.stats.connector_errors
+            errs["update_state_after_alloc"] = errs.get("update_state_after_alloc", 0) + 1
+            return False
+
+    def _make_output(self, new: list[Request], resumed: list[Request], running: list[Request],
+                     new_blocks_of: dict[str, KVCacheBlocks], num_scheduled: dict[str, int],
+                     preempted: list[Request]) -> SchedulerOutput:
+        kvm = self.kv_cache_manager
+        new_data = [
+            NewRequestData(r.request_id, list(r.prompt_token_ids), kvm.get_block_ids(r.request_id),
+                           r.num_computed_tokens)
+            for r in new
+        ]
+        cached = CachedRequestData.make_empty()
+        for r in resumed:
+            cached.req_ids.append(r.request_id)
+            cached.resumed_req_ids.add(r.request_id)
+            cached.new_token_ids.append(list(r.all_token_ids))
+            cached.new_block_ids.append(kvm.get_block_ids(r.request_id))
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.num_output_tokens.append(r.num_output_tokens)
+        for r in running:
+            ids = new_blocks_of[r.request_id].get_block_ids()
+            cached.req_ids.append(r.request_id)
+            cached.new_token_ids.append([])
+            cached.new_block_ids.append(ids if any(ids) else None)
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.num_output_tokens.append(r.num_output_tokens)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self._call("build_connector_meta", None, out)
+        return out
+
+    # -- async loads -------------------------------------------------------------
+
+    def _finish_remote_load(self, req: Request) -> bool:
+        """Move a request whose async load was reported back to WAITING; False if not reported yet."""
+        rid = req.request_id
+        if rid not in self.finished_recving_kv_req_ids:
+            return False
+        self.finished_recving_kv_req_ids.discard(rid)
+        kvm = self.kv_cache_manager
+        if rid in self.failed_recving_kv_req_ids:
+            self.failed_recving_kv_req_ids.discard(rid)
+            if not self.recompute_on_failure:
+                self._fail(req)
+                return True
+            self.stats.num_failed_loads_recovered += 1
+            # num_computed_tokens was already rolled back to the first invalid
+            # block (or to the local hit when no block was named).
+            if req.num_computed_tokens == 0:
+                kvm.free(req)  # nothing valid: start over as a fresh request
+            else:
+                kvm.rollback(req, req.num_computed_tokens)
+        else:
+            self.stats.num_connector_hit_tokens += req.num_external_computed_tokens
+        kvm.cache_blocks(req, req.num_computed_tokens)
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+        return True
+
+    # -- applying the worker's report -------------------------------------------------
+
+    def _requests_with_blocks(self, block_ids: set[int]) -> list[tuple[Request, int]]:
+        """Requests holding any of ``block_ids``, with the token index of their first such block."""
+        out = []
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        candidates = list(self.running) + [r for r in self.waiting
+                                            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        for req in candidates:
+            first = None
+            for m in managers:
+                for idx, blk in enumerate(m.req_to_blocks.get(req.request_id, ())):
+                    if blk.block_id in block_ids and not blk.is_null:
+                        tok = idx * m.block_size
+                        first = tok if first is None else min(first, tok)
+                        break
+            if first is not None:
+                out.append((req, first))
+        return out
+
+    def _handle_invalid_blocks(self, invalid: set[int], num_scheduled: dict[str, int]) -> set[str]:
+        """Roll back (or fail) every request that holds an invalid block; return the affected ids."""
+        kvm = self.kv_cache_manager
+        kvm.evict_blocks(invalid)
+        affected: set[str] = set()
+        for req, first_bad in self._requests_with_blocks(invalid):
+            rid = req.request_id
+            valid = min(first_bad, req.num_computed_tokens - num_scheduled.get(rid, 0))
+            valid -= valid % self.block_size
+            if valid >= req.num_computed_tokens:
+                continue  # the bad block lies beyond what it computed: nothing to undo
+            affected.add(rid)
+            logger.warning("request %s: KV load failed at token %d; %s", rid, valid,
+                           "recomputing" if self.recompute_on_failure else "failing the request")
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                req.num_computed_tokens = valid
+                self.failed_recving_kv_req_ids.add(rid)
+                continue
+            req.num_computed_tokens = valid
+            kvm.rollback(req, valid)
+            if self.recompute_on_failure:
+                self.stats.num_failed_loads_recovered += 1
+            else:
+                self._fail(req)
+        return affected
+
+    def _fail(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.stop_reason = "KV load failed (load_failure_policy='fail')"
+        self.stats.num_requests_failed += 1
+        self._finished_out_of_band.append(req)
+        self._free_request(req)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results; return the requests that finished in it."""
+        kv_out = model_runner_output.kv_connector_output
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        finished: list[Request] = []
+
+        # 1. Failed async receives without named blocks: recompute from the local hit.
+        if kv_out is not None:
+            for rid in kv_out.failed_recving:
+                req = self.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if rid not in self.failed_recving_kv_req_ids:
+                        req.num_computed_tokens -= req.num_external_computed_tokens
+                    self.failed_recving_kv_req_ids.add(rid)
+        # 2. Invalid blocks.
+        bad_reqs: set[str] = set()
+        if kv_out is not None and kv_out.invalid_block_ids:
+            bad_reqs = self._handle_invalid_blocks(set(kv_out.invalid_block_ids), num_scheduled)
+
+        # 3. Sampled tokens.
+        for req in list(self.running):
+            rid = req.request_id
+            if rid not in num_scheduled:
+                continue
+            if rid in bad_reqs:
+                continue  # this step's sample was computed on bad KV: dropped
+            if rid in self._sync_load_reqs:
+                self.stats.num_connector_hit_tokens += req.num_external_computed_tokens
+            sampled = model_runner_output.sampled_token_ids.get(rid)
+            if not sampled:
+                continue
+            req.append_output_token_ids(sampled)
+            if self._check_stop(req):
+                self.running.remove(req)
+                self._free_request(req)
+                finished.append(req)
+        # Sync-loaded blocks become visible only now that they are known good.
+        for rid in self._sync_load_reqs:
+            req = self.requests.get(rid)
+            if req is not None and rid not in bad_reqs and not req.is_finished():
+                self.kv_cache_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+        self._sync_load_reqs.clear()
+
+        # 4. The connector's finished transfers.
+        if kv_out is not None:
+            for rid in kv_out.finished_recving:
+                req = self.requests.get(rid)
+                if req is None:
+                    continue
+                if req.is_finished():  # aborted while loading: free now
+                    self._aborted_while_loading.discard(rid)
+                    self.kv_cache_manager.free(req)
+                    self.requests.pop(rid, None)
+                else:
+                    self.finished_recving_kv_req_ids.add(rid)
+            for rid in kv_out.finished_sending:
+                req = self.delayed_free.pop(rid, None)
+                if req is not None:
+                    self.kv_cache_manager.free(req)
+                    self.requests.pop(rid, None)
+            self._worker_events.extend(kv_out.kv_cache_events)
+            if self.connector is not None:
+                self._call("update_connector_output", None, kv_out)
+        if self._finished_out_of_band:
+            finished = self._finished_out_of_band + finished
+            self._finished_out_of_band = []
+        return finished
+
+    def _check_stop(self, req: Request) -> bool:
+        if req.eos_token_id is not None and req.output_token_ids and req.output_token_ids[-1] == req.eos_token_id:
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, req: Request, keep_blocks: bool = False) -> None:
+        """Tell the connector, then free the blocks now or once the connector has sent them.
+
+        With ``keep_blocks`` (aborted during a load) the blocks stay until the
+        load is reported finished.
+        """
+        rid = req.request_id
+        delay = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(rid)
+            res = self._call("request_finished", (False, None), req, block_ids[0] if block_ids else [])
+            delay, params = res if isinstance(res, tuple) else (False, None)
+            req.kv_transfer_params = params
+        self.finished_req_ids.add(rid)
+        if keep_blocks:
+            return  # freed when the connector reports the load finished
+        if delay:
+            self.delayed_free[rid] = req
+        else:
+            self.kv_cache_manager.free(req)
+            self.requests.pop(rid, None)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Block-pool events, then the connector's (scheduler side, then worker side), since the last call."""
+        events = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events.extend(self._call("take_events", (), ) or ())
+        if self._worker_events:
+            events.extend(self._worker_events)
+            self._worker_events = []
+        return events
