@@ -149,6 +149,9 @@ class Scheduler:
         # failed by policy); reported by the next update_from_output.
         self._finished_out_of_band: list[Request] = []
         self._aborted_while_loading: set[str] = set()
+        # Requests whose KV load failed once: they recompute instead of asking
+        # the connector again, so a persistently failing connector cannot livelock them.
+        self._recompute_only: set[str] = set()
         self.stats = SchedulerStats()
         if connector is not None:
             # Unconditionally, right after the KV cache manager exists (opt-in hook;
@@ -295,7 +298,7 @@ class Scheduler:
             fresh = req.num_computed_tokens == 0
             if fresh:
                 computed_blocks, num_local = kvm.get_computed_blocks(req)
-                if self.connector is not None:
+                if self.connector is not None and req.request_id not in self._recompute_only:
                     ext, load_async = self._call("get_num_new_matched_tokens", (0, False), req, num_local)
                     if ext is None:  # the connector has not decided yet: ask next step
                         skipped.append(self.waiting.popleft())
@@ -426,6 +429,7 @@ class Scheduler:
                 self._fail(req)
                 return True
             self.stats.num_failed_loads_recovered += 1
+            self._recompute_only.add(rid)
             # num_computed_tokens was already rolled back to the first invalid
             # block (or to the local hit when no block was named).
             if req.num_computed_tokens == 0:
@@ -480,6 +484,7 @@ class Scheduler:
             kvm.rollback(req, valid)
             if self.recompute_on_failure:
                 self.stats.num_failed_loads_recovered += 1
+                self._recompute_only.add(rid)
             else:
                 self._fail(req)
         return affected
@@ -502,18 +507,19 @@ class Scheduler:
         num_scheduled = scheduler_output.num_scheduled_tokens
         finished: list[Request] = []
 
-        # 1. Failed async receives without named blocks: recompute from the local hit.
-        if kv_out is not None:
-            for rid in kv_out.failed_recving:
-                req = self.requests.get(rid)
-                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    if rid not in self.failed_recving_kv_req_ids:
-                        req.num_computed_tokens -= req.num_external_computed_tokens
-                    self.failed_recving_kv_req_ids.add(rid)
-        # 2. Invalid blocks.
+        # 1. Invalid blocks: roll every holder back to its first invalid block.
         bad_reqs: set[str] = set()
         if kv_out is not None and kv_out.invalid_block_ids:
             bad_reqs = self._handle_invalid_blocks(set(kv_out.invalid_block_ids), num_scheduled)
+        # 2. Failed async receives that named no block: recompute everything loaded.
+        if kv_out is not None:
+            for rid in kv_out.failed_recving:
+                req = self.requests.get(rid)
+                if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    continue
+                if rid not in bad_reqs and rid not in self.failed_recving_kv_req_ids:
+                    req.num_computed_tokens -= req.num_external_computed_tokens
+                self.failed_recving_kv_req_ids.add(rid)
 
         # 3. Sampled tokens.
         for req in list(self.running):
@@ -587,6 +593,7 @@ class Scheduler:
             delay, params = res if isinstance(res, tuple) else (False, None)
             req.kv_transfer_params = params
         self.finished_req_ids.add(rid)
+        self._recompute_only.discard(rid)
         if keep_blocks:
             return  # freed when the connector reports the load finished
         if delay:
