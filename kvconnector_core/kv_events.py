@@ -1,8 +1,8 @@
 """KV cache events: what a medium (GPU, CPU, storage) stored and dropped.
 
-The structs match vLLM's ``vllm.distributed.kv_events`` field for field and in
-the same order, with the same msgspec options (array-like encoding, omitted
-defaults, class-name tags), so a consumer written for vLLM's event stream
+The structs match vLLM 0.33's ``vllm.distributed.kv_events`` field for field
+and in the same order, with the same msgspec options (batches encode as arrays,
+events as maps tagged ``"type": <class name>``, None-defaults omitted), so a consumer written for vLLM's event stream
 decodes ours unchanged and vice versa.
 
 Unlike vLLM's offloading events, ours are *self-describing*: every
@@ -61,7 +61,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of every KV cache event; encoded with its class name as the tag."""
 
 
@@ -96,7 +96,7 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -413,7 +413,7 @@ class BlockPool:
                     lora_id=None,
                     medium=self.medium,
                     lora_name=request.lora_name,
-                    extra_keys=extra_keys if any(k is not None for k in extra_keys) else None,
+                    extra_keys=extra_keys,  # one entry per block, as vLLM sends
                     group_idx=kv_cache_group_id,
                     kv_cache_spec_kind=kv_cache_spec_kind,
                     kv_cache_spec_sliding_window=sliding_window,

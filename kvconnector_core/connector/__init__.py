@@ -1,0 +1,77 @@
+"""The connector API: base class, records, config, registry.
+
+- :mod:`~kvconnector_core.connector.base`: :class:`KVConnectorBase_V1`
+  (alias ``KVConnectorBase``), :class:`KVConnectorRole`.
+- :mod:`~kvconnector_core.connector.metadata`: :class:`KVConnectorMetadata`
+  (scheduler -> worker), :class:`KVConnectorOutput` (worker -> scheduler).
+- :mod:`~kvconnector_core.connector.config`: :class:`KVConnectorConfig`.
+- :mod:`~kvconnector_core.connector.registry`: :class:`ConnectorRegistry`,
+  :func:`get_registry`, :func:`create_connector`.
+- :mod:`~kvconnector_core.connector.hookspecs`: :data:`hookimpl` for plugins.
+
+Importing this package loads no plugin and does not import torch.
+"""
+
+from __future__ import annotations
+
+from kvconnector_core.connector.base import (
+    ABSTRACT_HOOKS,
+    OPTIONAL_HOOKS,
+    KVConnectorBase,
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from kvconnector_core.connector.config import (
+    KV_ROLES,
+    LOAD_FAILURE_POLICIES,
+    KVConnectorConfig,
+    load_connector_config,
+)
+from kvconnector_core.connector.hookspecs import hookimpl
+from kvconnector_core.connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorTransferResults,
+    WireKVCacheEvent,
+    check_metadata_roundtrip,
+    decode_metadata,
+    encode_metadata,
+)
+from kvconnector_core.connector.registry import (
+    ConnectorEntry,
+    ConnectorRegistry,
+    PluginFailure,
+    PluginRecord,
+    create_connector,
+    get_connector_class,
+    get_registry,
+    reset_registry,
+)
+
+__all__ = [
+    "ABSTRACT_HOOKS",
+    "ConnectorEntry",
+    "ConnectorRegistry",
+    "KV_ROLES",
+    "LOAD_FAILURE_POLICIES",
+    "OPTIONAL_HOOKS",
+    "PluginFailure",
+    "PluginRecord",
+    "KVConnectorBase",
+    "KVConnectorBase_V1",
+    "KVConnectorConfig",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "KVConnectorTransferResults",
+    "WireKVCacheEvent",
+    "check_metadata_roundtrip",
+    "create_connector",
+    "decode_metadata",
+    "encode_metadata",
+    "get_connector_class",
+    "get_registry",
+    "hookimpl",
+    "load_connector_config",
+    "reset_registry",
+]

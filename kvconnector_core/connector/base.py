@@ -1,0 +1,474 @@
+"""The connector base class: :class:`KVConnectorBase_V1` (alias :data:`KVConnectorBase`).
+
+A connector moves KV cache between the engine's GPU block pool and somewhere
+else (CPU memory, disk, another engine). One connector class is instantiated
+twice, once per role, as ``cls(config, role, kv_cache_config)``:
+
+- the **scheduler** side (:attr:`KVConnectorRole.SCHEDULER`) decides what to
+  load and save: ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+  ``build_connector_meta``, ``update_connector_output``, ``request_finished``,
+  ``take_events``, ``bind_gpu_block_pool``;
+- the **worker** side (:attr:`KVConnectorRole.WORKER`) moves the bytes:
+  ``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``,
+  ``save_kv_layer``, ``wait_for_save``, ``get_finished``,
+  ``get_block_ids_with_load_errors``.
+
+The two sides share nothing but a :class:`KVConnectorMetadata` plan (scheduler
+-> worker, bound each step) and a :class:`KVConnectorOutput` (worker ->
+scheduler). Method names and meanings follow vLLM's V1 connector API so a
+connector ports between the two with little change.
+
+Seven hooks are abstract (a connector must decide what they do); every other
+hook has a documented no-op default. Capabilities are class attributes, so the
+registry, the engine and ``kvconnector list`` can read them without creating an
+instance.
+
+Primitives: :class:`KVConnectorRole`, :class:`KVConnectorBase_V1`,
+:data:`KVConnectorBase`, :data:`ABSTRACT_HOOKS`, :data:`OPTIONAL_HOOKS`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorTransferResults,
+)
+from kvconnector_core.errors import ConfigError, InvariantError
+
+if TYPE_CHECKING:  # the base must not import torch or the KV cache core at import time
+    import torch
+
+    from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+    from kvconnector_core.kv_events import KVCacheEvent
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import SchedulerOutput
+
+__all__ = [
+    "ABSTRACT_HOOKS",
+    "OPTIONAL_HOOKS",
+    "KVConnectorBase",
+    "KVConnectorBase_V1",
+    "KVConnectorRole",
+]
+
+ABSTRACT_HOOKS: tuple[str, ...] = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+)
+"""The hooks every connector must implement (the reference's seven abstract methods)."""
+
+OPTIONAL_HOOKS: tuple[str, ...] = (
+    "bind_gpu_block_pool",
+    "bind_kv_cache_manager",
+    "update_connector_output",
+    "request_finished",
+    "get_transfer_results",
+    "take_events",
+    "register_kv_caches",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "shutdown",
+)
+"""Hooks with a no-op default; a wrapper such as MultiConnector forwards all of them."""
+
+
+class KVConnectorRole(enum.IntEnum):
+    """Which side of the engine a connector instance serves."""
+
+    SCHEDULER = 0
+    """Runs in the scheduler: plans loads and saves, owns no KV tensors."""
+    WORKER = 1
+    """Runs next to the model: moves KV bytes in and out of the paged tensors."""
+
+
+class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portability
+    """Base class of every KV connector.
+
+    Subclass it, set :attr:`name`, implement the seven abstract hooks and
+    override the optional ones you need. The framework creates one instance per
+    role with ``cls(config, role, kv_cache_config)``; an instance only ever gets
+    the hooks of its role.
+
+    **Scheduler-side hooks, in the order a request meets them:**
+
+    1. ``bind_gpu_block_pool(pool)`` once, right after the KV cache manager exists.
+    2. ``get_num_new_matched_tokens(request, num_computed_tokens)`` when a
+       waiting request is considered for admission (possibly several times).
+    3. ``update_state_after_alloc(request, blocks, num_external_tokens)`` after
+       every successful admission allocation (0 external tokens included).
+    4. ``build_connector_meta(scheduler_output)`` at the end of every schedule
+       step, empty steps included.
+    5. ``update_connector_output(output)`` with the worker's report of the step.
+    6. ``request_finished(request, block_ids)`` exactly once per request,
+       before its blocks are freed.
+    7. ``take_events()`` whenever the engine publishes KV events.
+
+    **Worker-side hooks, per step, in this order** (the same order runs with no
+    forward on an empty step): ``bind_connector_metadata`` -> ``start_load_kv``
+    (before the forward when the step has synchronous loads, else right after
+    it is launched) -> per attention layer ``wait_for_layer_load`` /
+    ``save_kv_layer`` -> ``wait_for_save`` -> ``get_transfer_results`` (whose
+    default wraps ``get_finished``) ->
+    ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats`` ->
+    ``clear_connector_metadata``. ``register_kv_caches`` runs once, after the
+    KV tensors are allocated; ``shutdown`` once at the end (both roles).
+
+    **Capabilities** are the class attributes below; keep them truthful, the
+    engine and the test kit rely on them.
+
+    Attributes:
+        name: the name the registry knows the connector by (required, unique).
+        aliases: other names accepted by the registry and configs.
+        metadata_type: the :class:`KVConnectorMetadata` subclass returned by
+            ``build_connector_meta``; wrappers use it to decode the plan.
+        supports_async_load: ``get_num_new_matched_tokens`` may answer
+            ``load_async=True`` (the request then waits in
+            WAITING_FOR_REMOTE_KVS until ``finished_recving`` reports it).
+        has_sync_kv_loads: the connector may answer ``load_async=False`` with
+            tokens to load, so the worker must run ``start_load_kv`` before the
+            forward and finish those loads before the layers read them.
+        requires_block_pool: the connector does nothing useful without
+            ``bind_gpu_block_pool`` (e.g. it pins GPU blocks); engines without a
+            block pool must refuse it.
+    """
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    metadata_type: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
+    supports_async_load: ClassVar[bool] = False
+    has_sync_kv_loads: ClassVar[bool] = False
+    requires_block_pool: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        config: KVConnectorConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        """Create the connector for one role.
+
+        Args:
+            config: the connector config (``extra_config`` holds its settings).
+            role: :attr:`KVConnectorRole.SCHEDULER` or :attr:`KVConnectorRole.WORKER`.
+            kv_cache_config: the engine's KV cache layout (block counts and
+                groups); None only in unit tests that do not need it.
+
+        Raises:
+            ConfigError: ``config`` is not a :class:`KVConnectorConfig` or
+                ``role`` is not a :class:`KVConnectorRole`.
+        """
+        if not isinstance(config, KVConnectorConfig):
+            msg = (
+                f"{type(self).__name__} needs a KVConnectorConfig, got "
+                f"{type(config).__qualname__}: {config!r}"
+            )
+            raise ConfigError(msg)
+        try:
+            role = KVConnectorRole(role)
+        except ValueError:
+            msg = (
+                f"{type(self).__name__}: role must be KVConnectorRole.SCHEDULER (0) "
+                f"or KVConnectorRole.WORKER (1), got {role!r}"
+            )
+            raise ConfigError(msg) from None
+        self._config = config
+        self._role = role
+        self._kv_cache_config = kv_cache_config
+        self._connector_metadata: KVConnectorMetadata | None = None
+        self._kv_cache_manager: KVCacheManager | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} role={self._role.name}>"
+
+    # ------------------------------------------------------------------ common
+
+    @property
+    def role(self) -> KVConnectorRole:
+        """The role this instance was created for."""
+        return self._role
+
+    @property
+    def config(self) -> KVConnectorConfig:
+        """The config this instance was created with."""
+        return self._config
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig | None:
+        """The engine's KV cache layout, as given to the constructor."""
+        return self._kv_cache_config
+
+    def shutdown(self) -> None:
+        """Release resources (threads, buffers, pins). Both roles; default: nothing.
+
+        Called once when the engine stops; must be safe to call again.
+        """
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """Return this step's statistics, or None when there is nothing to report.
+
+        Called on the worker side once per step (and may be called on the
+        scheduler side). Standard keys the engine aggregates: ``bytes_loaded``,
+        ``bytes_stored``, ``load_seconds``, ``store_seconds``; any other keys
+        are reported as is. Default: None.
+        """
+        return None
+
+    # -------------------------------------------------------------- worker side
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind this step's plan before the forward (worker side).
+
+        Args:
+            connector_metadata: what the scheduler side's ``build_connector_meta``
+                returned for this step.
+        """
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind the plan after ``wait_for_save`` and the step's reports (worker side)."""
+        self._connector_metadata = None
+
+    def has_connector_metadata(self) -> bool:
+        """Return True while a plan is bound."""
+        return self._connector_metadata is not None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        """Return the bound plan.
+
+        Raises:
+            InvariantError: no plan is bound (the hook was called outside
+                ``bind_connector_metadata`` / ``clear_connector_metadata``).
+        """
+        if self._connector_metadata is None:
+            msg = (
+                f"{type(self).__name__}: no connector metadata is bound; worker hooks run "
+                "only between bind_connector_metadata() and clear_connector_metadata()"
+            )
+            raise InvariantError(msg)
+        return self._connector_metadata
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Receive the paged KV tensors once they are allocated (worker side).
+
+        Args:
+            kv_caches: layer name -> that layer's KV tensor, in layer order.
+                Default: ignored.
+        """
+
+    @abc.abstractmethod
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Start loading this step's planned KV into the GPU blocks (worker side).
+
+        Called every step. With synchronous loads (``has_sync_kv_loads``) it
+        runs before the forward and the loads must be complete before a layer
+        reads them (in ``wait_for_layer_load`` at the latest); otherwise it
+        runs right after the forward is launched.
+
+        Args:
+            forward_context: engine-specific context of the forward, or None.
+        """
+
+    @abc.abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until ``layer_name``'s KV for this step is loaded (worker side).
+
+        Called inside each attention layer before it reads the KV cache.
+        """
+
+    @abc.abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
+        """Start saving one layer's KV (worker side).
+
+        Called inside each attention layer after it wrote its KV.
+
+        Args:
+            layer_name: the layer.
+            kv_layer: that layer's paged KV tensor.
+            attn_metadata: engine-specific attention metadata, or None.
+        """
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None:
+        """End of the step's saves (worker side).
+
+        Called once per step, empty steps included, with the plan still bound.
+        A connector saving asynchronously may return at once, but must keep
+        reading from the source blocks only until it reports the request in
+        ``get_finished``'s sending set.
+        """
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report requests whose asynchronous transfers completed (worker side).
+
+        Args:
+            finished_req_ids: requests the scheduler finished in this step's
+                schedule; every id later reported as sending must have appeared
+                here in this or an earlier step.
+
+        Returns:
+            ``(finished_sending, finished_recving)``; either may be None (=
+            empty). Each request is reported at most once per direction.
+            Default: ``(None, None)``.
+        """
+        return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Report finished and failed transfers (worker side); the model runner calls this.
+
+        The default wraps :meth:`get_finished` and reports no failed receive.
+        Override it (instead of ``get_finished``) to report
+        ``failed_recving``: a request whose asynchronous load failed appears in
+        both ``finished_recving`` and ``failed_recving``, and its blocks in
+        ``get_block_ids_with_load_errors``. Call one of the two per step, not
+        both: each transfer is reported once.
+
+        Args:
+            finished_req_ids: as for :meth:`get_finished`.
+
+        Returns:
+            The step's transfer results.
+        """
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ())
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Return GPU block ids whose load failed since the last call (worker side).
+
+        Synchronous loads report in the step the error is detected;
+        asynchronous loads no later than the step their request appears in
+        ``finished_recving``. Default: empty set.
+        """
+        return set()
+
+    # ----------------------------------------------------------- scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
+        """Receive the GPU block pool (scheduler side, opt-in).
+
+        The scheduler calls this exactly once, unconditionally, right after
+        the KV cache manager exists. A connector that wants to pin GPU blocks
+        (``touch``), release them (``free_blocks``) or walk the prefix cache
+        (``get_cached_block``, ``iter_cached_blocks``) keeps the view.
+        Default: does nothing.
+
+        Args:
+            gpu_block_pool: narrow view of the engine's GPU block pool.
+        """
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Receive the KV cache manager (scheduler side, optional).
+
+        The kvconnector scheduler does **not** call this: it calls only
+        ``bind_gpu_block_pool``. It exists for engines that follow vLLM, which
+        call ``bind_kv_cache_manager`` instead; the default stores the manager
+        and forwards its block pool to ``bind_gpu_block_pool``, so call one or
+        the other, never both.
+
+        Args:
+            kv_cache_manager: the engine's KV cache manager.
+        """
+        self._kv_cache_manager = kv_cache_manager
+        self.bind_gpu_block_pool(kv_cache_manager.block_pool)
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Return how many tokens beyond the local hit this connector can load.
+
+        Called when a request with no computed tokens is considered for
+        admission; it may be called again for the same request (e.g. when
+        admission failed), so it must not change state a repeated call would
+        see differently.
+
+        Args:
+            request: the waiting request (``request.block_hashes`` are its
+                chained block hashes).
+            num_computed_tokens: tokens already found in the GPU prefix cache,
+                rounded down to a block.
+
+        Returns:
+            ``(num_tokens, load_async)``: tokens loadable beyond
+            ``num_computed_tokens`` (count only blocks available now; None =
+            undecided, ask again next step), and whether the load is
+            asynchronous (False when the count is 0).
+        """
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Learn the blocks allocated for an admitted request.
+
+        Called after every successful admission allocation, with 0 external
+        tokens too (a connector may still plan to save the request). May be
+        called a second time for a request with an asynchronous load. Decide
+        what to do from ``num_external_tokens``, not from ``blocks``.
+
+        Args:
+            request: the admitted request.
+            blocks: all of the request's blocks, per KV cache group.
+            num_external_tokens: tokens this connector will load (its answer
+                from ``get_num_new_matched_tokens``, or 0 when another
+                connector or nobody loads).
+        """
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Build this step's plan for the worker side and reset per-step state.
+
+        Called at the end of every ``schedule()``, empty steps included. Must
+        not mutate ``scheduler_output``.
+
+        Args:
+            scheduler_output: what the scheduler scheduled this step.
+
+        Returns:
+            An instance of :attr:`metadata_type` that survives msgpack.
+        """
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Learn what the worker side finished this step (scheduler side).
+
+        Args:
+            connector_output: the worker's report. Default: ignored.
+        """
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A request finished; called exactly once, before its blocks are freed.
+
+        Args:
+            request: the finished request.
+            block_ids: its GPU block ids (first KV cache group).
+
+        Returns:
+            ``(delay_free, kv_transfer_params)``: with ``delay_free=True`` the
+            scheduler keeps the blocks until the request appears in
+            ``finished_sending``; the params (or None) are returned to the
+            caller of the engine. Default: ``(False, None)``.
+        """
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Return the KV cache events produced since the last call (scheduler side).
+
+        Default: no events.
+        """
+        return ()
+
+
+KVConnectorBase = KVConnectorBase_V1
+"""Short name of :class:`KVConnectorBase_V1`."""

@@ -1,0 +1,550 @@
+"""The connector registry: names -> connector classes, filled by plugins.
+
+Plugins are found through entry points in group ``kvconnector`` and called
+through the pluggy hook ``kvconnector_register_connectors(registry)``; the
+built-in connectors come in the same way (entry point ``builtin`` of the
+``kvconnector`` distribution). Nothing is loaded at import time: the default
+registry (:func:`get_registry`) loads its plugins the first time it is needed,
+exactly once.
+
+Loading is loud but tolerant: each entry point is loaded on its own, so one
+that fails to import, registers a class that is not a connector, or claims a
+name another class already holds is recorded in :attr:`ConnectorRegistry.errors`
+(naming the entry point and its distribution) while the other plugins still
+load. A name claimed by two different classes is unusable until one of them is
+removed: :meth:`ConnectorRegistry.get` raises :class:`DuplicateConnectorError`
+naming both, rather than silently picking one.
+
+Environment controls (comma-separated entry-point or distribution names):
+
+- ``KVCONNECTOR_PLUGINS_ALLOW``: only these third-party plugins load. The
+  built-in plugin (entry point ``builtin``, distribution ``kvconnector``) is not
+  subject to the allow-list.
+- ``KVCONNECTOR_PLUGINS_DENY``: these plugins do not load; ``builtin`` may be
+  denied too (then only third-party connectors exist).
+
+Primitives: :class:`ConnectorRegistry`, :class:`ConnectorEntry`,
+:class:`PluginFailure`, :class:`PluginRecord`, :func:`get_registry`,
+:func:`reset_registry`, :func:`get_connector_class`, :func:`create_connector`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from kvconnector_core.connector import hookspecs
+from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
+from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.errors import (
+    DuplicateConnectorError,
+    InvalidConnectorError,
+    PluginLoadError,
+    RegistryError,
+    UnknownConnectorError,
+)
+
+if TYPE_CHECKING:
+    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+
+__all__ = [
+    "BUILTIN_PLUGIN_MODULE",
+    "BUILTIN_PLUGIN_NAME",
+    "ENTRY_POINT_GROUP",
+    "ENV_PLUGINS_ALLOW",
+    "ENV_PLUGINS_DENY",
+    "ConnectorEntry",
+    "ConnectorRegistry",
+    "PluginFailure",
+    "PluginRecord",
+    "create_connector",
+    "get_connector_class",
+    "get_registry",
+    "reset_registry",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
+"""Entry-point group plugins declare (``[project.entry-points.kvconnector]``)."""
+ENV_PLUGINS_ALLOW = "KVCONNECTOR_PLUGINS_ALLOW"
+"""Environment variable: comma-separated plugins allowed to load (third-party only)."""
+ENV_PLUGINS_DENY = "KVCONNECTOR_PLUGINS_DENY"
+"""Environment variable: comma-separated plugins that must not load."""
+BUILTIN_PLUGIN_NAME = "builtin"
+"""Entry-point name of the built-in connectors' plugin."""
+BUILTIN_PLUGIN_MODULE = "connectors._plugin"
+"""Module of the built-in connectors' plugin."""
+_BUILTIN_DISTRIBUTION = "kvconnector"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorEntry:
+    """One registered connector class.
+
+    Attributes:
+        name: the connector's registered name.
+        cls: the connector class.
+        aliases: other names that resolve to it.
+        distribution: installed distribution that provided it (None when added directly).
+        version: that distribution's version, if known.
+        source: entry-point name of the plugin that added it, or ``"direct"``.
+    """
+
+    name: str
+    cls: type[KVConnectorBase_V1]
+    aliases: tuple[str, ...] = ()
+    distribution: str | None = None
+    version: str | None = None
+    source: str = "direct"
+
+    @property
+    def class_path(self) -> str:
+        """``module.QualName`` of the class."""
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+
+@dataclass(frozen=True, slots=True)
+class PluginRecord:
+    """Where a plugin came from (an entry point, or a direct registration).
+
+    Attributes:
+        entry_point: entry-point name (``"direct"`` for classes added by code).
+        distribution: distribution declaring the entry point, if known.
+        version: that distribution's version, if known.
+        value: the entry point's target (``module:attr``), if any.
+    """
+
+    entry_point: str
+    distribution: str | None = None
+    version: str | None = None
+    value: str | None = None
+
+    def describe(self) -> str:
+        """Human description, e.g. ``entry point 'ttl' (distribution kvconnector-ttl 0.1.0)``."""
+        if self.entry_point == "direct":
+            return "direct registration"
+        dist = self.distribution or "unknown distribution"
+        if self.version:
+            dist = f"{dist} {self.version}"
+        return f"entry point {self.entry_point!r} (distribution {dist})"
+
+
+_DIRECT = PluginRecord("direct")
+
+
+@dataclass(frozen=True, slots=True)
+class PluginFailure:
+    """A plugin problem found while loading; the other plugins still loaded.
+
+    Attributes:
+        plugin: the plugin at fault.
+        error: the error (a :class:`RegistryError` subclass; the original
+            exception, if any, is its ``__cause__``).
+    """
+
+    plugin: PluginRecord
+    error: RegistryError
+
+    @property
+    def message(self) -> str:
+        """The error message."""
+        return str(self.error)
+
+
+def _normalize(name: str) -> str:
+    """Normalise a distribution or entry-point name (PEP 503) for allow/deny matching."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _env_names(var: str) -> frozenset[str] | None:
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return None
+    return frozenset(_normalize(part) for part in raw.split(",") if part.strip())
+
+
+def _plugin_record(ep: importlib.metadata.EntryPoint) -> PluginRecord:
+    dist = getattr(ep, "dist", None)
+    dist_name = version = None
+    if dist is not None:
+        try:
+            dist_name = dist.name
+            version = dist.version
+        except Exception:  # a broken METADATA file must not stop the listing
+            dist_name = None
+    return PluginRecord(ep.name, dist_name, version, ep.value)
+
+
+class ConnectorRegistry:
+    """Connector classes by name, with the plugin each came from.
+
+    Build one directly in tests (``ConnectorRegistry()`` then :meth:`add` or
+    :meth:`load_plugins`); the engine uses the lazily-built default from
+    :func:`get_registry`.
+    """
+
+    def __init__(self) -> None:
+        """Create an empty registry (no plugin is loaded until :meth:`load_plugins`)."""
+        self._entries: dict[str, ConnectorEntry] = {}  # canonical name -> entry
+        self._lookup: dict[str, str] = {}  # name or alias -> canonical name
+        self._conflicts: dict[str, DuplicateConnectorError] = {}
+        self._current: PluginRecord | None = None  # plugin whose hook is running
+        self.errors: list[PluginFailure] = []
+        """Plugin problems recorded while loading (see :class:`PluginFailure`)."""
+        self.skipped: list[tuple[PluginRecord, str]] = []
+        """Plugins not loaded on purpose: ``(plugin, reason)`` (allow/deny lists)."""
+        self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        """The pluggy manager holding every loaded plugin."""
+        self.plugin_manager.add_hookspecs(hookspecs)
+
+    # ------------------------------------------------------------- registering
+
+    def add(self, cls: type[KVConnectorBase_V1], *, aliases: Iterable[str] = ()) -> None:
+        """Register a connector class under ``cls.name`` (and its aliases).
+
+        Registering the same class again is a no-op (new aliases are added).
+
+        Args:
+            cls: a concrete :class:`KVConnectorBase_V1` subclass with a
+                non-empty ``name``.
+            aliases: extra names, added to the class attribute ``aliases``.
+
+        Raises:
+            InvalidConnectorError: ``cls`` is not a concrete connector class
+                or has no name.
+            DuplicateConnectorError: another class already holds the name or
+                an alias; the message names both classes and their plugins.
+            When called from a plugin's hook during :meth:`load_plugins`, the
+            error is recorded in :attr:`errors` instead and the plugin's other
+            classes still register.
+        """
+        plugin = self._current or _DIRECT
+        try:
+            self._add(cls, tuple(aliases), plugin)
+        except RegistryError as exc:
+            if self._current is None:
+                raise
+            self._record(plugin, exc)
+
+    def _add(self, cls: Any, extra_aliases: tuple[str, ...], plugin: PluginRecord) -> None:
+        name = self._validate(cls, plugin)
+        names = [name, *dict.fromkeys(a for a in (*getattr(cls, "aliases", ()), *extra_aliases) if a != name)]
+        for alias in names:
+            if not isinstance(alias, str) or not alias:
+                msg = f"{cls.__module__}.{cls.__qualname__} has an invalid alias {alias!r} (from {plugin.describe()}): aliases must be non-empty strings"
+                raise InvalidConnectorError(msg)
+        for alias in names:
+            holder = self._lookup.get(alias)
+            if holder is not None and self._entries[holder].cls is not cls:
+                self._conflict(alias, self._entries[holder], cls, plugin)
+        # Register only the names that did not clash (a clash raised above).
+        existing = self._entries.get(name)
+        if existing is not None and existing.cls is cls:
+            merged = tuple(dict.fromkeys((*existing.aliases, *names[1:])))
+            self._entries[name] = ConnectorEntry(name, cls, merged, existing.distribution, existing.version, existing.source)
+        else:
+            self._entries[name] = ConnectorEntry(
+                name, cls, tuple(names[1:]), plugin.distribution, plugin.version, plugin.entry_point
+            )
+        for alias in names:
+            self._lookup[alias] = name
+
+    def _validate(self, cls: Any, plugin: PluginRecord) -> str:
+        where = plugin.describe()
+        if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
+            msg = (
+                f"{where} registered {cls!r}, which is not a connector class: register a "
+                f"subclass of kvconnector_core.connector.KVConnectorBase_V1"
+            )
+            raise InvalidConnectorError(msg)
+        qual = f"{cls.__module__}.{cls.__qualname__}"
+        if inspect.isabstract(cls):
+            missing = sorted(getattr(cls, "__abstractmethods__", ()))
+            msg = f"{where} registered {qual}, which does not implement the abstract hooks {missing}"
+            raise InvalidConnectorError(msg)
+        name = getattr(cls, "name", "")
+        if not isinstance(name, str) or not name:
+            msg = f"{where} registered {qual} without a name: set the class attribute `name = \"...\"`"
+            raise InvalidConnectorError(msg)
+        return name
+
+    def _conflict(self, name: str, holder: ConnectorEntry, cls: type, plugin: PluginRecord) -> None:
+        holder_plugin = PluginRecord(holder.source, holder.distribution, holder.version)
+        msg = (
+            f"connector name {name!r} is claimed by two classes: "
+            f"{holder.class_path} from {holder_plugin.describe()} and "
+            f"{cls.__module__}.{cls.__qualname__} from {plugin.describe()}; "
+            f"uninstall one or deny it with {ENV_PLUGINS_DENY}"
+        )
+        exc = DuplicateConnectorError(msg)
+        self._conflicts[name] = exc
+        raise exc
+
+    def _record(self, plugin: PluginRecord, exc: RegistryError) -> None:
+        logger.warning("kvconnector plugin problem: %s", exc)
+        self.errors.append(PluginFailure(plugin, exc))
+
+    # ---------------------------------------------------------------- loading
+
+    def load_plugins(
+        self,
+        entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
+        *,
+        allow: Iterable[str] | None = None,
+        deny: Iterable[str] | None = None,
+        builtin_fallback: bool = True,
+    ) -> None:
+        """Load plugins from entry points and let each register its connectors.
+
+        Each entry point is loaded and called on its own; a failure is
+        recorded in :attr:`errors` and loading goes on. The built-in plugin is
+        loaded first. If no entry point targets it (e.g. running from a source
+        tree that was never installed), it is loaded directly so that the
+        built-in connectors always exist unless denied.
+
+        Args:
+            entry_points: the entry points to load; default: those installed
+                in group ``kvconnector``.
+            allow: third-party plugins allowed to load (entry-point or
+                distribution names); default: ``$KVCONNECTOR_PLUGINS_ALLOW``,
+                or all when unset.
+            deny: plugins that must not load (``builtin`` included); default:
+                ``$KVCONNECTOR_PLUGINS_DENY``.
+            builtin_fallback: load ``connectors._plugin`` directly when no
+                entry point targets it.
+        """
+        if entry_points is None:
+            entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        allowed = frozenset(map(_normalize, allow)) if allow is not None else _env_names(ENV_PLUGINS_ALLOW)
+        denied = frozenset(map(_normalize, deny)) if deny is not None else (_env_names(ENV_PLUGINS_DENY) or frozenset())
+        seen: set[tuple[str, str]] = set()
+        eps: list[importlib.metadata.EntryPoint] = []
+        for ep in entry_points:
+            # An editable install can expose the same entry point twice.
+            if (ep.name, ep.value) not in seen:
+                seen.add((ep.name, ep.value))
+                eps.append(ep)
+        builtin_seen = any(ep.value.split(":")[0] == BUILTIN_PLUGIN_MODULE for ep in eps)
+        eps.sort(key=lambda ep: (ep.value.split(":")[0] != BUILTIN_PLUGIN_MODULE, ep.name))
+        if not builtin_seen and builtin_fallback:
+            record = PluginRecord(BUILTIN_PLUGIN_NAME, _BUILTIN_DISTRIBUTION, None, BUILTIN_PLUGIN_MODULE)
+            if not self._excluded(record, True, allowed, denied):
+                self._load_one(record, lambda: importlib.import_module(BUILTIN_PLUGIN_MODULE))
+        for ep in eps:
+            record = _plugin_record(ep)
+            is_builtin = ep.value.split(":")[0] == BUILTIN_PLUGIN_MODULE
+            if not self._excluded(record, is_builtin, allowed, denied):
+                self._load_one(record, ep.load)
+
+    def _excluded(self, record: PluginRecord, is_builtin: bool, allowed: frozenset[str] | None, denied: frozenset[str]) -> bool:
+        keys = {_normalize(record.entry_point)}
+        if record.distribution:
+            keys.add(_normalize(record.distribution))
+        if keys & denied:
+            self.skipped.append((record, f"denied by {ENV_PLUGINS_DENY}"))
+            return True
+        if allowed is not None and not is_builtin and not keys & allowed:
+            self.skipped.append((record, f"not in {ENV_PLUGINS_ALLOW}"))
+            return True
+        return False
+
+    def _load_one(self, record: PluginRecord, load: Any) -> None:
+        """Import one plugin, register it with pluggy, and call its hook."""
+        where = record.describe()
+        try:
+            obj = load()
+        except Exception as exc:  # any import-time failure of third-party code
+            err = PluginLoadError(f"{where} failed to load {record.value!r}: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            self._record(record, err)
+            return
+        if isinstance(obj, type) and issubclass(obj, KVConnectorBase_V1):
+            # Convenience: an entry point may name a connector class directly.
+            self._call_hook(record, lambda: self.add(obj))
+            return
+        pm = self.plugin_manager
+        try:
+            if not pm.is_registered(obj):  # two entry points may name one module
+                plugin_name = record.entry_point
+                if pm.get_plugin(plugin_name) is not None:
+                    plugin_name = f"{record.entry_point}@{record.distribution}:{record.value}"
+                pm.register(obj, name=plugin_name)
+            pm.check_pending()
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            if pm.is_registered(obj):
+                pm.unregister(obj)
+            err = PluginLoadError(f"{where} has invalid kvconnector hooks: {exc}")
+            err.__cause__ = exc
+            self._record(record, err)
+            return
+        impls = [i for i in pm.hook.kvconnector_register_connectors.get_hookimpls() if i.plugin is obj]
+        if not impls:
+            msg = f"{where} defines no @hookimpl kvconnector_register_connectors(registry)"
+            self._record(record, PluginLoadError(msg))
+            return
+        for impl in impls:
+            self._call_hook(record, lambda impl=impl: impl.function(**({"registry": self} if impl.argnames else {})))
+
+    def _call_hook(self, record: PluginRecord, call: Any) -> None:
+        self._current = record
+        try:
+            call()
+        except RegistryError as exc:
+            self._record(record, exc)
+        except Exception as exc:  # a plugin's hook must not take the others down
+            err = PluginLoadError(
+                f"{record.describe()} raised in kvconnector_register_connectors: {type(exc).__name__}: {exc}"
+            )
+            err.__cause__ = exc
+            self._record(record, err)
+        finally:
+            self._current = None
+
+    # ---------------------------------------------------------------- queries
+
+    def get(self, name: str) -> type[KVConnectorBase_V1]:
+        """Return the connector class registered under ``name`` (or an alias).
+
+        Raises:
+            DuplicateConnectorError: two classes claim ``name``.
+            UnknownConnectorError: nothing is registered under ``name``; the
+                message lists the available names and any plugin that failed.
+        """
+        if name in self._conflicts:
+            raise self._conflicts[name]
+        canonical = self._lookup.get(name)
+        if canonical is None:
+            available = ", ".join(self.names()) or "none"
+            msg = f"unknown connector {name!r}; available connectors: {available}"
+            if self.errors:
+                failed = "; ".join(f.plugin.describe() for f in self.errors)
+                msg += f" (plugins with errors, see `kvconnector list`: {failed})"
+            raise UnknownConnectorError(msg)
+        return self._entries[canonical].cls
+
+    def get_entry(self, name: str) -> ConnectorEntry:
+        """Return the :class:`ConnectorEntry` for ``name`` or an alias (same errors as :meth:`get`)."""
+        self.get(name)
+        return self._entries[self._lookup[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._lookup and name not in self._conflicts
+
+    def names(self) -> list[str]:
+        """Return the registered canonical names, sorted."""
+        return sorted(self._entries)
+
+    def entries(self) -> list[ConnectorEntry]:
+        """Return every registered connector, sorted by name."""
+        return [self._entries[n] for n in self.names()]
+
+    def __iter__(self) -> Iterator[ConnectorEntry]:
+        return iter(self.entries())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_default: ConnectorRegistry | None = None
+_default_lock = threading.Lock()
+
+
+def get_registry() -> ConnectorRegistry:
+    """Return the default registry, loading the installed plugins on first use.
+
+    Plugins are loaded exactly once per process (see :func:`reset_registry`).
+    """
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                registry = ConnectorRegistry()
+                registry.load_plugins()
+                _default = registry
+    return _default
+
+
+def reset_registry() -> None:
+    """Forget the default registry so the next :func:`get_registry` reloads plugins (tests)."""
+    global _default
+    with _default_lock:
+        _default = None
+
+
+def get_connector_class(
+    config: KVConnectorConfig, *, registry: ConnectorRegistry | None = None
+) -> type[KVConnectorBase_V1]:
+    """Resolve the connector class a config names.
+
+    A ``module_path`` wins over the registry (like vLLM): the module is
+    imported and ``config.name`` is taken from it.
+
+    Args:
+        config: the connector config.
+        registry: where to look names up; default: :func:`get_registry`.
+
+    Raises:
+        PluginLoadError: ``module_path`` cannot be imported.
+        UnknownConnectorError: the name is not registered / not in the module.
+        DuplicateConnectorError: two classes claim the name.
+        InvalidConnectorError: ``module_path``'s attribute is not a connector class.
+    """
+    if config.module_path:
+        try:
+            module = importlib.import_module(config.module_path)
+        except Exception as exc:
+            msg = f"cannot import connector module_path {config.module_path!r}: {type(exc).__name__}: {exc}"
+            raise PluginLoadError(msg) from exc
+        cls = getattr(module, config.name, None)
+        if cls is None:
+            found = sorted(
+                k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, KVConnectorBase_V1)
+            )
+            msg = f"module {config.module_path!r} has no attribute {config.name!r}; connector classes in it: {found or 'none'}"
+            raise UnknownConnectorError(msg)
+        if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)) or inspect.isabstract(cls):
+            msg = (
+                f"{config.module_path}.{config.name} is {cls!r}, not a concrete connector class "
+                f"(a subclass of KVConnectorBase_V1 implementing every abstract hook)"
+            )
+            raise InvalidConnectorError(msg)
+        return cls
+    return (registry if registry is not None else get_registry()).get(config.name)
+
+
+def create_connector(
+    config: KVConnectorConfig | dict[str, Any],
+    role: KVConnectorRole,
+    kv_cache_config: KVCacheConfig | None = None,
+    *,
+    registry: ConnectorRegistry | None = None,
+) -> KVConnectorBase_V1:
+    """Create the connector a config names, for one role.
+
+    Args:
+        config: a :class:`KVConnectorConfig` or a dict with its fields.
+        role: :attr:`KVConnectorRole.SCHEDULER` or :attr:`KVConnectorRole.WORKER`.
+        kv_cache_config: the engine's KV cache layout.
+        registry: where to look the name up; default: :func:`get_registry`.
+
+    Returns:
+        ``cls(config, role, kv_cache_config)``.
+
+    Raises:
+        ConfigError: the config dict is invalid.
+        RegistryError: see :func:`get_connector_class`.
+    """
+    config = KVConnectorConfig.from_dict(config)
+    cls = get_connector_class(config, registry=registry)
+    return cls(config, KVConnectorRole(role), kv_cache_config)

@@ -1,0 +1,454 @@
+"""The engine: scheduler + model runner + connector (both roles), stepping a workload.
+
+One :meth:`Engine.step` is ``schedule() -> execute_model() -> update_from_output()``;
+:meth:`Engine.run` feeds a :class:`~kvconnector_core.engine.workloads.Trace` into it,
+adding each request when the engine's step counter reaches the request's ``arrival``
+(unit: engine steps; idle gaps with nothing to do are skipped, not stepped through), and
+returns a :class:`RunResult` with every request's output tokens and the run's metrics.
+
+Primitives: :class:`EngineConfig`, :class:`Engine`, :class:`RequestOutput`,
+:class:`RunMetrics`, :class:`RunResult`, :data:`STANDARD_STATS_KEYS`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.engine.workloads import Trace, TraceRequest
+from kvconnector_core.errors import ConfigError, InvariantError
+from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
+from kvconnector_core.request import Request
+from kvconnector_core.worker.model import ModelConfig
+
+__all__ = [
+    "DEVICES",
+    "STANDARD_STATS_KEYS",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "RunMetrics",
+    "RunResult",
+]
+
+DEVICES = ("cpu", "cuda")
+"""Valid values of :attr:`EngineConfig.device`."""
+
+STANDARD_STATS_KEYS = ("bytes_loaded", "bytes_stored", "load_seconds", "store_seconds")
+"""Connector stats keys the engine turns into bytes moved and GB/s per direction."""
+
+# Exactness of the integer model needs fewer than 2**21 keys per attention (see model.py).
+_MAX_MODEL_LEN_LIMIT = 2**20
+# Steps in a row with requests pending but nothing scheduled before the engine gives up.
+_MAX_IDLE_STEPS = 10_000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`Engine` needs.
+
+    Attributes:
+        model: the model (layers, sizes, seed).
+        num_gpu_blocks: blocks in the GPU pool (block 0 is the null block).
+        block_size: tokens per block (also the hash and scheduler block size).
+        max_num_batched_tokens: token budget of one step (prefills are chunked to fit).
+        max_num_seqs: most requests running at once.
+        max_model_len: longest sequence (prompt + output) a request may reach.
+        enable_prefix_caching: reuse cached prefix blocks in the GPU pool.
+        enable_kv_cache_events: record KV events (counted in the metrics).
+        device: ``"cpu"`` or ``"cuda"``.
+        connector: the connector to create (both roles), or None.
+        load_failure_policy: ``"recompute"`` or ``"fail"``; None takes the connector
+            config's policy (``"recompute"`` without a connector).
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    num_gpu_blocks: int = 256
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    enable_kv_cache_events: bool = True
+    device: str = "cpu"
+    connector: KVConnectorConfig | None = None
+    load_failure_policy: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            msg = f"EngineConfig.device={self.device!r}; valid devices: {', '.join(DEVICES)}"
+            raise ConfigError(msg)
+        for name in ("num_gpu_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                msg = f"EngineConfig.{name} must be >= 1, got {getattr(self, name)!r}"
+                raise ConfigError(msg)
+        if not 2 <= self.max_model_len <= _MAX_MODEL_LEN_LIMIT:
+            msg = (f"EngineConfig.max_model_len={self.max_model_len}; must be in "
+                   f"[2, {_MAX_MODEL_LEN_LIMIT}] (the integer model is exact up to that length)")
+            raise ConfigError(msg)
+        if isinstance(self.connector, dict):
+            object.__setattr__(self, "connector", KVConnectorConfig.from_dict(self.connector))
+
+    @property
+    def effective_load_failure_policy(self) -> str:
+        """The policy the scheduler gets."""
+        if self.load_failure_policy is not None:
+            return self.load_failure_policy
+        return self.connector.load_failure_policy if self.connector is not None else "recompute"
+
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The KV cache layout: the model's specs grouped, ``num_gpu_blocks`` blocks.
+
+        Raises:
+            ConfigError: the pool cannot hold one request of ``max_model_len`` tokens.
+        """
+        specs = self.model.kv_cache_specs(self.block_size)
+        bytes_per_block = sum(s.page_size_bytes for s in specs.values())
+        try:
+            return get_kv_cache_config(specs, self.num_gpu_blocks * bytes_per_block,
+                                       self.max_model_len, self.max_num_batched_tokens)
+        except ConfigError as exc:
+            msg = (f"num_gpu_blocks={self.num_gpu_blocks} is too small for max_model_len="
+                   f"{self.max_model_len} with block_size={self.block_size}: {exc}")
+            raise ConfigError(msg) from None
+
+
+class RequestOutput(msgspec.Struct):
+    """A finished request.
+
+    Attributes:
+        request_id: the request.
+        output_token_ids: the generated tokens.
+        status: final status name (``FINISHED_LENGTH_CAPPED``, ``FINISHED_ERROR``, ...).
+        num_prompt_tokens: prompt length.
+        kv_transfer_params: what the connector's ``request_finished`` returned, if anything.
+    """
+
+    request_id: str
+    output_token_ids: list[int]
+    status: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class RunMetrics(msgspec.Struct):
+    """What a run did. Token counts are prompt tokens unless named otherwise.
+
+    Attributes:
+        num_requests: requests in the trace.
+        num_finished: requests finished normally (length-capped or stopped).
+        num_failed: requests finished with an error (or aborted).
+        num_prompt_tokens: prompt tokens in the trace.
+        num_output_tokens: tokens generated.
+        prefill_tokens_computed: prompt tokens the model computed (recomputation included).
+        gpu_prefix_hit_tokens: prompt tokens served from the GPU prefix cache.
+        connector_hit_tokens: prompt tokens loaded by the connector.
+        gpu_hit_rate: ``gpu_prefix_hit_tokens / num_prompt_tokens``.
+        connector_hit_rate: ``connector_hit_tokens / num_prompt_tokens``.
+        total_hit_rate: the sum of both rates.
+        num_preemptions: requests preempted (recomputed later).
+        num_failed_loads_recovered: requests rolled back after a failed load.
+        bytes_loaded: bytes the connector loaded into the GPU pool.
+        bytes_stored: bytes the connector stored out of it.
+        load_seconds: time the connector reports for loads.
+        store_seconds: time the connector reports for stores.
+        load_gbps: ``bytes_loaded / load_seconds / 1e9`` (0 without time).
+        store_gbps: ``bytes_stored / store_seconds / 1e9``.
+        connector_stats: every other connector stats key, summed over steps.
+        connector_errors: per hook name, how many times the connector raised (contained).
+        events: KV events emitted, by ``<Type>`` and ``<Type>[<medium>]``.
+        steps: engine steps executed.
+        wall_seconds: wall time of the run.
+    """
+
+    num_requests: int = 0
+    num_finished: int = 0
+    num_failed: int = 0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    gpu_prefix_hit_tokens: int = 0
+    connector_hit_tokens: int = 0
+    gpu_hit_rate: float = 0.0
+    connector_hit_rate: float = 0.0
+    total_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_failed_loads_recovered: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    load_gbps: float = 0.0
+    store_gbps: float = 0.0
+    connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
+    connector_errors: dict[str, int] = msgspec.field(default_factory=dict)
+    events: dict[str, int] = msgspec.field(default_factory=dict)
+    steps: int = 0
+    wall_seconds: float = 0.0
+
+
+class RunResult(msgspec.Struct):
+    """Outputs and metrics of one :meth:`Engine.run`.
+
+    Attributes:
+        workload: the trace's name.
+        connector: the connector's name, or None.
+        device: where the model ran.
+        outputs: request id -> generated tokens, in trace order.
+        statuses: request id -> final status name.
+        metrics: the run's metrics.
+    """
+
+    workload: str
+    connector: str | None
+    device: str
+    outputs: dict[str, list[int]]
+    statuses: dict[str, str]
+    metrics: RunMetrics
+
+
+def _gbps(num_bytes: float, seconds: float) -> float:
+    return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+class Engine:
+    """A small but real LLM engine to run connectors end to end.
+
+    Args:
+        config: the engine configuration.
+
+    Raises:
+        ConfigError: invalid config, or ``device="cuda"`` without a CUDA device.
+        RegistryError: the connector name is unknown (the message lists known names).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        import torch  # heavy; only when an engine is built
+
+        from kvconnector_core.connector.base import KVConnectorRole
+        from kvconnector_core.scheduler.scheduler import Scheduler
+        from kvconnector_core.worker.model_runner import ModelRunner
+
+        if config.device == "cuda" and not torch.cuda.is_available():
+            msg = "device 'cuda' was requested but torch.cuda.is_available() is False; use device 'cpu'"
+            raise ConfigError(msg)
+        self.config = config
+        self.kv_cache_config = config.kv_cache_config()
+        self.scheduler_connector = self.worker_connector = None
+        if config.connector is not None:
+            from kvconnector_core.connector.registry import create_connector
+
+            self.scheduler_connector = create_connector(
+                config.connector, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+            self.worker_connector = create_connector(
+                config.connector, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.model_runner = ModelRunner(config.model, self.kv_cache_config, config.device,
+                                        self.worker_connector)
+        self.scheduler = Scheduler(
+            self.kv_cache_config,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            scheduler_block_size=config.block_size,
+            hash_block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            connector=self.scheduler_connector,
+            load_failure_policy=config.effective_load_failure_policy,
+        )
+        self.num_steps = 0
+        self.event_counts: dict[str, int] = {}
+        self.connector_stats: dict[str, float] = {}
+        self._next_id = 0
+        self._last_num_scheduled = 0
+        self._shut_down = False
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, prompt_token_ids: list[int], max_new_tokens: int, *,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request.
+
+        Args:
+            prompt_token_ids: the prompt (ids below the model's vocab size).
+            max_new_tokens: tokens to generate.
+            request_id: unique id; default ``req-<n>``.
+            cache_salt: isolates the request's prefix-cache entries.
+
+        Returns:
+            The request id.
+
+        Raises:
+            ConfigError: a token id outside the vocabulary, an empty prompt, a duplicate
+                id, or a prompt that cannot fit ``max_model_len``.
+        """
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+        self._next_id += 1
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            msg = f"request {request_id!r}: token id {bad} is outside the model vocabulary [0, {vocab})"
+            raise ConfigError(msg)
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            msg = (f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens does not fit "
+                   f"max_model_len={self.config.max_model_len}")
+            raise ConfigError(msg)
+        request = Request(request_id, prompt_token_ids, max_new_tokens, cache_salt=cache_salt,
+                          hash_block_size=self.config.block_size, arrival_time=float(self.num_steps))
+        self.scheduler.add_request(request)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is still waiting, running or holding blocks for the connector."""
+        return self.scheduler.has_unfinished_requests()
+
+    # -------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step.
+
+        Returns:
+            The requests that finished in this step.
+        """
+        scheduler_output = self.scheduler.schedule()
+        self._last_num_scheduled = scheduler_output.total_num_scheduled_tokens
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        kv_out = runner_output.kv_connector_output
+        if kv_out is not None and kv_out.kv_connector_stats:
+            for key, value in kv_out.kv_connector_stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.connector_stats[key] = self.connector_stats.get(key, 0) + value
+        for event in self.scheduler.take_events():
+            kind = type(event).__name__
+            self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
+            medium = getattr(event, "medium", None)
+            if medium is not None:
+                key = f"{kind}[{medium}]"
+                self.event_counts[key] = self.event_counts.get(key, 0) + 1
+        return [
+            RequestOutput(r.request_id, list(r.output_token_ids), r.status.name,
+                          r.num_prompt_tokens, r.kv_transfer_params)
+            for r in finished
+        ]
+
+    def run(self, trace: Trace | list[TraceRequest],
+            progress: Callable[[int], Any] | None = None) -> RunResult:
+        """Run a whole trace to completion.
+
+        Args:
+            trace: the requests (a :class:`Trace` or a list); ``arrival`` is in engine steps.
+            progress: called after each step with the number of requests that finished
+                in it (e.g. ``tqdm.update``).
+
+        Returns:
+            Outputs and metrics.
+
+        Raises:
+            InvariantError: the engine made no progress for many steps (a deadlock).
+        """
+        name = trace.name if isinstance(trace, Trace) else "trace"
+        requests = sorted(trace.requests if isinstance(trace, Trace) else trace,
+                          key=lambda r: r.arrival)
+        start = time.perf_counter()
+        start_steps = self.num_steps
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        next_req, idle = 0, 0
+        while next_req < len(requests) or self.has_unfinished_requests():
+            if not self.has_unfinished_requests() and next_req < len(requests):
+                # Nothing to do until the next arrival: skip the idle gap.
+                self.num_steps = max(self.num_steps, math.ceil(requests[next_req].arrival))
+            while next_req < len(requests) and requests[next_req].arrival <= self.num_steps:
+                r = requests[next_req]
+                ids.append(self.add_request(r.prompt_token_ids, r.max_new_tokens,
+                                            request_id=r.request_id, cache_salt=r.cache_salt))
+                next_req += 1
+            finished = self.step()
+            for out in finished:
+                results[out.request_id] = out
+            # Steps that compute nothing are normal while loads/saves are in flight; many
+            # of them in a row mean a deadlock.
+            idle = 0 if finished or self._last_num_scheduled else idle + 1
+            if idle > _MAX_IDLE_STEPS:
+                msg = (f"no progress in {_MAX_IDLE_STEPS} steps with "
+                       f"{self.scheduler.get_num_unfinished_requests()} unfinished requests")
+                raise InvariantError(msg)
+            if progress is not None:
+                progress(len(finished))
+        wall = time.perf_counter() - start
+        return self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
+
+    def _result(self, name: str, requests: list[TraceRequest], ids: list[str],
+                results: dict[str, RequestOutput], steps: int, wall: float) -> RunResult:
+        stats = self.scheduler.stats
+        num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+        cstats = dict(self.connector_stats)
+        std = {k: cstats.pop(k, 0) for k in STANDARD_STATS_KEYS}
+        finished_ok = {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"}
+        gpu_rate = stats.num_gpu_cache_hit_tokens / num_prompt if num_prompt else 0.0
+        conn_rate = stats.num_connector_hit_tokens / num_prompt if num_prompt else 0.0
+        metrics = RunMetrics(
+            num_requests=len(requests),
+            num_finished=sum(1 for o in results.values() if o.status in finished_ok),
+            num_failed=sum(1 for o in results.values() if o.status not in finished_ok),
+            num_prompt_tokens=num_prompt,
+            num_output_tokens=sum(len(o.output_token_ids) for o in results.values()),
+            prefill_tokens_computed=stats.num_prefill_tokens_computed,
+            gpu_prefix_hit_tokens=stats.num_gpu_cache_hit_tokens,
+            connector_hit_tokens=stats.num_connector_hit_tokens,
+            gpu_hit_rate=gpu_rate, connector_hit_rate=conn_rate,
+            total_hit_rate=gpu_rate + conn_rate,
+            num_preemptions=stats.num_preemptions,
+            num_failed_loads_recovered=stats.num_failed_loads_recovered,
+            bytes_loaded=int(std["bytes_loaded"]), bytes_stored=int(std["bytes_stored"]),
+            load_seconds=float(std["load_seconds"]), store_seconds=float(std["store_seconds"]),
+            load_gbps=_gbps(std["bytes_loaded"], std["load_seconds"]),
+            store_gbps=_gbps(std["bytes_stored"], std["store_seconds"]),
+            connector_stats=cstats, connector_errors=dict(stats.connector_errors),
+            events=dict(sorted(self.event_counts.items())), steps=steps, wall_seconds=wall,
+        )
+        return RunResult(
+            workload=name,
+            connector=self.config.connector.name if self.config.connector is not None else None,
+            device=self.config.device,
+            outputs={rid: results[rid].output_token_ids if rid in results else [] for rid in ids},
+            statuses={rid: results[rid].status if rid in results else "UNFINISHED" for rid in ids},
+            metrics=metrics,
+        )
+
+    def shutdown(self) -> None:
+        """Shut both connector instances down (safe to call twice).
+
+        Raises:
+            ShutdownError: a connector raised while shutting down (both are still tried).
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
+        from kvconnector_core.errors import ShutdownError
+
+        failures: list[tuple[str, BaseException]] = []
+        for conn in (self.scheduler_connector, self.worker_connector):
+            if conn is None:
+                continue
+            try:
+                conn.shutdown()
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                failures.append((f"{conn.name}[{conn.role.name}]", exc))
+        if failures:
+            raise ShutdownError(failures)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

@@ -1,0 +1,364 @@
+"""Executes one :class:`SchedulerOutput` on the paged model and drives the worker-side
+connector hooks.
+
+Per step, with a connector (the reference order; the same order runs with no forward when
+nothing is scheduled)::
+
+    bind_connector_metadata(meta)
+    [handle_preemptions(meta)            if the connector defines it]
+    [start_load_kv()                     if connector.has_sync_kv_loads: before the forward]
+    forward: per layer wait_for_layer_load(layer) ... write KV, attend ... save_kv_layer(...)
+    [start_load_kv()                     otherwise: after the forward was launched]
+    wait_for_save()
+    get_transfer_results(scheduler_output.finished_req_ids)   (default: wraps get_finished)
+    get_block_ids_with_load_errors()
+    get_kv_connector_stats()
+    [get_kv_connector_kv_cache_events()  if the connector defines it]
+    clear_connector_metadata()
+
+A worker hook that raises is contained: it is logged and counted in
+:attr:`ModelRunner.connector_errors`, and treated as a failed transfer. When a *load* hook
+(``start_load_kv``, ``wait_for_layer_load``) raises in a step with synchronous loads, every
+block below ``num_computed_tokens`` of the step's newly admitted requests is reported as
+invalid (the runner cannot tell which of them the connector was writing), so the scheduler
+recomputes them; the cost is recomputation, never wrong output.
+
+The runner keeps, per request, its token ids (prompt + the tokens it sampled) and block
+ids per KV cache group; see :mod:`kvconnector_core.scheduler.output` for how the
+scheduler updates them. It samples a token for a request when the step's chunk reaches the
+end of the request's known tokens.
+
+Primitives: :class:`ModelRunner`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvconnector_core.connector.metadata import KVConnectorOutput
+from kvconnector_core.errors import ConfigError, InvariantError
+from kvconnector_core.kv_cache.kv_cache_spec import SlidingWindowSpec
+from kvconnector_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvconnector_core.worker.kv_cache import KVCacheTensors, allocate_kv_caches
+from kvconnector_core.worker.model import (
+    ForwardBatch,
+    GroupAttentionMetadata,
+    ModelConfig,
+    PagedIntModel,
+)
+
+if TYPE_CHECKING:
+    from kvconnector_core.connector.base import KVConnectorBase_V1
+    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+
+__all__ = ["ModelRunner"]
+
+logger = logging.getLogger(__name__)
+
+_LOAD_HOOKS = frozenset({"start_load_kv", "wait_for_layer_load"})
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the worker remembers about one request between steps."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[list[int]]  # per KV cache group
+
+
+class _GroupBuilder:
+    """Accumulates one KV cache group's attention metadata while a batch is built."""
+
+    __slots__ = ("block_size", "decode_pos", "decode_rows", "decode_slots", "group_id",
+                 "segments", "slot_parts", "window")
+
+    def __init__(self, group_id: int, block_size: int, window: int) -> None:
+        self.group_id = group_id
+        self.block_size = block_size
+        self.window = window
+        self.slot_parts: list[torch.Tensor] = []
+        self.segments: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.decode_rows: list[int] = []
+        self.decode_slots: list[torch.Tensor] = []
+        self.decode_pos: list[torch.Tensor] = []
+
+    def add(self, state: _RequestState, row: int, start: int, num_tokens: int) -> None:
+        """Add request rows ``[row, row + num_tokens)`` at positions ``start...``."""
+        end = start + num_tokens
+        key_start = max(0, start - self.window + 1) if self.window else 0
+        key_pos = torch.arange(key_start, end, dtype=torch.int64)
+        block_idx = torch.div(key_pos, self.block_size, rounding_mode="floor")
+        block_ids = state.block_ids[self.group_id]
+        last_block = (end - 1) // self.block_size
+        if last_block >= len(block_ids):
+            msg = (f"request {state.req_id!r}: position {end - 1} needs block #{last_block} of "
+                   f"KV cache group {self.group_id}, but the scheduler gave only "
+                   f"{len(block_ids)} blocks")
+            raise InvariantError(msg)
+        blocks = torch.tensor(block_ids, dtype=torch.int64)[block_idx]
+        if bool((blocks == 0).any()):
+            # Block 0 is the null block (skipped sliding-window blocks): reading it would
+            # silently use garbage, so a block table that maps a visible key there is a bug.
+            bad = int(key_pos[blocks == 0][0])
+            msg = (f"request {state.req_id!r}: visible key position {bad} of KV cache group "
+                   f"{self.group_id} maps to the null block (block table {block_ids})")
+            raise InvariantError(msg)
+        slots = blocks * self.block_size + (key_pos - block_idx * self.block_size)
+        self.slot_parts.append(slots[-num_tokens:])
+        if num_tokens == 1:
+            self.decode_rows.append(row)
+            self.decode_slots.append(slots)
+            self.decode_pos.append(key_pos)
+        else:
+            self.segments.append((row, row + num_tokens, slots, key_pos))
+
+    def build(self, device: torch.device) -> GroupAttentionMetadata:
+        """Return the metadata, moved to ``device``."""
+        meta = GroupAttentionMetadata(
+            group_id=self.group_id, block_size=self.block_size,
+            slot_mapping=torch.cat(self.slot_parts).to(device),
+            segments=[(s, e, slots.to(device), pos.to(device))
+                      for s, e, slots, pos in self.segments],
+        )
+        if self.decode_rows:
+            width = max(p.numel() for p in self.decode_pos)
+            slots = torch.zeros(len(self.decode_rows), width, dtype=torch.int64)
+            positions = torch.full((len(self.decode_rows), width), -1, dtype=torch.int64)
+            for i, (s, p) in enumerate(zip(self.decode_slots, self.decode_pos)):
+                slots[i, :s.numel()] = s
+                positions[i, :p.numel()] = p
+            meta.decode_rows = torch.tensor(self.decode_rows, dtype=torch.int64).to(device)
+            meta.decode_key_slots = slots.to(device)
+            meta.decode_key_positions = positions.to(device)
+        return meta
+
+
+class ModelRunner:
+    """Owns the paged KV tensors and the model; runs scheduler outputs.
+
+    Args:
+        model_config: the model.
+        kv_cache_config: pool size and KV cache groups (must hold every model layer).
+        device: ``"cpu"`` or ``"cuda"``.
+        connector: the worker-side connector instance, or None. It receives
+            ``register_kv_caches`` here.
+    """
+
+    def __init__(self, model_config: ModelConfig, kv_cache_config: KVCacheConfig,
+                 device: str | torch.device = "cpu",
+                 connector: KVConnectorBase_V1 | None = None) -> None:
+        self.device = torch.device(device)
+        self.kv_cache_config = kv_cache_config
+        self.kv_caches: KVCacheTensors = allocate_kv_caches(kv_cache_config, self.device)
+        self.model = PagedIntModel(model_config, self.kv_caches.layer_to_group, self.device)
+        self.connector = connector
+        self._windows = [
+            g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
+            for g in kv_cache_config.kv_cache_groups
+        ]
+        self._check_windows(model_config)
+        self.requests: dict[str, _RequestState] = {}
+        #: Per worker hook name, how many times the connector raised (contained).
+        self.connector_errors: dict[str, int] = {}
+        self._load_failed = False
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches.layer_tensors)
+
+    def _check_windows(self, model_config: ModelConfig) -> None:
+        for name, kind in zip(model_config.layer_names(), model_config.layer_types):
+            window = self._windows[self.kv_caches.layer_to_group[name][0]]
+            expected = model_config.sliding_window if kind == "sliding" else 0
+            if window != expected:
+                msg = (f"layer {name!r} is {kind!r} (window {expected}) but its KV cache group "
+                       f"has window {window}; build the KVCacheConfig from "
+                       "ModelConfig.kv_cache_specs()")
+                raise ConfigError(msg)
+
+    # ------------------------------------------------------------------ state
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            old = self.requests.get(new.req_id)
+            # A re-sent request keeps the tokens it sampled if they extend the prompt.
+            keep = old is not None and old.token_ids[:len(new.prompt_token_ids)] == new.prompt_token_ids
+            tokens = old.token_ids if keep else list(new.prompt_token_ids)
+            self.requests[new.req_id] = _RequestState(
+                new.req_id, tokens, len(new.prompt_token_ids), [list(b) for b in new.block_ids])
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                msg = f"cached request {req_id!r} was never sent as a new request to the worker"
+                raise InvariantError(msg)
+            resumed = req_id in cached.resumed_req_ids
+            if cached.new_token_ids and cached.new_token_ids[i]:
+                if resumed:
+                    state.token_ids = list(cached.new_token_ids[i])
+                else:
+                    state.token_ids.extend(cached.new_token_ids[i])
+            if cached.num_output_tokens:
+                # The scheduler discards a step's sample when that step's sync load failed.
+                del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i]:]
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                if resumed:
+                    state.block_ids = [list(b) for b in new_blocks]
+                else:
+                    for group_ids, added in zip(state.block_ids, new_blocks):
+                        group_ids.extend(added)
+
+    def _scheduled(self, so: SchedulerOutput) -> list[tuple[_RequestState, int, int]]:
+        """``(state, num_computed_tokens, num_scheduled)`` of every request with work."""
+        out = []
+        entries = [(n.req_id, n.num_computed_tokens) for n in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        entries += zip(cached.req_ids, cached.num_computed_tokens)
+        for req_id, num_computed in entries:
+            num_scheduled = so.num_scheduled_tokens.get(req_id, 0)
+            if num_scheduled <= 0:
+                continue
+            state = self.requests[req_id]
+            if num_computed + num_scheduled > len(state.token_ids):
+                msg = (f"request {req_id!r}: scheduled tokens [{num_computed}, "
+                       f"{num_computed + num_scheduled}) but the worker knows only "
+                       f"{len(state.token_ids)} tokens")
+                raise InvariantError(msg)
+            out.append((state, num_computed, num_scheduled))
+        return out
+
+    def _build_batch(self, work: list[tuple[_RequestState, int, int]]) -> tuple[ForwardBatch, list[str]]:
+        builders = [_GroupBuilder(g, g_spec.kv_cache_spec.block_size, self._windows[g])
+                    for g, g_spec in enumerate(self.kv_cache_config.kv_cache_groups)]
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        for state, start, num in work:
+            row = len(token_ids)
+            token_ids.extend(state.token_ids[start:start + num])
+            positions.append(torch.arange(start, start + num, dtype=torch.int64))
+            for builder in builders:
+                builder.add(state, row, start, num)
+            if start + num == len(state.token_ids):
+                sample_rows.append(row + num - 1)
+                sample_req_ids.append(state.req_id)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(self.device),
+            positions=torch.cat(positions).to(self.device),
+            groups=[b.build(self.device) for b in builders],
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(self.device),
+        )
+        return batch, sample_req_ids
+
+    # ------------------------------------------------------------------ step
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: update request state, run the connector hooks and the forward.
+
+        Args:
+            scheduler_output: the step's plan.
+
+        Returns:
+            The sampled tokens and, with a connector, its report.
+
+        Raises:
+            InvariantError: the plan is inconsistent with what the worker knows (unknown
+                request, too few blocks, tokens the worker never saw, a visible key in the
+                null block).
+        """
+        so = scheduler_output
+        self._update_states(so)
+        work = self._scheduled(so)
+        connector = self.connector
+        self._load_failed = False
+        if connector is not None:
+            if so.kv_connector_metadata is not None:
+                self._call("bind_connector_metadata", None, so.kv_connector_metadata)
+            if hasattr(connector, "handle_preemptions") and so.kv_connector_metadata is not None:
+                self._call("handle_preemptions", None, so.kv_connector_metadata)
+            if connector.has_sync_kv_loads:
+                self._call("start_load_kv", None, None)
+        sampled: dict[str, list[int]] = {}
+        if work:
+            sampled = self._forward(work)
+        elif connector is not None and not connector.has_sync_kv_loads:
+            self._call("start_load_kv", None, None)  # empty step: no forward, same hook order
+        kv_output = self._finish_connector_step(so) if connector is not None else None
+        return ModelRunnerOutput(
+            req_ids=[state.req_id for state, _, _ in work],
+            sampled_token_ids={state.req_id: sampled.get(state.req_id, []) for state, _, _ in work},
+            kv_connector_output=kv_output,
+        )
+
+    def _forward(self, work: list[tuple[_RequestState, int, int]]) -> dict[str, list[int]]:
+        batch, sample_req_ids = self._build_batch(work)
+        connector = self.connector
+        before = after = None
+        if connector is not None:
+            def before(name: str) -> None:
+                self._call("wait_for_layer_load", None, name)
+
+            def after(name: str, kv_layer: torch.Tensor, meta: GroupAttentionMetadata) -> None:
+                self._call("save_kv_layer", None, name, kv_layer, meta)
+        hidden = self.model.forward(batch, self.kv_caches.layer_tensors,
+                                    before_layer=before, after_layer=after)
+        if connector is not None and not connector.has_sync_kv_loads:
+            # Async loads target blocks of requests that are not in this batch, so they
+            # may start once the forward is launched (on CPU: once it returned).
+            self._call("start_load_kv", None, None)
+        tokens = self.model.sample(hidden[batch.sample_rows]).tolist()
+        sampled: dict[str, list[int]] = {}
+        for req_id, token in zip(sample_req_ids, tokens):
+            self.requests[req_id].token_ids.append(token)
+            sampled[req_id] = [token]
+        return sampled
+
+    def _finish_connector_step(self, so: SchedulerOutput) -> KVConnectorOutput:
+        connector = self.connector
+        assert connector is not None  # noqa: S101 - checked by the caller
+        self._call("wait_for_save", None)
+        results = self._call("get_transfer_results", None, set(so.finished_req_ids))
+        invalid = set(self._call("get_block_ids_with_load_errors", None) or ())
+        stats = self._call("get_kv_connector_stats", None)
+        events: list[Any] = []
+        if hasattr(connector, "get_kv_connector_kv_cache_events"):
+            events = list(self._call("get_kv_connector_kv_cache_events", None) or ())
+        self._call("clear_connector_metadata", None)
+        if self._load_failed:
+            invalid |= self._blocks_of_loaded_prefixes(so)
+        return KVConnectorOutput(
+            finished_sending=set(results.finished_sending) if results else set(),
+            finished_recving=set(results.finished_recving) if results else set(),
+            failed_recving=set(results.failed_recving) if results else set(),
+            invalid_block_ids=invalid, kv_connector_stats=stats or None,
+            kv_cache_events=events,
+        )
+
+    def _call(self, hook: str, default: Any, *args: Any) -> Any:
+        """Call a worker-side connector hook, containing any exception."""
+        try:
+            return getattr(self.connector, hook)(*args)
+        except Exception:
+            logger.exception("connector %r raised in %s; treated as a failed transfer",
+                             self.connector, hook)
+            self.connector_errors[hook] = self.connector_errors.get(hook, 0) + 1
+            if hook in _LOAD_HOOKS:
+                self._load_failed = True
+            return default
+
+    def _blocks_of_loaded_prefixes(self, so: SchedulerOutput) -> set[int]:
+        """Every block below ``num_computed_tokens`` of the step's new requests."""
+        bad: set[int] = set()
+        for new in so.scheduled_new_reqs:
+            for g, group_ids in enumerate(new.block_ids):
+                bs = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
+                bad.update(b for b in group_ids[:-(-new.num_computed_tokens // bs)] if b != 0)
+        return bad
