@@ -56,7 +56,24 @@ from kvconnector_core.kv_events import encode_event_batch
 from kvconnector_core.request import Request
 from kvconnector_core.request import RequestStatus
 
-# --- connector API (added by the connector API work) ---
+from kvconnector_core.connector import KVConnectorBase_V1
+from kvconnector_core.connector import KVConnectorBase
+from kvconnector_core.connector import KVConnectorRole
+from kvconnector_core.connector import KVConnectorMetadata
+from kvconnector_core.connector import KVConnectorOutput
+from kvconnector_core.connector import KVConnectorTransferResults
+from kvconnector_core.connector import KVConnectorConfig
+from kvconnector_core.connector import load_connector_config
+from kvconnector_core.connector import ConnectorRegistry
+from kvconnector_core.connector import ConnectorEntry
+from kvconnector_core.connector import PluginFailure
+from kvconnector_core.connector import PluginRecord
+from kvconnector_core.connector import create_connector
+from kvconnector_core.connector import get_connector_class
+from kvconnector_core.connector import get_registry
+from kvconnector_core.connector import reset_registry
+from kvconnector_core.connector import hookimpl
+from kvconnector_core.connector import check_metadata_roundtrip
 
 __all__ = [
     "AllBlocksCleared",
@@ -66,15 +83,29 @@ __all__ = [
     "BlockRemoved",
     "BlockSizeError",
     "BlockStored",
+    "check_metadata_roundtrip",
     "ChunkedLocalAttentionManager",
     "ChunkedLocalAttentionSpec",
     "ConfigError",
+    "ConnectorEntry",
     "ConnectorHookError",
+    "ConnectorRegistry",
+    "create_connector",
+    "decode_event_batch",
     "DuplicateConnectorError",
+    "encode_event_batch",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "FullAttentionSpec",
+    "get_connector_class",
+    "get_kv_cache_config",
+    "get_kv_cache_coordinator",
+    "get_manager_for_kv_cache_spec",
+    "get_registry",
     "GPUBlockPoolView",
+    "hash_block_tokens",
+    "hash_request_tokens",
+    "hookimpl",
     "HybridKVCacheCoordinator",
     "InvalidConnectorError",
     "InvariantError",
@@ -87,14 +118,25 @@ __all__ = [
     "KVCacheGroupSpec",
     "KVCacheManager",
     "KVCacheSpec",
+    "KVConnectorBase",
+    "KVConnectorBase_V1",
+    "KVConnectorConfig",
     "KVConnectorError",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "KVConnectorTransferResults",
     "KVEventBatch",
-    "NONE_HASH",
+    "load_connector_config",
     "NoFreeBlocksError",
+    "NONE_HASH",
+    "PluginFailure",
     "PluginLoadError",
+    "PluginRecord",
     "RegistryError",
     "Request",
     "RequestStatus",
+    "reset_registry",
     "ShutdownError",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
@@ -102,11 +144,4 @@ __all__ = [
     "TransferError",
     "UnitaryKVCacheCoordinator",
     "UnknownConnectorError",
-    "decode_event_batch",
-    "encode_event_batch",
-    "get_kv_cache_config",
-    "get_kv_cache_coordinator",
-    "get_manager_for_kv_cache_spec",
-    "hash_block_tokens",
-    "hash_request_tokens",
 ]

@@ -1,0 +1,205 @@
+"""TTLPinConnector: the kit's contract, pinning under eviction pressure, TTL, budget, registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconnector_core.connector import (
+    KVConnectorConfig,
+    KVConnectorRole,
+    create_connector,
+    get_registry,
+)
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.testing import (
+    BLOCK_SIZE,
+    ConnectorContract,
+    make_kv_cache_config,
+    make_kv_cache_manager,
+    make_request,
+)
+from ttl_connector import TTLPinConnector
+
+CONFIG = KVConnectorConfig(name="ttl", extra_config={"ttl_seconds": 10, "max_pinned_blocks": 4})
+
+
+class FakeClock:
+    """A settable clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestTTLContract(ConnectorContract):
+    """The kit's contract, by alias through the installed entry point."""
+
+    connector_config = CONFIG
+
+
+class TestTTLInsideMultiContract(ConnectorContract):
+    """The contract again, with the TTL connector as a MultiConnector child."""
+
+    connector_config = KVConnectorConfig(
+        name="MultiConnector", extra_config={"connectors": [CONFIG.to_dict(), {"name": "TTLPinConnector"}]}
+    )
+
+
+@pytest.fixture
+def env():
+    """A manager with 32 blocks of 4 tokens and a TTL connector bound to its pool."""
+    kvc = make_kv_cache_config(num_blocks=32)
+    manager = make_kv_cache_manager(kvc)
+    clock = FakeClock()
+    conn = TTLPinConnector(CONFIG, KVConnectorRole.SCHEDULER, kvc, clock=clock)
+    conn.bind_gpu_block_pool(manager.block_pool)
+    return manager, conn, clock
+
+
+def admit(manager, conn, request):
+    """Admit like the scheduler: local hit, lookup, allocate, update_state_after_alloc."""
+    _, local = manager.get_computed_blocks(request)
+    assert conn.get_num_new_matched_tokens(request, local) == (0, False)
+    blocks = manager.allocate_slots(request, request.num_tokens - local, local,
+                                    manager.get_computed_blocks(request)[0] if local else None)
+    assert blocks is not None
+    conn.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request, request.num_tokens)
+    return local
+
+
+def run_and_free(manager, conn, request):
+    """Admit a request, then finish it and free its blocks."""
+    local = admit(manager, conn, request)
+    conn.request_finished(request, manager.get_block_ids(request.request_id)[0])
+    manager.free(request)
+    return local
+
+
+def pressure(manager, n_requests=6):
+    """Allocate and free distinct prompts until every unpinned cached block is evicted."""
+    for i in range(n_requests):
+        r = make_request(prompt_token_ids=[10_000 + 1000 * i + t for t in range(7 * BLOCK_SIZE)])
+        assert manager.allocate_slots(r, r.num_tokens) is not None
+        manager.free(r)
+
+
+def prefix(tag: int, blocks: int = 2):
+    """A prompt of ``blocks`` full blocks plus one token, distinct per tag."""
+    return [tag * 100 + t for t in range(blocks * BLOCK_SIZE + 1)]
+
+
+def test_pinned_prefix_survives_eviction_that_evicts_unpinned(env):
+    """A hit prefix is pinned and survives pressure; a never-hit prefix is evicted."""
+    manager, conn, _ = env
+    hot, cold = prefix(1), prefix(2)
+    run_and_free(manager, conn, make_request(prompt_token_ids=hot))
+    run_and_free(manager, conn, make_request(prompt_token_ids=cold))
+    # second visit of the hot prefix: a local hit, so its blocks get pinned
+    assert run_and_free(manager, conn, make_request(prompt_token_ids=hot)) == 2 * BLOCK_SIZE
+    assert conn.num_pinned_blocks == 2
+    pressure(manager)
+    assert manager.get_computed_blocks(make_request(prompt_token_ids=hot))[1] == 2 * BLOCK_SIZE
+    assert manager.get_computed_blocks(make_request(prompt_token_ids=cold))[1] == 0
+
+
+def test_ttl_expires_and_releases_pins(env):
+    """After the TTL without a hit, the pins are released and pressure evicts the prefix."""
+    manager, conn, clock = env
+    hot = prefix(3)
+    run_and_free(manager, conn, make_request(prompt_token_ids=hot))
+    run_and_free(manager, conn, make_request(prompt_token_ids=hot))
+    assert conn.num_pinned_blocks == 2
+    free_before = manager.block_pool.get_num_free_blocks()
+    clock.now = 10.5
+    conn.build_connector_meta(None)
+    assert conn.num_pinned_blocks == 0
+    assert conn.get_kv_connector_stats()["expiries"] == 2
+    assert manager.block_pool.get_num_free_blocks() == free_before + 2
+    pressure(manager)
+    assert manager.get_computed_blocks(make_request(prompt_token_ids=hot))[1] == 0
+
+
+def test_hit_refreshes_ttl(env):
+    """A hit before expiry pushes the expiry out by a full TTL."""
+    manager, conn, clock = env
+    hot = prefix(4)
+    run_and_free(manager, conn, make_request(prompt_token_ids=hot))
+    run_and_free(manager, conn, make_request(prompt_token_ids=hot))  # pinned at t=0
+    clock.now = 8.0
+    run_and_free(manager, conn, make_request(prompt_token_ids=hot))  # refreshed: expires at 18
+    clock.now = 15.0
+    conn.build_connector_meta(None)
+    assert conn.num_pinned_blocks == 2
+    assert conn.get_kv_connector_stats()["refreshes"] == 2
+    clock.now = 18.0
+    conn.build_connector_meta(None)
+    assert conn.num_pinned_blocks == 0
+
+
+def test_budget_is_never_exceeded(env):
+    """With a budget of 4 blocks, hot prefixes beyond it are refused, not pinned."""
+    manager, conn, _ = env
+    for tag in (5, 6, 7):
+        run_and_free(manager, conn, make_request(prompt_token_ids=prefix(tag)))
+        run_and_free(manager, conn, make_request(prompt_token_ids=prefix(tag)))
+        assert conn.num_pinned_blocks <= 4
+    stats = conn.get_kv_connector_stats()
+    assert stats["pinned_blocks"] == 4 and stats["pins_refused"] == 2
+
+
+def test_min_hits_delays_pinning():
+    """With min_hits=2 a block is pinned only on its second hit."""
+    kvc = make_kv_cache_config()
+    manager = make_kv_cache_manager(kvc)
+    cfg = KVConnectorConfig(name="ttl", extra_config={"min_hits": 2, "max_pinned_blocks": 4})
+    conn = TTLPinConnector(cfg, KVConnectorRole.SCHEDULER, kvc, clock=FakeClock())
+    conn.bind_gpu_block_pool(manager.block_pool)
+    for expected in (0, 0, 2):
+        run_and_free(manager, conn, make_request(prompt_token_ids=prefix(8)))
+        assert conn.num_pinned_blocks == expected
+
+
+def test_shutdown_releases_every_pin(env):
+    """Shutdown unpins everything, so the blocks become free (evictable) again."""
+    manager, conn, _ = env
+    free_start = manager.block_pool.get_num_free_blocks()
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(9)))
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(9)))
+    assert manager.block_pool.get_num_free_blocks() == free_start - 2
+    conn.shutdown()
+    conn.shutdown()
+    assert manager.block_pool.get_num_free_blocks() == free_start
+
+
+@pytest.mark.parametrize("extra", [{"ttl_seconds": 0}, {"min_hits": 0}, {"max_pinned_blocks": -1}],
+                         ids=["ttl0", "minhits0", "budget-neg"])
+def test_bad_settings_are_rejected(extra):
+    """Out-of-range settings raise ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match=next(iter(extra))):
+        TTLPinConnector(KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER)
+
+
+def test_budget_cannot_cover_the_whole_pool():
+    """A budget as large as the pool is refused at bind time."""
+    conn = TTLPinConnector(KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 31}),
+                           KVConnectorRole.SCHEDULER, make_kv_cache_config())
+    with pytest.raises(ConfigError, match="starve"):
+        conn.bind_gpu_block_pool(make_kv_cache_manager().block_pool)
+
+
+def test_created_by_name_through_registry_and_inside_multi():
+    """The installed entry point makes the connector available by name, alias, and as a Multi child."""
+    entry = get_registry().get_entry("ttl")
+    assert entry.cls is TTLPinConnector and entry.distribution == "kvconnector-ttl"
+    multi = create_connector(
+        {"name": "MultiConnector", "extra_config": {"connectors": [{"name": "ttl"}]}},
+        KVConnectorRole.SCHEDULER, make_kv_cache_config(),
+    )
+    assert isinstance(multi.children[0], TTLPinConnector)
+    manager = make_kv_cache_manager()
+    multi.bind_gpu_block_pool(manager.block_pool)  # forwarded to the child
+    assert multi.children[0]._pool is manager.block_pool

@@ -1,0 +1,219 @@
+"""TTLPinConnector: keep hot prefix blocks pinned in the GPU block pool for a time-to-live.
+
+Scheduler-side only; the worker-side hooks are no-ops and it never loads
+(``get_num_new_matched_tokens`` answers ``(0, False)``). Everything goes
+through the ``GPUBlockPoolView`` handed to ``bind_gpu_block_pool``:
+
+1. ``get_num_new_matched_tokens`` remembers the request's local prefix hit
+   (no side effects; a repeated call overwrites the same entry).
+2. ``update_state_after_alloc`` counts a hit for every block hash of that
+   prefix. A pinned block gets its TTL refreshed; an unpinned one that reached
+   ``min_hits`` is pinned with ``touch([block])`` (ref count + 1, so eviction
+   cannot take it) if the budget ``max_pinned_blocks`` allows.
+3. ``build_connector_meta`` (every step) and ``update_state_after_alloc``
+   release expired pins with ``free_blocks([block])``.
+4. ``shutdown`` releases every pin.
+
+extra_config: ``ttl_seconds`` (float > 0, default 60), ``max_pinned_blocks``
+(int >= 0, default a quarter of the pool), ``min_hits`` (int >= 1, default 1).
+The clock is injectable: ``TTLPinConnector(..., clock=fake)`` or set
+``connector.clock`` (a zero-argument callable returning seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView, KVCacheBlock
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import SchedulerOutput
+
+__all__ = ["TTLMetadata", "TTLPinConnector"]
+
+
+class TTLMetadata(KVConnectorMetadata, kw_only=True):
+    """Empty plan: the worker side has nothing to do."""
+
+
+@dataclass(slots=True)
+class _Pin:
+    block: KVCacheBlock
+    expires_at: float
+
+
+class TTLPinConnector(KVConnectorBase_V1):
+    """Pins the GPU blocks of hot prefixes for a TTL refreshed on every hit."""
+
+    name: ClassVar[str] = "TTLPinConnector"
+    aliases: ClassVar[tuple[str, ...]] = ("ttl",)
+    metadata_type: ClassVar[type[KVConnectorMetadata]] = TTLMetadata
+    requires_block_pool: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        config: KVConnectorConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """Create the connector.
+
+        Args:
+            config: ``extra_config`` holds ``ttl_seconds``, ``max_pinned_blocks``, ``min_hits``.
+            role: scheduler or worker (the worker side does nothing).
+            kv_cache_config: the engine's KV cache layout (its block size locates prefix blocks).
+            clock: seconds source; default ``time.monotonic``.
+
+        Raises:
+            ConfigError: a setting is out of range.
+        """
+        super().__init__(config, role, kv_cache_config)
+        extra = config.extra_config
+        self.ttl_seconds = float(extra.get("ttl_seconds", 60.0))
+        self.min_hits = int(extra.get("min_hits", 1))
+        budget = extra.get("max_pinned_blocks")
+        self.max_pinned_blocks: int | None = None if budget is None else int(budget)
+        if self.ttl_seconds <= 0:
+            raise ConfigError(f"TTLPinConnector ttl_seconds={self.ttl_seconds!r}; must be > 0")
+        if self.min_hits < 1:
+            raise ConfigError(f"TTLPinConnector min_hits={self.min_hits!r}; must be >= 1")
+        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
+            raise ConfigError(f"TTLPinConnector max_pinned_blocks={self.max_pinned_blocks!r}; must be >= 0")
+        self.clock: Callable[[], float] = clock or time.monotonic
+        self._pool: GPUBlockPoolView | None = None
+        # Ordered by expiry: every pin gets the same TTL, so the order of the
+        # last pin/refresh is the order of expiry and expiring is O(expired).
+        self._pins: OrderedDict[bytes, _Pin] = OrderedDict()
+        self._hits: OrderedDict[bytes, int] = OrderedDict()
+        self._lookups: dict[str, int] = {}
+        self._stats = {"pins": 0, "refreshes": 0, "expiries": 0, "pins_refused": 0}
+
+    # -------------------------------------------------------- scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
+        """Keep the pool view; size the default budget from it.
+
+        Raises:
+            ConfigError: ``max_pinned_blocks`` leaves no block to allocate.
+        """
+        usable = gpu_block_pool.num_gpu_blocks - 1  # block 0 is the null block
+        if self.max_pinned_blocks is None:
+            self.max_pinned_blocks = usable // 4
+        if self.max_pinned_blocks >= usable:
+            msg = (f"TTLPinConnector max_pinned_blocks={self.max_pinned_blocks} would pin the whole pool "
+                   f"({usable} usable blocks); use fewer so allocation cannot starve")
+            raise ConfigError(msg)
+        self._pool = gpu_block_pool
+
+    @property
+    def _block_size(self) -> int:
+        try:
+            return int(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)  # type: ignore[union-attr]
+        except (AttributeError, IndexError):
+            return 1
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Never loads: ``(0, False)``; remembers the local hit for ``update_state_after_alloc``."""
+        self._lookups[request.request_id] = num_computed_tokens
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Count hits on the request's prefix blocks; pin hot ones and refresh pinned ones."""
+        num_hit = self._lookups.pop(request.request_id, 0)
+        if self._pool is None or num_hit <= 0:
+            return
+        now = self.clock()
+        self._expire(now)
+        for block_hash in request.block_hashes[: num_hit // self._block_size]:
+            self._on_hit(self._pool, bytes(block_hash), now)
+
+    def _on_hit(self, pool: GPUBlockPoolView, block_hash: bytes, now: float) -> None:
+        count = self._hits.pop(block_hash, 0) + 1
+        self._hits[block_hash] = count
+        if len(self._hits) > 4 * pool.num_gpu_blocks:  # bound the hit memory (LRU)
+            self._hits.popitem(last=False)
+        cached = pool.get_cached_block(block_hash, [0])
+        pin = self._pins.get(block_hash)
+        if pin is not None and cached is not None and cached[0] is pin.block:
+            pin.expires_at = now + self.ttl_seconds
+            self._pins.move_to_end(block_hash)
+            self._stats["refreshes"] += 1
+            return
+        if pin is not None:  # the hash moved to another block: drop the stale pin
+            self._unpin(block_hash)
+        if cached is None or count < self.min_hits:
+            return
+        if len(self._pins) >= (self.max_pinned_blocks or 0):
+            self._stats["pins_refused"] += 1
+            return
+        pool.touch([cached[0]])
+        self._pins[block_hash] = _Pin(cached[0], now + self.ttl_seconds)
+        self._stats["pins"] += 1
+
+    def _unpin(self, block_hash: bytes) -> None:
+        pin = self._pins.pop(block_hash)
+        if self._pool is not None:
+            self._pool.free_blocks([pin.block])
+
+    def _expire(self, now: float) -> None:
+        while self._pins:
+            block_hash, pin = next(iter(self._pins.items()))
+            if pin.expires_at > now:
+                break
+            self._unpin(block_hash)
+            self._stats["expiries"] += 1
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TTLMetadata:
+        """Release expired pins; the worker gets an empty plan."""
+        self._expire(self.clock())
+        return TTLMetadata()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; never delays the free."""
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks currently pinned."""
+        return len(self._pins)
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        """Whether the block with this hash is pinned."""
+        return bytes(block_hash) in self._pins
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """``pinned_blocks``, ``pins``, ``refreshes``, ``expiries``, ``pins_refused`` (scheduler side)."""
+        if self._role is not KVConnectorRole.SCHEDULER:
+            return None
+        return {"pinned_blocks": len(self._pins), **self._stats}
+
+    def shutdown(self) -> None:
+        """Release every pin (idempotent)."""
+        for block_hash in list(self._pins):
+            self._unpin(block_hash)
+
+    # ----------------------------------------------------------- worker side
+
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Nothing to load."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any = None) -> None:
+        """Nothing to save."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save."""

@@ -1,0 +1,213 @@
+"""``ConnectorContract``: the tests every connector, built-in or third-party, must pass.
+
+Subclass it in a test module and set ``connector_config``::
+
+    from kvconnector_core.connector import KVConnectorConfig
+    from kvconnector_core.testing import ConnectorContract
+
+    class TestMyConnectorContract(ConnectorContract):
+        connector_config = KVConnectorConfig(name="MyConnector", extra_config={...})
+
+pytest collects the inherited ``test_*`` methods. Override :meth:`make_connector`
+to build the connector differently (e.g. inject a clock), and ``registry`` to
+resolve the name in a registry of your own (default: the installed plugins).
+The tests drive real core objects (block pool, KV cache manager, requests) and
+never need a GPU.
+
+Primitives: :class:`ConnectorContract`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvconnector_core.connector.base import ABSTRACT_HOOKS, KVConnectorBase_V1, KVConnectorRole
+from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput, check_metadata_roundtrip
+from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
+from kvconnector_core.testing import factories
+
+if TYPE_CHECKING:
+    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+
+__all__ = ["ConnectorContract"]
+
+
+def _is_pair_of_sets(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(v is None or isinstance(v, set) for v in value)
+    )
+
+
+class ConnectorContract:
+    """Contract tests for one connector configuration (see the module docstring).
+
+    Attributes:
+        connector_config: the config the tests create the connector from (required).
+        registry: registry to resolve the name in; None = the default registry.
+    """
+
+    connector_config: ClassVar[KVConnectorConfig]
+    registry: ClassVar[ConnectorRegistry | None] = None
+
+    # ------------------------------------------------------------- overridable
+
+    def make_kv_cache_config(self) -> KVCacheConfig:
+        """Return the KV cache layout the connector is created with."""
+        return factories.make_kv_cache_config()
+
+    def make_connector(self, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> KVConnectorBase_V1:
+        """Create the connector under test for ``role``."""
+        return create_connector(self.connector_config, role, kv_cache_config, registry=self.registry)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _pair(self) -> tuple[KVConnectorBase_V1, KVConnectorBase_V1, KVCacheConfig]:
+        kvc = self.make_kv_cache_config()
+        return self.make_connector(KVConnectorRole.SCHEDULER, kvc), self.make_connector(KVConnectorRole.WORKER, kvc), kvc
+
+    # ------------------------------------------------------------------- tests
+
+    def test_constructs_in_both_roles(self) -> None:
+        """The connector can be created as scheduler and as worker, and knows its role."""
+        sched, worker, _ = self._pair()
+        try:
+            assert sched.role is KVConnectorRole.SCHEDULER
+            assert worker.role is KVConnectorRole.WORKER
+            assert isinstance(sched, KVConnectorBase_V1)
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_abstract_hooks_implemented(self) -> None:
+        """The class is concrete, named, and overrides every abstract hook."""
+        sched, worker, _ = self._pair()
+        cls = type(sched)
+        try:
+            assert not inspect.isabstract(cls), sorted(getattr(cls, "__abstractmethods__", ()))
+            assert isinstance(cls.name, str) and cls.name
+            for hook in ABSTRACT_HOOKS:
+                assert getattr(cls, hook) is not getattr(KVConnectorBase_V1, hook), hook
+            assert issubclass(cls.metadata_type, KVConnectorMetadata)
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_build_meta_on_empty_step_roundtrips(self) -> None:
+        """``build_connector_meta`` on an empty step returns its ``metadata_type``, which survives msgpack."""
+        sched, worker, _ = self._pair()
+        try:
+            sched.bind_gpu_block_pool(factories.make_block_pool())
+            meta = sched.build_connector_meta(factories.empty_scheduler_output())
+            assert isinstance(meta, KVConnectorMetadata)
+            assert type(meta) is type(sched).metadata_type, (
+                f"{type(sched).__name__}.metadata_type is {type(sched).metadata_type.__name__} "
+                f"but build_connector_meta returned {type(meta).__name__}"
+            )
+            check_metadata_roundtrip(meta)
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_matched_tokens_on_fresh_request(self) -> None:
+        """A fresh request gets ``(int >= 0 | None, bool)``, the same answer when asked twice."""
+        sched, worker, _ = self._pair()
+        try:
+            sched.bind_gpu_block_pool(factories.make_block_pool())
+            request = factories.make_request()
+            first = sched.get_num_new_matched_tokens(request, 0)
+            second = sched.get_num_new_matched_tokens(request, 0)
+            assert isinstance(first, tuple) and len(first) == 2
+            num_tokens, load_async = first
+            assert num_tokens is None or (isinstance(num_tokens, int) and num_tokens >= 0)
+            assert isinstance(load_async, bool)
+            if num_tokens == 0:
+                assert load_async is False
+            assert first == second
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_scheduler_lifecycle_of_one_request(self) -> None:
+        """Admission, allocation, planning, output and finish run on real blocks."""
+        sched, worker, kvc = self._pair()
+        try:
+            manager = factories.make_kv_cache_manager(kvc)
+            sched.bind_gpu_block_pool(manager.block_pool)
+            request = factories.make_request()
+            _, local = manager.get_computed_blocks(request)
+            sched.get_num_new_matched_tokens(request, local)
+            blocks = manager.allocate_slots(request, request.num_tokens - local)
+            assert blocks is not None
+            sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
+            out = factories.scheduler_output_for([(request, manager.get_block_ids(request.request_id), request.num_tokens)])
+            check_metadata_roundtrip(sched.build_connector_meta(out))
+            sched.update_connector_output(KVConnectorOutput())
+            result = sched.request_finished(request, manager.get_block_ids(request.request_id)[0])
+            assert isinstance(result, tuple) and len(result) == 2
+            assert isinstance(result[0], bool)
+            assert result[1] is None or isinstance(result[1], dict)
+            list(sched.take_events())
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_worker_hooks_in_reference_order_on_empty_step(self) -> None:
+        """The worker hooks run without error, in the reference order, on an empty step."""
+        sched, worker, kvc = self._pair()
+        try:
+            sched.bind_gpu_block_pool(factories.make_block_pool(kvc.num_blocks))
+            worker.register_kv_caches(factories.make_kv_caches(kvc))
+            for _ in range(2):  # two steps: state must reset between them
+                meta = check_metadata_roundtrip(sched.build_connector_meta(factories.empty_scheduler_output()))
+                worker.bind_connector_metadata(meta)
+                assert worker.has_connector_metadata()
+                worker.start_load_kv()
+                worker.wait_for_save()
+                results = worker.get_transfer_results(set())
+                assert not results.finished_sending
+                errors = worker.get_block_ids_with_load_errors()
+                assert isinstance(errors, set)
+                stats = worker.get_kv_connector_stats()
+                assert stats is None or isinstance(stats, dict)
+                worker.clear_connector_metadata()
+                assert not worker.has_connector_metadata()
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_get_finished_returns_pairs(self) -> None:
+        """``get_finished`` returns two ``set | None`` values."""
+        sched, worker, kvc = self._pair()
+        try:
+            worker.register_kv_caches(factories.make_kv_caches(kvc))
+            worker.bind_connector_metadata(sched.build_connector_meta(factories.empty_scheduler_output()))
+            assert _is_pair_of_sets(worker.get_finished(set()))
+            worker.clear_connector_metadata()
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_shutdown_is_idempotent(self) -> None:
+        """``shutdown`` can be called twice on both sides."""
+        sched, worker, _ = self._pair()
+        for conn in (sched, worker):
+            conn.shutdown()
+            conn.shutdown()
+
+    def test_bind_gpu_block_pool_accepts_real_pool(self) -> None:
+        """``bind_gpu_block_pool`` accepts the real BlockPool (which satisfies GPUBlockPoolView)."""
+        from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
+
+        sched, worker, _ = self._pair()
+        try:
+            pool = factories.make_block_pool()
+            assert isinstance(pool, GPUBlockPoolView)
+            sched.bind_gpu_block_pool(pool)
+            assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # binding pins nothing
+        finally:
+            sched.shutdown()
+            worker.shutdown()

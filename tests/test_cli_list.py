@@ -1,0 +1,89 @@
+"""``kvconnector list``: table, JSON, failed plugins, --strict."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from kvconnector_core.cli import list_cmd
+from kvconnector_core.connector import ConnectorRegistry
+from kvconnector_core.testing import RecordingConnector
+
+
+@dataclass
+class FakeDist:
+    name: str
+    version: str
+
+
+@dataclass
+class FakeEntryPoint:
+    name: str
+    value: str
+    target: Any
+    dist: FakeDist
+
+    def load(self) -> Any:
+        if isinstance(self.target, Exception):
+            raise self.target
+        return self.target
+
+
+def registry_with_failure() -> ConnectorRegistry:
+    reg = ConnectorRegistry()
+    reg.load_plugins([
+        FakeEntryPoint("rec", "x:RecordingConnector", RecordingConnector, FakeDist("kv-rec", "2.0")),
+        FakeEntryPoint("broken", "broken_mod", ImportError("missing dep zzz"), FakeDist("kv-broken", "0.3")),
+    ], builtin_fallback=False)
+    return reg
+
+
+def run(argv: list[str], capsys, registry=None) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    list_cmd.add_arguments(parser)
+    code = list_cmd.main(parser.parse_args(argv), registry=registry)
+    return code, capsys.readouterr().out
+
+
+def test_table_lists_connectors_and_failures(capsys):
+    """The table names each connector's class, distribution and version, then the failures."""
+    code, out = run([], capsys, registry_with_failure())
+    assert code == 0
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION"]
+    assert row.split() == ["RecordingConnector", "-", "kvconnector_core.testing.recording.RecordingConnector",
+                           "kv-rec", "2.0"]
+    failed = out.split("failed to load:")[1]
+    assert "broken (kv-broken)" in failed and "zzz" in failed
+
+
+def test_strict_exit_code(capsys):
+    """--strict exits 1 when a plugin failed, 0 otherwise."""
+    assert run(["--strict"], capsys, registry_with_failure())[0] == 1
+    reg = ConnectorRegistry()
+    reg.add(RecordingConnector)
+    assert run(["--strict"], capsys, reg)[0] == 0
+
+
+def test_json_output(capsys):
+    """--json prints connectors and errors as data."""
+    code, out = run(["--json"], capsys, registry_with_failure())
+    data = json.loads(out)
+    assert code == 0
+    assert data["connectors"][0]["distribution"] == "kv-rec"
+    assert data["errors"][0]["entry_point"] == "broken" and data["errors"][0]["distribution"] == "kv-broken"
+
+
+def test_installed_console_script_lists_builtins_and_ttl():
+    """The real command finds the built-in connectors and the installed example plugin."""
+    code = "import sys; from kvconnector_core.cli import main; sys.exit(main(['list', '--json']))"
+    proc = subprocess.run([sys.executable, "-c", code],
+                          capture_output=True, text=True, check=True)
+    names = {c["name"]: c for c in json.loads(proc.stdout)["connectors"]}
+    assert names["MultiConnector"]["distribution"] == "kvconnector"
+    assert names["TTLPinConnector"]["distribution"] == "kvconnector-ttl"
+    assert names["TTLPinConnector"]["aliases"] == ["ttl"]

@@ -1,0 +1,324 @@
+"""MultiConnector: loader choice, fan-out, completions, failures, stats, events, shutdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from connectors.multi import FirstHitPolicy, LongestHitPolicy, MultiConnector
+from kvconnector_core.connector import (
+    ConnectorRegistry,
+    KVConnectorConfig,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    check_metadata_roundtrip,
+)
+from kvconnector_core.errors import ConfigError, ConnectorHookError, ShutdownError
+from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved
+from kvconnector_core.testing import (
+    ConnectorContract,
+    RecordingConnector,
+    empty_scheduler_output,
+    make_block_pool,
+    make_kv_cache_config,
+    make_kv_cache_manager,
+    make_request,
+)
+
+REC_PATH = "kvconnector_core.testing.recording"
+
+
+class SlowSender(RecordingConnector):
+    """Reports a delayed send ``send_delay`` get_finished calls after it could."""
+
+    name = "SlowSender"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._countdown: dict[str, int] = {}
+
+    def get_finished(self, finished_req_ids):
+        sending, recving = super().get_finished(finished_req_ids)
+        for req in sending or ():
+            self._countdown[req] = self._config.extra_config.get("send_delay", 1)
+        done = set()
+        for req in list(self._countdown):
+            self._countdown[req] -= 1
+            if self._countdown[req] < 0:
+                done.add(req)
+                del self._countdown[req]
+        return done or None, recving
+
+
+class Raising(RecordingConnector):
+    """Raises from the hooks named in extra_config['raise_in']."""
+
+    name = "Raising"
+
+    def __getattribute__(self, attr: str) -> Any:
+        if attr in object.__getattribute__(self, "_config").extra_config.get("raise_in", ()):
+            def boom(*args, **kwargs):
+                raise RuntimeError(f"{attr} exploded")
+            return boom
+        return object.__getattribute__(self, attr)
+
+
+class Evented(RecordingConnector):
+    """Emits events, load errors and stats."""
+
+    name = "Evented"
+
+    def take_events(self):
+        return [BlockRemoved([self._config.extra_config["tag"]], "CPU")]
+
+    def get_block_ids_with_load_errors(self):
+        return set(self._config.extra_config.get("errors", ()))
+
+
+class OtherMeta(KVConnectorMetadata):
+    """A different metadata type, to check heterogeneous children survive msgpack."""
+
+    numbers: list[int] = msgspec.field(default_factory=lambda: [1, 2, 3])
+
+
+class OtherMetaConnector(RecordingConnector):
+    """A child with its own metadata type."""
+
+    name = "OtherMeta"
+    metadata_type = OtherMeta
+
+    def build_connector_meta(self, scheduler_output):
+        super().build_connector_meta(scheduler_output)
+        return OtherMeta()
+
+
+class WrongMetaType(RecordingConnector):
+    """Returns metadata of a type it does not declare."""
+
+    name = "WrongMetaType"
+
+    def build_connector_meta(self, scheduler_output):
+        return OtherMeta()
+
+
+REGISTRY = ConnectorRegistry()
+for _cls in (RecordingConnector, SlowSender, Raising, Evented, OtherMetaConnector, WrongMetaType):
+    REGISTRY.add(_cls)
+
+
+def child(name: str = "RecordingConnector", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "extra_config": extra}
+
+
+def multi(*children: dict[str, Any], role=KVConnectorRole.SCHEDULER, **extra: Any) -> MultiConnector:
+    cfg = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": list(children), **extra})
+    return MultiConnector(cfg, role, make_kv_cache_config(), registry=REGISTRY)
+
+
+def pair(*children, **extra):
+    return multi(*children, **extra), multi(*children, role=KVConnectorRole.WORKER, **extra)
+
+
+class TestMultiContract(ConnectorContract):
+    """MultiConnector with heterogeneous children passes the contract (built through the default registry)."""
+
+    connector_config = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [
+        {"name": "RecordingConnector", "module_path": REC_PATH},
+        {"name": "OtherMetaConnector", "module_path": __name__},
+    ]})
+
+
+def admit(sched, manager, request):
+    """Lookup, allocate (external tokens included), update_state_after_alloc; return the lookup."""
+    _, local = manager.get_computed_blocks(request)
+    hit = sched.get_num_new_matched_tokens(request, local)
+    ext = hit[0] or 0
+    assert manager.allocate_slots(request, request.num_tokens - local - ext, num_external_computed_tokens=ext)
+    sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), ext)
+    return hit
+
+
+def step(sched, worker, finished=()):
+    """One empty engine step through msgpack; return (transfer results, load errors)."""
+    out = empty_scheduler_output()
+    out.finished_req_ids = set(finished)
+    meta = check_metadata_roundtrip(sched.build_connector_meta(out))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    worker.wait_for_save()
+    res = worker.get_transfer_results(out.finished_req_ids)
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return res, errors
+
+
+@pytest.mark.parametrize(("hits", "policy", "winner"), [
+    ((4, 8, 8), "longest", 1), ((8, 4, 0), "longest", 0), ((0, 0, 0), "longest", None),
+    ((0, 4, 8), "first", 1),
+], ids=["longest-tie-earlier", "longest-first", "all-miss", "first-hit"])
+def test_loader_choice_and_others_get_zero(hits, policy, winner):
+    """The policy picks the loader; it gets the external tokens, the others 0, all the same blocks."""
+    sched = multi(*(child(hit_tokens=h) for h in hits), loader_policy=policy)
+    manager = make_kv_cache_manager()
+    request = make_request(17)
+    n, _ = admit(sched, manager, request)
+    assert n == (hits[winner] if winner is not None else 0)
+    block_ids = manager.get_block_ids(request.request_id)
+    for i, c in enumerate(sched.children):
+        ((_, (rid, blocks, ext)),) = [call for call in c.calls if call[0] == "update_state_after_alloc"]
+        assert (rid, blocks) == (request.request_id, block_ids)
+        assert ext == (n if i == winner else 0)
+
+
+def test_policy_objects_and_unknown_policy():
+    """Policies are plain objects; an unknown name is a ConfigError listing the known ones."""
+    assert LongestHitPolicy().select([(3, False), (5, True), (5, False)]) == 1
+    assert FirstHitPolicy().select([(0, False), (2, True)]) == 1
+    with pytest.raises(ConfigError, match="first"):
+        multi(child(), loader_policy="random")
+
+
+def test_undecided_child_makes_multi_undecided():
+    """A child answering None makes the multi answer (None, False)."""
+    sched = multi(child(hit_tokens=8), child(hit_tokens=None))
+    assert sched.get_num_new_matched_tokens(make_request(), 0) == (None, False)
+
+
+def test_bad_configs():
+    """Missing or malformed children are ConfigErrors; an unknown child name says which child."""
+    with pytest.raises(ConfigError, match="connectors"):
+        multi()
+    with pytest.raises(ConfigError, match=r"\[0\]"):
+        MultiConnector(KVConnectorConfig(name="MultiConnector", extra_config={"connectors": ["x"]}),
+                       KVConnectorRole.SCHEDULER, registry=REGISTRY)
+    with pytest.raises(ValueError, match="Nope") as info:
+        multi(child("Nope"))
+    assert any("child 0" in note for note in info.value.__notes__)
+
+
+def test_bind_gpu_block_pool_reaches_every_child():
+    """bind_gpu_block_pool is forwarded to each child exactly once."""
+    sched = multi(child(), child("Evented", tag=1))
+    pool = make_block_pool()
+    sched.bind_gpu_block_pool(pool)
+    assert all(c.block_pool is pool and c.hooks_called().count("bind_gpu_block_pool") == 1
+               for c in sched.children)
+
+
+def test_delayed_free_reported_once_after_every_child():
+    """A request delayed by two children is reported finished_sending once, after the slower one."""
+    sched, worker = pair(child(delay_free=True), child("SlowSender", delay_free=True, send_delay=2), child())
+    request = make_request()
+    delay, _ = sched.request_finished(request, [1, 2])
+    assert delay is True
+    reports = [step(sched, worker, finished={request.request_id})[0].finished_sending]
+    reports += [step(sched, worker)[0].finished_sending for _ in range(4)]
+    assert reports == [set(), set(), {request.request_id}, set(), set()]
+
+
+def test_no_delay_when_no_child_asks_and_params_merge():
+    """No child delays -> (False, merged params); an earlier child wins a clashing key."""
+    sched = multi(child(params={"a": 1, "k": "first"}), child(params={"b": 2, "k": "second"}))
+    assert sched.request_finished(make_request(), []) == (False, {"a": 1, "b": 2, "k": "first"})
+
+
+def test_receives_errors_stats_events_aggregate():
+    """Receives and load errors are unions; stats are per child with sums; events are chained."""
+    sched, worker = pair(child("Evented", tag=1, errors=[3], stats={"bytes_loaded": 10}),
+                         child("Evented", tag=2, errors=[4], stats={"bytes_loaded": 5, "x": 1}))
+    _, errors = step(sched, worker)
+    assert errors == {3, 4}
+    stats = worker.get_kv_connector_stats()
+    assert stats["children"] == {"Evented#0": {"bytes_loaded": 10}, "Evented#1": {"bytes_loaded": 5, "x": 1}}
+    assert stats["bytes_loaded"] == 15
+    assert [e.block_hashes for e in sched.take_events()] == [[1], [2]]
+
+
+def test_async_receives_are_unioned():
+    """An async load by the winning child is reported as finished_recving through the multi."""
+    sched, worker = pair(child(hit_tokens=0), child(hit_tokens=8, load_async=True))
+    manager = make_kv_cache_manager()
+    request = make_request(13)
+    assert admit(sched, manager, request) == (8, True)
+    res, errors = step(sched, worker)
+    assert res.finished_recving == {request.request_id} and not res.failed_recving and not errors
+
+
+def test_scheduler_hook_failure_is_contained_as_miss():
+    """A child raising in get_num_new_matched_tokens is treated as a miss and counted."""
+    sched = multi(child("Raising", raise_in=["get_num_new_matched_tokens"], hit_tokens=16), child(hit_tokens=4))
+    assert sched.get_num_new_matched_tokens(make_request(), 0) == (4, False)
+    assert sched.get_kv_connector_stats()["hook_errors"] == {"Raising.get_num_new_matched_tokens": 1}
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
+def test_loader_failing_after_alloc_reports_failed_load(load_async):
+    """If the loader raises in update_state_after_alloc, the worker reports its blocks (and async request) failed."""
+    children = (child("Raising", raise_in=["update_state_after_alloc"], hit_tokens=8, load_async=load_async),)
+    sched, worker = pair(*children)
+    manager = make_kv_cache_manager()
+    request = make_request(13)
+    admit(sched, manager, request)
+    res, errors = step(sched, worker)
+    assert errors == set(manager.get_block_ids(request.request_id)[0][:2])
+    expected = {request.request_id} if load_async else set()
+    assert res.finished_recving == expected and res.failed_recving == expected
+
+
+def test_worker_load_hook_failure_fails_that_childs_loads():
+    """A child raising in start_load_kv has the loads it planned this step reported failed."""
+    children = (child("Raising", raise_in=["start_load_kv"], hit_tokens=8), child())
+    sched, worker = pair(*children)
+    manager = make_kv_cache_manager()
+    request = make_request(13)
+    admit(sched, manager, request)
+    _, errors = step(sched, worker)
+    assert errors == set(manager.get_block_ids(request.request_id)[0][:2])
+    assert "start_load_kv" in worker.children[1].hooks_called()  # the others still ran
+
+
+def test_child_with_undeclared_metadata_type_is_skipped():
+    """A child returning a metadata type it does not declare is skipped for the step, loudly."""
+    sched, worker = pair(child("WrongMetaType"), child())
+    step(sched, worker)
+    assert "start_load_kv" not in worker.children[0].hooks_called()
+    assert "start_load_kv" in worker.children[1].hooks_called()
+    assert sched.get_kv_connector_stats()["hook_errors"] == {"WrongMetaType.build_connector_meta": 1}
+
+
+def test_save_hook_failure_propagates_after_all_children():
+    """A child raising in wait_for_save raises ConnectorHookError naming it, after the others ran."""
+    sched, worker = pair(child("Raising", raise_in=["wait_for_save"]), child())
+    worker.bind_connector_metadata(sched.build_connector_meta(empty_scheduler_output()))
+    with pytest.raises(ConnectorHookError, match="Raising") as info:
+        worker.wait_for_save()
+    assert info.value.hook == "wait_for_save"
+    assert "wait_for_save" in worker.children[1].hooks_called()
+
+
+def test_update_connector_output_reaches_every_child():
+    """update_connector_output is forwarded to each child."""
+    sched = multi(child(), child())
+    out = KVConnectorOutput(finished_recving={"r"})
+    sched.update_connector_output(out)
+    assert all(("update_connector_output", (out,)) in c.calls for c in sched.children)
+
+
+def test_shutdown_reaches_every_child_and_lists_failures():
+    """shutdown calls every child once and raises one ShutdownError listing all failures."""
+    sched = multi(child("Raising", raise_in=["shutdown"]), child(), child("Raising", raise_in=["shutdown"]))
+    with pytest.raises(ShutdownError) as info:
+        sched.shutdown()
+    assert [name for name, _ in info.value.failures] == ["Raising#0", "Raising#2"]
+    assert sched.children[1].is_shut_down
+    sched.shutdown()  # idempotent
+
+
+def test_events_from_real_children_types():
+    """take_events tolerates children returning any iterable (tuple default included)."""
+    sched = multi(child("Evented", tag=7), child())
+    events = list(sched.take_events())
+    assert len(events) == 1 and not isinstance(events[0], AllBlocksCleared)
