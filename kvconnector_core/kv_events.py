@@ -72,8 +72,9 @@ class BlockStored(KVCacheEvent):
         block_hashes: wire hashes of the stored blocks, in prefix order.
         parent_block_hash: wire hash of the block before the first one, or None
             at the start of a sequence.
-        token_ids: token ids covering all stored blocks (``len == n * block_size``),
-            or empty where the producer does not know them.
+        token_ids: token ids of the cached range (``block_size`` per block in it,
+            null or already-cached blocks in the range included), or empty where the
+            producer does not know them.
         block_size: tokens per block (never 0 in kvconnector's events).
         lora_id: deprecated, kept for vLLM compatibility; always None here.
         medium: "GPU", "CPU" or "STORAGE".
@@ -98,6 +99,15 @@ class BlockStored(KVCacheEvent):
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
 
+    def __hash__(self) -> int:
+        # Hashable like vLLM's, so aggregators can count identical events from workers.
+        return hash((
+            tuple(self.block_hashes), self.parent_block_hash, tuple(self.token_ids), self.block_size,
+            self.lora_id, self.medium, self.lora_name,
+            tuple(self.extra_keys) if self.extra_keys else None, self.group_idx,
+            self.kv_cache_spec_kind, self.kv_cache_spec_sliding_window,
+        ))
+
 
 class BlockRemoved(KVCacheEvent):
     """Blocks are no longer available on ``medium``."""
@@ -107,6 +117,9 @@ class BlockRemoved(KVCacheEvent):
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.block_hashes), self.medium, self.group_idx))
 
 
 class AllBlocksCleared(KVCacheEvent):

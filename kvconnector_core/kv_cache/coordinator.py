@@ -133,10 +133,11 @@ class KVCacheCoordinator:
             for i, m in enumerate(self.single_type_managers)
         )
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: BlockLists) -> None:
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: BlockLists,
+                                 total_computed_tokens: int = 0) -> None:
         """Add each group's local cache hits to the request's tables."""
         for m, blocks in zip(self.single_type_managers, new_computed_blocks):
-            m.save_new_computed_blocks(request_id, blocks)
+            m.save_new_computed_blocks(request_id, blocks, total_computed_tokens)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> BlockLists:
         """Grow every group's table to ``num_tokens`` tokens; return the new blocks per group."""

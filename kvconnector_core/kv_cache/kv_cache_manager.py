@@ -208,7 +208,7 @@ class KVCacheManager:
         if need > free:
             return None
         if new_computed_blocks is not None and any(new_blocks_per_group):
-            groups.save_new_computed_blocks(request.request_id, new_blocks_per_group)
+            groups.save_new_computed_blocks(request.request_id, new_blocks_per_group, total_computed)
         new_blocks = groups.allocate_new_blocks(request.request_id, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
             groups.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))

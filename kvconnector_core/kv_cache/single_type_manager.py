@@ -131,12 +131,24 @@ class SingleTypeKVCacheManager:
                 num_evictable += 1
         return num_new + num_evictable
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
-        """Add local cache hits to a new request's table, taking a reference on each."""
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], total_computed_tokens: int = 0
+    ) -> None:
+        """Add local cache hits to a new request's table, taking a reference on each.
+
+        Hits that ``total_computed_tokens`` (local plus external tokens) already
+        pushes out of the attention window are replaced by the null block and not
+        referenced, matching what ``get_num_blocks_to_allocate`` counted.
+        """
         if not new_computed_blocks:
             return
-        self.block_pool.touch(new_computed_blocks)
-        self.req_to_blocks[request_id].extend(new_computed_blocks)
+        num_skipped = min(self.get_num_skipped_tokens(total_computed_tokens) // self.block_size,
+                          len(new_computed_blocks))
+        blocks = list(new_computed_blocks)
+        if num_skipped:
+            blocks[:num_skipped] = [self._null_block] * num_skipped
+        self.block_pool.touch(blocks[num_skipped:])
+        self.req_to_blocks[request_id].extend(blocks)
         # Hits are cached already: caching resumes after them.
         self.num_cached_block[request_id] = len(self.req_to_blocks[request_id])
 
@@ -266,11 +278,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         hits = tuple([null] * max_blocks for _ in kv_cache_group_ids)
         get = block_pool.get_cached_block
         # With a window of one token nothing before the last token is read.
-        length: int | None = max_blocks if need == 0 else None
+        length: int | None = max_blocks - max_blocks % align_blocks if need == 0 else None
         run = 0
         for i in range(max_blocks - 1, -1, -1):
             if length is not None:
                 break
+            # A hit must end on an aligned boundary, so a run may only *start*
+            # (from the right) at a block whose end is aligned; trimming a run
+            # afterwards could leave a null block inside the window.
+            if run == 0 and ((i + 1) * bs) % alignment_tokens:
+                continue
             cached = get(_hash_at(block_hashes, i, scale), kv_cache_group_ids)
             if cached is None:
                 run = 0
@@ -281,16 +298,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if run >= need:
                 length = i + need
         if length is None:
-            # No full window anywhere: only a run starting at position 0 is usable.
+            # No full window anywhere: only a run starting at position 0 is
+            # usable (nothing before it is needed); trimming it stays safe.
             length = 0
-            while length < max_blocks and hits[0][length] is not null:
+            while length < max_blocks:
+                cached = get(_hash_at(block_hashes, length, scale), kv_cache_group_ids)
+                if cached is None:
+                    break
+                for lst, blk in zip(hits, cached):
+                    lst[length] = blk
                 length += 1
-        length -= length % align_blocks
+            length -= length % align_blocks
         for lst in hits:
             del lst[length:]
-        # Re-aligning may leave the run shorter than the window; that is safe
-        # (fewer reusable tokens), never wrong, because recomputation starts
-        # at the new end and only needs the blocks that remain.
         return hits
 
 

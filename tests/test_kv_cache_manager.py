@@ -1,0 +1,355 @@
+"""Tests for the scheduler-facing KVCacheManager (kv_cache/kv_cache_manager.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_cache.block_pool import BlockPool
+from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+from kvconnector_core.kv_cache.kv_cache_spec import cdiv
+from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, to_external_hash
+
+from _core_helpers import full_spec, make_manager, make_request, swa_spec
+
+
+def free_ids(m):
+    return [b.block_id for b in m.block_pool.free_block_queue]
+
+
+def run_prefill(m, req):
+    """Look up, allocate and compute a request's whole prompt in one step."""
+    hit, n = m.get_computed_blocks(req)
+    new = m.allocate_slots(req, req.num_tokens - n, n, hit)
+    assert new is not None
+    req.num_computed_tokens = req.num_tokens
+    return hit, n, new
+
+
+# -- get_computed_blocks ---------------------------------------------------------------------
+
+
+def test_last_token_is_always_recomputed():
+    """A fully cached prompt of whole blocks hits all but its last block."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(12), 4)
+    run_prefill(m, a)
+    m.free(a)
+    b = make_request("b", range(12), 4)
+    hit, n = m.get_computed_blocks(b)
+    assert n == 8
+    assert len(hit.blocks[0]) == 2
+
+
+def test_no_hit_with_caching_disabled():
+    """With caching disabled every lookup misses and nothing is cached."""
+    m = make_manager([full_spec(4)], 20, enable_caching=False)
+    a = make_request("a", range(12), 4)
+    run_prefill(m, a)
+    assert list(m.block_pool.iter_cached_blocks()) == []
+    m.free(a)
+    hit, n = m.get_computed_blocks(make_request("b", range(12), 4))
+    assert n == 0 and hit.blocks == ([],)
+
+
+def test_prefill_matches_vllm():
+    """Two requests sharing 3 blocks: ids, ref counts and the free order [5,4,6..10,3,2,1] (vLLM test_prefill)."""
+    bs = 16
+    m = make_manager([full_spec(bs)], 11, max_num_batched_tokens=128)
+    common = list(range(3 * bs))
+    r0 = make_request("0", common + list(range(1000, 1007)), bs)
+    hit, n, new = run_prefill(m, r0)
+    assert n == 0 and new.get_block_ids() == ([1, 2, 3, 4],)
+    r1 = make_request("1", common + list(range(2000, 2005)), bs)
+    hit, n = m.get_computed_blocks(r1)
+    assert n == 3 * bs and hit.get_block_ids() == ([1, 2, 3],)
+    new = m.allocate_slots(r1, r1.num_tokens - n, n, hit)
+    assert new.get_block_ids() == ([5],)
+    assert [b.ref_cnt for b in hit.blocks[0]] == [2, 2, 2]
+    assert m.get_block_ids("1") == ([1, 2, 3, 5],)
+    m.free(r0)
+    m.free(r1)
+    assert free_ids(m) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+
+
+def test_cache_salt_prevents_sharing():
+    """Requests with different cache salts never hit each other's blocks."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(12), 4, cache_salt="x")
+    run_prefill(m, a)
+    m.free(a)
+    _, n = m.get_computed_blocks(make_request("b", range(12), 4, cache_salt="y"))
+    assert n == 0
+    _, n = m.get_computed_blocks(make_request("c", range(12), 4, cache_salt="x"))
+    assert n == 8
+
+
+def test_prefix_cache_stats_count_tokens():
+    """Lookups record queried and hit tokens."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(12), 4)
+    run_prefill(m, a)
+    m.get_computed_blocks(make_request("b", range(12), 4))
+    st = m.prefix_cache_stats
+    assert (st.requests, st.queries, st.hits) == (2, 24, 8)
+    assert st.hit_rate == pytest.approx(8 / 24)
+
+
+# -- allocate_slots ---------------------------------------------------------------------------
+
+
+def test_allocate_slots_returns_only_new_blocks():
+    """allocate_slots returns the newly allocated blocks, not the hits."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(12), 4)
+    run_prefill(m, a)
+    b = make_request("b", list(range(12)) + [99, 98], 4)
+    hit, n = m.get_computed_blocks(b)
+    new = m.allocate_slots(b, b.num_tokens - n, n, hit)
+    assert isinstance(new, KVCacheBlocks)
+    assert len(new.blocks[0]) == 1
+    assert m.get_blocks("b").blocks[0] == hit.blocks[0] + new.blocks[0]
+
+
+def test_allocate_slots_none_when_it_cannot_fit_changes_nothing():
+    """allocate_slots returns None when the blocks do not fit, leaving pool and hits untouched."""
+    m = make_manager([full_spec(4)], 8)  # 7 usable blocks
+    a = make_request("a", range(12), 4)
+    run_prefill(m, a)
+    m.free(a)  # 3 cached, evictable blocks
+    hog = make_request("hog", range(500, 516), 4)
+    run_prefill(m, hog)  # takes the 4 uncached blocks
+    assert m.block_pool.get_num_free_blocks() == 3
+    b = make_request("b", list(range(12)) + list(range(100, 120)), 4)
+    hit, n = m.get_computed_blocks(b)
+    assert n == 12
+    before = (free_ids(m), [blk.ref_cnt for blk in m.block_pool.blocks])
+    assert m.allocate_slots(b, b.num_tokens - n, n, hit) is None
+    assert (free_ids(m), [blk.ref_cnt for blk in m.block_pool.blocks]) == before
+    assert m.get_block_ids("b") == ([],)
+
+
+def test_allocate_slots_counts_evictable_hits_against_free_blocks():
+    """Evictable hits cost free blocks: a request that fits only by evicting its own hits is rejected."""
+    m = make_manager([full_spec(4)], 6)  # 5 usable
+    a = make_request("a", range(12), 4)
+    run_prefill(m, a)
+    m.free(a)
+    b = make_request("b", list(range(12)) + list(range(100, 108)), 4)
+    hit, n = m.get_computed_blocks(b)
+    # Needs 5 blocks total: 3 hits (evictable) + 2 new = 5 free blocks -> fits exactly.
+    assert m.allocate_slots(b, b.num_tokens - n, n, hit) is not None
+    m.free(b)
+    c = make_request("c", list(range(12)) + list(range(100, 112)), 4)
+    hit, n = m.get_computed_blocks(c)
+    assert m.allocate_slots(c, c.num_tokens - n, n, hit) is None
+
+
+def test_allocate_slots_respects_reserved_blocks():
+    """reserved_blocks are kept free."""
+    m = make_manager([full_spec(4)], 6)  # 5 usable
+    a = make_request("a", range(16), 4)
+    assert m.allocate_slots(a, 16, reserved_blocks=2) is None
+    assert m.allocate_slots(a, 12, reserved_blocks=2) is not None
+
+
+def test_allocate_slots_needs_tokens():
+    """Allocating zero new and zero external tokens is a ConfigError."""
+    m = make_manager([full_spec(4)], 6)
+    with pytest.raises(ConfigError, match="num_new_tokens"):
+        m.allocate_slots(make_request("a", range(4), 4), 0)
+
+
+def test_decode_allocates_block_on_boundary_and_caches_output():
+    """Decoding allocates a block when a block fills up and caches generated full blocks."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(7), 4, max_tokens=8)
+    run_prefill(m, a)
+    a.append_output_token_ids(70)  # 8 tokens
+    assert m.allocate_slots(a, 1).blocks == ([],)
+    a.num_computed_tokens = 8
+    a.append_output_token_ids(71)  # 9 tokens
+    new = m.allocate_slots(a, 1)
+    assert len(new.blocks[0]) == 1
+    a.num_computed_tokens = 9
+    assert [b.block_hash is not None for b in m.get_blocks("a").blocks[0]] == [True, True, False]
+
+
+def test_delay_cache_blocks_skips_caching():
+    """With delay_cache_blocks nothing is cached until cache_blocks is called."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(12), 4)
+    m.allocate_slots(a, 0, num_external_computed_tokens=8, delay_cache_blocks=True)
+    assert list(m.block_pool.iter_cached_blocks()) == []
+    m.cache_blocks(a, 8)
+    assert len(list(m.block_pool.iter_cached_blocks())) == 2
+
+
+def test_lookahead_tokens_get_slots():
+    """Lookahead tokens get slots beyond the new tokens."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(4), 4)
+    new = m.allocate_slots(a, 4, num_lookahead_tokens=3)
+    assert len(new.blocks[0]) == 2
+
+
+# -- free, events, usage -----------------------------------------------------------------------
+
+
+def test_free_returns_all_blocks():
+    """free() returns every block of the request to the pool."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(10), 4)
+    run_prefill(m, a)
+    assert m.usage == pytest.approx(3 / 19)
+    m.free(a)
+    assert m.usage == 0.0
+    assert m.block_pool.get_num_free_blocks() == 19
+    assert m.get_block_ids("a") == ([],)
+
+
+def test_block_pool_is_shared_object():
+    """The manager exposes its coordinator's pool."""
+    m = make_manager([full_spec(4)], 20)
+    assert isinstance(m.block_pool, BlockPool)
+    assert m.block_pool is m.coordinator.block_pool
+
+
+def test_take_events_reports_stores_and_removals():
+    """The manager's events show stored prompt blocks, then removals when they are reused."""
+    m = make_manager([full_spec(4)], 4, enable_kv_cache_events=True)  # 3 usable
+    a = make_request("a", range(8), 4)
+    run_prefill(m, a)
+    (ev,) = m.take_events()
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == [to_external_hash(h) for h in a.block_hashes]
+    assert ev.kv_cache_spec_kind == "full_attention"
+    m.free(a)
+    run_prefill(m, make_request("b", range(100, 112), 4))
+    evs = m.take_events()
+    removed = [h for e in evs if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(to_external_hash(h) for h in a.block_hashes)
+    assert m.take_events() == []
+
+
+def test_reset_prefix_cache_through_manager():
+    """reset_prefix_cache fails while a request holds blocks and succeeds after it is freed."""
+    m = make_manager([full_spec(4)], 20, enable_kv_cache_events=True)
+    a = make_request("a", range(8), 4)
+    run_prefill(m, a)
+    m.take_events()
+    assert m.reset_prefix_cache() is False
+    m.free(a)
+    assert m.reset_prefix_cache() is True
+    assert m.take_events() == [AllBlocksCleared()]
+    _, n = m.get_computed_blocks(make_request("b", range(8), 4))
+    assert n == 0
+
+
+def test_evict_blocks_through_manager_shrinks_hit():
+    """Evicting a cached block makes later lookups stop before it."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(16), 4)
+    run_prefill(m, a)
+    m.free(a)
+    m.evict_blocks([m.block_pool.get_cached_block(a.block_hashes[1], [0])[0].block_id])
+    _, n = m.get_computed_blocks(make_request("b", range(16), 4))
+    assert n == 4
+
+
+def test_rollback_uncaches_blocks_past_valid_tokens():
+    """rollback evicts the request's own cached blocks past num_valid_tokens and re-caches them later."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(16), 4)
+    run_prefill(m, a)
+    m.rollback(a, 4)
+    blocks = m.get_blocks("a").blocks[0]
+    assert [b.block_hash is not None for b in blocks] == [True, False, False, False]
+    m.cache_blocks(a, 16)
+    assert [b.block_hash is not None for b in blocks] == [True, True, True, True]
+
+
+# -- admission with caps --------------------------------------------------------------------------
+
+
+def test_long_sliding_window_request_admitted_and_runs_to_completion():
+    """A sliding-window request longer than the whole pool is admitted and finishes by recycling blocks."""
+    bs, sw, mnbt = 4, 8, 16
+    m = make_manager([swa_spec(bs, sw)], 10, max_model_len=4096, max_num_batched_tokens=mnbt)  # 9 usable
+    cap = m.coordinator.single_type_managers[0].max_admission_blocks_per_request
+    assert cap == cdiv(sw - 1 + mnbt, bs) + 1 == 7
+    req = make_request("long", [i % 50 for i in range(200)], bs, max_tokens=8)
+    assert cdiv(req.num_tokens + req.max_tokens, bs) > 9  # longer than the whole pool
+    assert m.can_ever_fit(req)
+    first = True
+    while req.num_computed_tokens < req.num_tokens:
+        chunk = min(mnbt, req.num_tokens - req.num_computed_tokens)
+        new = m.allocate_slots(req, chunk, full_sequence_must_fit=first)
+        assert new is not None, f"stalled at {req.num_computed_tokens} tokens"
+        first = False
+        req.num_computed_tokens += chunk
+        real = [b for b in m.get_blocks("long").blocks[0] if not b.is_null]
+        assert len(real) <= cap
+    for tok in range(req.max_tokens):
+        req.append_output_token_ids(1000 + tok)
+        assert m.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        real = [b for b in m.get_blocks("long").blocks[0] if not b.is_null]
+        assert len(real) <= cap
+    assert req.num_computed_tokens == 208
+    m.free(req)
+    assert m.block_pool.get_num_free_blocks() == 9
+
+
+def test_long_sliding_window_first_allocation_returns_blocks():
+    """full_sequence_must_fit=True admits the long SWA request and returns its first blocks."""
+    m = make_manager([swa_spec(4, 8)], 10, max_model_len=4096, max_num_batched_tokens=16)
+    req = make_request("long", range(200), 4, max_tokens=8)
+    new = m.allocate_slots(req, 16, full_sequence_must_fit=True)
+    assert new is not None and len(new.blocks[0]) == 4
+
+
+def test_full_attention_request_that_never_fits_is_rejected():
+    """A full-attention request needing more blocks than the pool has is rejected up front."""
+    m = make_manager([full_spec(4)], 10, max_model_len=4096, max_num_batched_tokens=16)
+    req = make_request("long", range(200), 4, max_tokens=8)
+    assert not m.can_ever_fit(req)
+    assert m.allocate_slots(req, 16, full_sequence_must_fit=True) is None
+    assert m.block_pool.get_num_free_blocks() == 9
+    assert m.get_block_ids("long") == ([],)
+    # Without the full-sequence gate the first chunk alone would fit.
+    assert m.allocate_slots(req, 16) is not None
+
+
+def test_can_ever_fit_true_for_small_full_attention_request():
+    """A full-attention request within the pool can fit."""
+    m = make_manager([full_spec(4)], 10, max_model_len=4096, max_num_batched_tokens=16)
+    assert m.can_ever_fit(make_request("s", range(20), 4, max_tokens=8))
+
+
+def test_sliding_window_pool_smaller_than_cap_rejects():
+    """A sliding-window request is rejected when the pool is smaller than its admission cap."""
+    m = make_manager([swa_spec(4, 8)], 5, max_model_len=4096, max_num_batched_tokens=16)  # cap 7 > 4
+    req = make_request("long", range(200), 4, max_tokens=8)
+    assert not m.can_ever_fit(req)
+    assert m.allocate_slots(req, 16, full_sequence_must_fit=True) is None
+
+
+# -- sliding window with external tokens ---------------------------------------------------------
+
+
+def test_swa_local_hit_plus_external_tokens_on_tight_pool():
+    """A local SWA hit followed by external tokens allocates (or returns None) instead of raising."""
+    m = make_manager([swa_spec(2, 4)], 8, max_model_len=64, max_num_batched_tokens=16)  # 7 usable
+    a = make_request("a", range(10), 2)
+    m.allocate_slots(a, 10)
+    m.free(a)  # 5 cached blocks, evictable
+    filler = make_request("f", range(100, 140), 2)
+    assert m.allocate_slots(filler, 6) is not None  # 3 blocks; one of a's cached blocks is evicted
+    c = make_request("c", list(range(10)) + list(range(200, 210)), 2)
+    hit, n = m.get_computed_blocks(c)
+    assert n == 8
+    result = m.allocate_slots(c, 2, n, hit, num_external_computed_tokens=4)
+    assert result is not None
+    # Blocks out of the window after the external tokens (first 9 tokens -> 4 blocks) are null.
+    assert all(b.is_null for b in m.get_blocks("c").blocks[0][:4])
