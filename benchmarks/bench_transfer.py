@@ -1,0 +1,225 @@
+"""Benchmark: KV block transfers between device and pinned CPU memory (CPU offload tier).
+
+Llama-3-8B-shaped blocks by default (32 layers, 8 KV heads, head size 128, bf16,
+16-token blocks: 2 MiB per block across layers), moved in batches of 256 blocks through
+:class:`connectors.offload.transfer.KVBlockMover`, next to a contiguous pinned copy of
+the same number of bytes measured in the same run. Reports store (device -> CPU),
+load (CPU -> device) and store + load at once, in GB/s (1e9 bytes/s), for:
+
+* layouts: ``cross-layer`` (the engine's: one tensor, a block of all layers is one
+  chunk) and ``per-layer`` (one tensor per layer: 32 chunks of 64 KiB per block);
+* methods: ``per_block``, ``coalesced``, ``gather`` and ``auto`` (the default, which
+  picks coalesced or gather per job);
+* id patterns: ``scattered`` (random device blocks -> consecutive CPU blocks, the usual
+  store) and ``runs`` (consecutive on both sides, the best case for coalescing).
+
+Each time is the median of ``--reps`` runs after a warm-up, from submission to
+completion (Python submission cost included). Needs only torch::
+
+    PYTHONPATH=. python3 benchmarks/bench_transfer.py            # CUDA if present
+    PYTHONPATH=. python3 benchmarks/bench_transfer.py --device cpu --num-gpu-blocks 256 --batch 64
+
+Writes ``bench_transfer.json`` to ``$OUT`` (or ``--json``) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from connectors.offload.transfer import KVBlockMover
+
+__all__ = ["main"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _contiguous(nbytes: int, device: torch.device, reps: int) -> dict[str, float]:
+    """One pinned contiguous copy of ``nbytes`` each way, and both ways at once."""
+    pin = device.type == "cuda"
+    dev = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device) for _ in range(2)]
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    out = {
+        "store": nbytes / _median_seconds(lambda: host[0].copy_(dev[0], non_blocking=True),
+                                          device, reps),
+        "load": nbytes / _median_seconds(lambda: dev[1].copy_(host[1], non_blocking=True),
+                                         device, reps),
+    }
+    if device.type == "cuda":
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def both() -> None:
+            s1.wait_stream(torch.cuda.current_stream(device))
+            s2.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(s1):
+                host[0].copy_(dev[0], non_blocking=True)
+            with torch.cuda.stream(s2):
+                dev[1].copy_(host[1], non_blocking=True)
+            torch.cuda.current_stream(device).wait_stream(s1)
+            torch.cuda.current_stream(device).wait_stream(s2)
+
+        out["both"] = 2 * nbytes / _median_seconds(both, device, reps)
+    else:
+        def both_cpu() -> None:
+            host[0].copy_(dev[0])
+            dev[1].copy_(host[1])
+
+        out["both"] = 2 * nbytes / _median_seconds(both_cpu, device, reps)
+    return {k: v / 1e9 for k, v in out.items()}
+
+
+def _make_cache(args: argparse.Namespace, device: torch.device, layout: str
+                ) -> dict[str, torch.Tensor]:
+    shape = (args.num_gpu_blocks, 2, args.block_size, args.kv_heads, args.head_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    if layout == "cross-layer":
+        base = torch.empty((shape[0], args.layers, *shape[1:]), dtype=torch.bfloat16, device=device)
+        base.normal_(generator=gen)  # never time zeros
+        return {f"layer.{i}": base[:, i] for i in range(args.layers)}
+    return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(generator=gen)
+            for i in range(args.layers)}
+
+
+def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
+                  rows: list[dict]) -> None:
+    caches = _make_cache(args, device, layout)
+    n = args.batch
+    mover = KVBlockMover(caches, num_cpu_blocks=2 * n)
+    nbytes = n * mover.layout.block_bytes
+    gen = torch.Generator().manual_seed(1)
+    perm = torch.randperm(args.num_gpu_blocks, generator=gen).tolist()
+    patterns = {
+        "scattered": (perm[:n], perm[n:2 * n]),
+        "runs": (list(range(n)), list(range(n, 2 * n))),
+    }
+    store_cpu, load_cpu = list(range(n)), list(range(n, 2 * n))
+    job = iter(range(1 << 30))
+    for method in args.methods:
+        mover.method = method
+        for pattern, (store_gpu, load_gpu) in patterns.items():
+            def store(gpu: list[int] = store_gpu) -> None:
+                mover.submit_store(next(job), gpu, store_cpu)
+                mover.wait()
+
+            def load(gpu: list[int] = load_gpu) -> None:
+                mover.submit_load(next(job), load_cpu, gpu)
+                mover.wait()
+
+            def both(sg: list[int] = store_gpu, lg: list[int] = load_gpu) -> None:
+                mover.submit_store(next(job), sg, store_cpu)
+                mover.submit_load(next(job), load_cpu, lg)
+                mover.wait()
+
+            row = {"layout": layout, "method": method, "pattern": pattern}
+            for name, fn, moved in (("store", store, nbytes), ("load", load, nbytes),
+                                    ("both", both, 2 * nbytes)):
+                row[name] = moved / _median_seconds(fn, device, args.reps) / 1e9
+            results = mover.get_finished()
+            row["ok"] = all(r.success for r in results) and _check(mover, caches, store_gpu,
+                                                                   store_cpu)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    mover.shutdown()
+
+
+def _check(mover: KVBlockMover, caches: dict[str, torch.Tensor], gpu: list[int],
+           cpu: list[int]) -> bool:
+    """Byte-exact check of a few stored blocks against the device cache."""
+    mover.submit_store(-1, gpu, cpu)
+    mover.wait()
+    if not all(r.success for r in mover.get_finished()):
+        return False
+    for i in (0, len(gpu) // 2, len(gpu) - 1):
+        for dev_plane, cpu_plane in zip(mover.layout.planes, mover.cpu_planes, strict=True):
+            if not torch.equal(dev_plane[gpu[i]].cpu(), cpu_plane[cpu[i]]):
+                return False
+    return True
+
+
+def _table(rows: list[dict], contig: dict[str, float]) -> str:
+    head = ("| layout | method | ids | store GB/s | x contig | load GB/s | x contig "
+            "| store+load GB/s | x one-way contig | ok |")
+    lines = [head, "|" + "---|" * 10]
+    lines.append(f"| contiguous pinned copy | - | - | {contig['store']:.1f} | 1.00 | "
+                 f"{contig['load']:.1f} | 1.00 | {contig['both']:.1f} | "
+                 f"{contig['both'] / max(contig['store'], contig['load']):.2f} | - |")
+    for r in rows:
+        method = r["method"] + (" (default)" if r["method"] == "auto" else "")
+        lines.append(
+            f"| {r['layout']} | {method} | {r['pattern']} | {r['store']:.1f} | "
+            f"{r['store'] / contig['store']:.2f} | {r['load']:.1f} | {r['load'] / contig['load']:.2f}"
+            f" | {r['both']:.1f} | {r['both'] / max(contig['store'], contig['load']):.2f} | "
+            f"{'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print JSON rows, then a markdown table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="device blocks per cache (default 4096 on CUDA, 256 on CPU)")
+    p.add_argument("--batch", type=int, default=None, help="blocks per transfer (default 256; 64 on CPU)")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--methods", nargs="+", default=["per_block", "coalesced", "gather", "auto"])
+    p.add_argument("--layouts", nargs="+", default=["cross-layer", "per-layer"])
+    p.add_argument("--json", default=None, help="write results here (default $OUT/bench_transfer.json)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    args.num_gpu_blocks = args.num_gpu_blocks or (4096 if on_cuda else 256)
+    args.batch = args.batch or (256 if on_cuda else 64)
+    block_bytes = args.layers * 2 * args.block_size * args.kv_heads * args.head_size * 2
+    info = {
+        "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+        "torch": torch.__version__, "block_MiB": block_bytes / 2**20, "batch": args.batch,
+        "batch_MiB": args.batch * block_bytes / 2**20, "reps": args.reps,
+    }
+    print(json.dumps(info), flush=True)
+    contig = _contiguous(args.batch * block_bytes, device, args.reps)
+    print(json.dumps({"contiguous": contig}), flush=True)
+    rows: list[dict] = []
+    for layout in args.layouts:
+        _bench_layout(args, device, layout, rows)
+        if on_cuda:
+            torch.cuda.empty_cache()
+    table = _table(rows, contig)
+    out_path = args.json or (os.path.join(os.environ["OUT"], "bench_transfer.json")
+                             if os.environ.get("OUT") else None)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"info": info, "contiguous": contig, "rows": rows, "table": table}, f, indent=1)
+    print(f"\n{info['device']}, torch {info['torch']}, {info['batch']} blocks of "
+          f"{info['block_MiB']:.2f} MiB per transfer, median of {args.reps}")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,311 @@
+"""Scheduler side of the CPU offloading tier: which blocks the tier holds, and where.
+
+Primitives:
+    LoadStoreSpec        slot ids of one transfer, in key order (crosses to the worker)
+    PrepareStoreOutput   what ``prepare_store`` decided: keys to write, their slots, victims
+    OffloadingEvent      keys stored in / removed from a medium (no block size: the
+                         connector knows the block geometry and adds it on the wire)
+    OffloadingManager    ABC: lookup / prepare_load / touch / complete_load /
+                         prepare_store / complete_store / take_events
+    CPUOffloadingManager slot allocator + ref counts over a pluggable cache policy
+
+Lifecycle of a stored block: ``prepare_store`` gives it a slot at ref -1 (invisible to
+``lookup``); ``complete_store(success=True)`` makes it ready (ref 0, evictable) and emits
+one stored event per batch; ``complete_store(success=False)`` frees the slot and the
+key never becomes visible. ``prepare_load`` pins ready blocks (ref > 0) until
+``complete_load``; pinned or in-flight blocks are never evicted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from connectors.offload.policies import OffloadKey, SlotEntry, get_cache_policy
+from kvconnector_core.errors import ConfigError, InvariantError
+
+__all__ = [
+    "CPUOffloadingManager",
+    "LoadStoreSpec",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+]
+
+
+class LoadStoreSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the blocks of one transfer live in an offloading medium.
+
+    Attributes:
+        block_ids: slot ids in the medium, in the order of the keys they belong to.
+        medium: name of the medium (``"CPU"``).
+    """
+
+    block_ids: tuple[int, ...]
+    medium: str = "CPU"
+
+
+class PrepareStoreOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """Result of :meth:`OffloadingManager.prepare_store`.
+
+    Attributes:
+        keys_to_store: the keys that must be written (not already held), in input order.
+        store_spec: one slot per key of ``keys_to_store``, same order.
+        evicted_keys: keys evicted to make room (already gone from the tier).
+    """
+
+    keys_to_store: tuple[OffloadKey, ...]
+    store_spec: LoadStoreSpec
+    evicted_keys: tuple[OffloadKey, ...]
+
+
+class OffloadingEvent(msgspec.Struct, frozen=True):
+    """Keys that became available in, or were removed from, an offloading medium.
+
+    Attributes:
+        keys: the affected keys, in the order they were stored / evicted.
+        medium: the medium (``"CPU"``).
+        removed: True for a removal, False for a store.
+    """
+
+    keys: tuple[OffloadKey, ...]
+    medium: str
+    removed: bool
+
+
+class OffloadingManager(ABC):
+    """Bookkeeping of one offloading tier; runs in the scheduler, moves no bytes.
+
+    Required operations are abstract; ``touch``, ``complete_load`` and ``take_events``
+    have no-op defaults for tiers that need no recency, pinning or events.
+    """
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        """Return how many leading ``keys`` are held and ready to load."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
+        """Pin ``keys`` (all held and ready) until :meth:`complete_load`.
+
+        Returns:
+            The slots of ``keys``, in key order.
+
+        Raises:
+            InvariantError: a key is absent or not ready.
+        """
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """Record a use of ``keys`` (hits on any tier); absent keys are ignored."""
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027
+        """Unpin ``keys`` after their load finished (successfully or not)."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """Reserve slots for the ``keys`` not yet held, evicting if needed.
+
+        Keys already held are never stored again, and every key passed in is protected
+        from this call's evictions.
+
+        Returns:
+            The plan, or None (nothing changed) when not enough space can be freed.
+        """
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        """Finish a store: make ``keys`` readable, or drop them if ``success`` is False."""
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Return and forget the events recorded since the last call."""
+        return ()
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Offloading manager of a fixed number of CPU slots.
+
+    Slots are handed out fresh in ascending order first, then reused last-freed-first,
+    which keeps a cold cache's writes contiguous (one DMA run per store batch).
+
+    Args:
+        num_blocks: number of slots (offloaded blocks) of the tier.
+        cache_policy: name of a registered policy (``"lru"`` or ``"arc"`` built in).
+        enable_events: record :class:`OffloadingEvent` for :meth:`take_events`.
+        medium: medium name put on specs and events.
+
+    Raises:
+        ConfigError: ``num_blocks`` is not positive or the policy is unknown.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+        *,
+        medium: str = "CPU",
+    ) -> None:
+        if num_blocks <= 0:
+            msg = f"num_blocks must be a positive number of CPU blocks, got {num_blocks!r}"
+            raise ConfigError(msg)
+        self.num_blocks = num_blocks
+        self.medium = medium
+        self.policy = get_cache_policy(cache_policy)(num_blocks)
+        self._enable_events = enable_events
+        self._events: list[OffloadingEvent] = []
+        self._num_fresh = 0  # slots [0, _num_fresh) have been handed out at least once
+        self._free_list: list[int] = []
+        self._num_evictable = 0  # entries at ref 0
+        self.num_stores_skipped = 0  # keys offered that were already held
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Slots not holding any block."""
+        return self.num_blocks - self._num_fresh + len(self._free_list)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Held blocks that are ready and not pinned."""
+        return self._num_evictable
+
+    @property
+    def usage(self) -> float:
+        """Fraction of slots holding a block (ready or being written)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        """See :meth:`OffloadingManager.lookup`."""
+        hits = 0
+        for key in keys:
+            entry = self.policy.get(key)
+            if entry is None or not entry.is_ready:
+                break
+            hits += 1
+        return hits
+
+    # ------------------------------------------------------------------ loads
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
+        """See :meth:`OffloadingManager.prepare_load`."""
+        entries = [self._ready_entry(key) for key in keys]  # validate all before pinning
+        for entry in entries:
+            if entry.ref_cnt == 0:
+                self._num_evictable -= 1
+            entry.ref_cnt += 1
+        return LoadStoreSpec(block_ids=tuple(e.slot_id for e in entries), medium=self.medium)
+
+    def _ready_entry(self, key: OffloadKey) -> SlotEntry:
+        entry = self.policy.get(key)
+        if entry is None or not entry.is_ready:
+            state = "absent" if entry is None else "still being written"
+            msg = f"prepare_load: key {key.hex()[:16]} is {state}; lookup() must hit first"
+            raise InvariantError(msg)
+        return entry
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`OffloadingManager.touch`."""
+        self.policy.touch(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`OffloadingManager.complete_load`.
+
+        Raises:
+            InvariantError: a key is not pinned by a load.
+        """
+        for key in keys:
+            entry = self.policy.get(key)
+            if entry is None or entry.ref_cnt <= 0:
+                msg = f"complete_load: key {key.hex()[:16]} has no load in flight"
+                raise InvariantError(msg)
+            entry.ref_cnt -= 1
+            if entry.ref_cnt == 0:
+                self._num_evictable += 1
+
+    # ------------------------------------------------------------------ stores
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """See :meth:`OffloadingManager.prepare_store`."""
+        new_keys = list(dict.fromkeys(k for k in keys if self.policy.get(k) is None))
+        self.num_stores_skipped += len(keys) - len(new_keys)
+        need = len(new_keys) - self.num_free_blocks
+        evicted: list[OffloadKey] = []
+        if need > 0:
+            # Cheap refusal first: the policy could not succeed anyway.
+            if need > self._num_evictable:
+                return None
+            victims = self.policy.evict(need, frozenset(keys))
+            if victims is None:
+                return None
+            for key, entry in victims:
+                self._num_evictable -= 1
+                self._free_list.append(entry.slot_id)
+                evicted.append(key)
+            self._record(evicted, removed=True)
+        slot_ids = []
+        for key in new_keys:
+            slot_id = self._allocate_slot()
+            self.policy.insert(key, SlotEntry(slot_id, ref_cnt=-1))
+            slot_ids.append(slot_id)
+        return PrepareStoreOutput(
+            keys_to_store=tuple(new_keys),
+            store_spec=LoadStoreSpec(block_ids=tuple(slot_ids), medium=self.medium),
+            evicted_keys=tuple(evicted),
+        )
+
+    def _allocate_slot(self) -> int:
+        if self._num_fresh < self.num_blocks:
+            self._num_fresh += 1
+            return self._num_fresh - 1
+        if not self._free_list:  # prepare_store counted free slots; cannot happen
+            msg = "CPUOffloadingManager: no free slot after eviction"
+            raise InvariantError(msg)
+        return self._free_list.pop()
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        """See :meth:`OffloadingManager.complete_store`.
+
+        Keys that are absent or already ready are ignored, so a retry or a duplicate
+        report is harmless. A failed store emits no event: it was never visible.
+        """
+        done: list[OffloadKey] = []
+        for key in keys:
+            entry = self.policy.get(key)
+            if entry is None or entry.ref_cnt != -1:
+                continue
+            if success:
+                entry.ref_cnt = 0
+                self._num_evictable += 1
+                done.append(key)
+            else:
+                self.policy.remove(key)
+                self._free_list.append(entry.slot_id)
+        if done:
+            self._record(done, removed=False)
+
+    # ------------------------------------------------------------------ events / reset
+    def _record(self, keys: Sequence[OffloadKey], *, removed: bool) -> None:
+        if self._enable_events and keys:
+            self._events.append(OffloadingEvent(tuple(keys), self.medium, removed))
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """See :meth:`OffloadingManager.take_events`."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> bool:
+        """Drop every block, unless a load or store is in flight.
+
+        Returns:
+            True if the tier was cleared (one removal event for the ready blocks),
+            False if some block is pinned or being written (nothing changed).
+        """
+        entries = list(self.policy)
+        if any(e.ref_cnt != 0 for _, e in entries):
+            return False
+        self._record([k for k, _ in entries], removed=True)
+        self.policy.clear()
+        self._num_fresh = 0
+        self._free_list.clear()
+        self._num_evictable = 0
+        return True

@@ -1,0 +1,358 @@
+"""Cache policies of the CPU offloading tier: which offloaded blocks to evict.
+
+A policy owns the key -> :class:`SlotEntry` map of one tier and its eviction order;
+the manager (:mod:`connectors.offload.manager`) owns slots, ref counts and events.
+
+Primitives:
+    SlotEntry            a live entry: the slot holding the block and its ref count
+    CachePolicy          ABC: get / insert / remove / touch / evict(n, protected) / clear
+    LRUCachePolicy       least recently used; tails of a touched prefix are evicted first
+    ARCCachePolicy       adaptive replacement cache (T1/T2 live lists, B1/B2 ghost lists)
+    register_cache_policy(name, cls) / get_cache_policy(name) / available_cache_policies()
+
+Ref counts follow the manager's convention: ``-1`` = being written (not readable, not
+evictable), ``0`` = ready and evictable, ``> 0`` = pinned by that many loads.
+
+``evict`` is atomic: it either returns exactly ``n`` victims (already removed from the
+policy) or ``None`` having changed nothing, so a refused store leaves no trace.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvconnector_core.errors import ConfigError
+
+__all__ = [
+    "ARCCachePolicy",
+    "CachePolicy",
+    "LRUCachePolicy",
+    "OffloadKey",
+    "SlotEntry",
+    "available_cache_policies",
+    "get_cache_policy",
+    "register_cache_policy",
+]
+
+OffloadKey = bytes
+"""Key of an offloaded block: the chained hash of the last GPU block it holds."""
+
+
+@dataclass(slots=True)
+class SlotEntry:
+    """One offloaded block held by the tier.
+
+    Attributes:
+        slot_id: index of the block in the tier's buffer.
+        ref_cnt: -1 while being written, 0 when ready, > 0 while pinned by loads.
+    """
+
+    slot_id: int
+    ref_cnt: int = -1
+
+    @property
+    def is_ready(self) -> bool:
+        """True once the block's bytes are complete (it may be read)."""
+        return self.ref_cnt >= 0
+
+    @property
+    def is_evictable(self) -> bool:
+        """True when the block is ready and no load pins it."""
+        return self.ref_cnt == 0
+
+
+Victims = list[tuple[OffloadKey, SlotEntry]]
+
+
+class CachePolicy(ABC):
+    """Orders the live entries of one tier and picks eviction victims.
+
+    Args:
+        capacity: number of slots of the tier (bounds ghost state, if any).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    @abstractmethod
+    def get(self, key: OffloadKey) -> SlotEntry | None:
+        """Return the live entry of ``key``, or None when the tier does not hold it."""
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, entry: SlotEntry) -> None:
+        """Add a new live entry (the caller guarantees ``key`` is not present)."""
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Drop a live entry without recording it as evicted (no ghost is kept)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark ``keys`` as used now; absent keys are ignored (or adapt ghost state).
+
+        Keys are processed in reverse so that the head of a prefix ends up the most
+        recent and the tail is evicted first.
+        """
+
+    @abstractmethod
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
+        """Remove and return ``n`` evictable entries not in ``protected``.
+
+        Returns:
+            The victims in eviction order, or None (nothing changed) when fewer than
+            ``n`` entries can be evicted.
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every entry and all adaptive state."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of live entries."""
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[tuple[OffloadKey, SlotEntry]]:
+        """Iterate over live entries, least valuable first."""
+
+
+class LRUCachePolicy(CachePolicy):
+    """Least-recently-used eviction; the front of the ordered dict is evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._entries: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> SlotEntry | None:
+        """See :meth:`CachePolicy.get`."""
+        return self._entries.get(key)
+
+    def insert(self, key: OffloadKey, entry: SlotEntry) -> None:
+        """See :meth:`CachePolicy.insert`; new entries are the most recent."""
+        self._entries[key] = entry
+
+    def remove(self, key: OffloadKey) -> None:
+        """See :meth:`CachePolicy.remove`."""
+        self._entries.pop(key, None)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`CachePolicy.touch`."""
+        for key in reversed(keys):
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
+        """See :meth:`CachePolicy.evict`; scans from the least recent end."""
+        if n <= 0:
+            return []
+        picked: list[OffloadKey] = []
+        for key, entry in self._entries.items():
+            if entry.is_evictable and key not in protected:
+                picked.append(key)
+                if len(picked) == n:
+                    break
+        if len(picked) < n:
+            return None
+        return [(key, self._entries.pop(key)) for key in picked]
+
+    def clear(self) -> None:
+        """See :meth:`CachePolicy.clear`."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[tuple[OffloadKey, SlotEntry]]:
+        return iter(list(self._entries.items()))
+
+
+class ARCCachePolicy(CachePolicy):
+    """Adaptive replacement cache (Megiddo & Modha), adapted to pinned entries.
+
+    Live entries sit in T1 (seen once) or T2 (seen again); evicted keys are remembered
+    in the ghost lists B1 / B2, each bounded by ``capacity``. ``target`` is the size T1
+    should have: a touch that hits a B1 ghost raises it (recency is paying off), one
+    that hits a B2 ghost lowers it. Adaptation happens in :meth:`touch` only (the
+    classic vLLM behaviour); ``prepare_store`` never changes the target.
+
+    Attributes:
+        target: the adaptive target size of T1, in ``[0, capacity]``.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.target = 0.0
+        self._t1: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
+        self._t2: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
+        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    # Read-only views for tests and diagnostics.
+    @property
+    def t1(self) -> tuple[OffloadKey, ...]:
+        """Keys of T1, least recent first."""
+        return tuple(self._t1)
+
+    @property
+    def t2(self) -> tuple[OffloadKey, ...]:
+        """Keys of T2, least recent first."""
+        return tuple(self._t2)
+
+    @property
+    def b1(self) -> tuple[OffloadKey, ...]:
+        """Ghost keys evicted from T1, oldest first."""
+        return tuple(self._b1)
+
+    @property
+    def b2(self) -> tuple[OffloadKey, ...]:
+        """Ghost keys evicted from T2, oldest first."""
+        return tuple(self._b2)
+
+    def get(self, key: OffloadKey) -> SlotEntry | None:
+        """See :meth:`CachePolicy.get`."""
+        entry = self._t1.get(key)
+        return entry if entry is not None else self._t2.get(key)
+
+    def insert(self, key: OffloadKey, entry: SlotEntry) -> None:
+        """See :meth:`CachePolicy.insert`; a new key enters T1 and leaves the ghosts."""
+        self._t1[key] = entry
+        self._b1.pop(key, None)
+        self._b2.pop(key, None)
+
+    def remove(self, key: OffloadKey) -> None:
+        """See :meth:`CachePolicy.remove`."""
+        if self._t1.pop(key, None) is None:
+            self._t2.pop(key, None)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`CachePolicy.touch`; promotes ready T1 hits and adapts the target."""
+        for key in reversed(keys):
+            entry = self._t1.get(key)
+            if entry is not None:
+                if entry.is_ready:
+                    # Second use: the block is frequency-worthy.
+                    del self._t1[key]
+                    self._t2[key] = entry
+                else:
+                    # Still being written: a re-offer is not a re-use.
+                    self._t1.move_to_end(key)
+            elif key in self._t2:
+                self._t2.move_to_end(key)
+            elif key in self._b1:
+                step = max(1.0, len(self._b2) / len(self._b1))
+                self.target = min(self.target + step, float(self.capacity))
+                self._b1.move_to_end(key)
+            elif key in self._b2:
+                step = max(1.0, len(self._b1) / len(self._b2))
+                self.target = max(self.target - step, 0.0)
+                self._b2.move_to_end(key)
+
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
+        """See :meth:`CachePolicy.evict`.
+
+        Victims are chosen by simulation first (so a shortfall changes nothing): while
+        T1 is at least its target, take T1's least recent evictable entry, else T2's;
+        fall back to the other list when the preferred one has nothing evictable.
+        """
+        if n <= 0:
+            return []
+        t1_iter = self._evictable(self._t1, protected)
+        t2_iter = self._evictable(self._t2, protected)
+        t1_size = len(self._t1)
+        picks: list[tuple[bool, OffloadKey]] = []  # (from_t1, key)
+        for _ in range(n):
+            key = next(t1_iter, None) if t1_size >= int(self.target) else None
+            from_t1 = key is not None
+            if key is None:
+                key = next(t2_iter, None)
+            if key is None:
+                key = next(t1_iter, None)
+                from_t1 = key is not None
+            if key is None:
+                return None
+            if from_t1:
+                t1_size -= 1
+            picks.append((from_t1, key))
+        victims: Victims = []
+        for from_t1, key in picks:
+            live, ghost = (self._t1, self._b1) if from_t1 else (self._t2, self._b2)
+            victims.append((key, live.pop(key)))
+            ghost[key] = None
+        for ghost in (self._b1, self._b2):
+            while len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+        return victims
+
+    @staticmethod
+    def _evictable(
+        entries: OrderedDict[OffloadKey, SlotEntry], protected: Collection[OffloadKey]
+    ) -> Iterator[OffloadKey]:
+        # A generator over the live dict: safe because nothing is removed until the
+        # simulation in evict() has finished.
+        return (k for k, e in entries.items() if e.is_evictable and k not in protected)
+
+    def clear(self) -> None:
+        """See :meth:`CachePolicy.clear`; also resets the target."""
+        self.target = 0.0
+        for d in (self._t1, self._t2, self._b1, self._b2):
+            d.clear()
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __iter__(self) -> Iterator[tuple[OffloadKey, SlotEntry]]:
+        return iter([*self._t1.items(), *self._t2.items()])
+
+
+_POLICIES: dict[str, type[CachePolicy]] = {
+    "lru": LRUCachePolicy,
+    "arc": ARCCachePolicy,
+}
+
+
+def register_cache_policy(name: str, cls: type[CachePolicy]) -> None:
+    """Make a cache policy available under ``name`` (case-insensitive).
+
+    Args:
+        name: the value users give as ``cache_policy``.
+        cls: a :class:`CachePolicy` subclass, constructed as ``cls(capacity)``.
+
+    Raises:
+        ConfigError: ``cls`` is not a CachePolicy subclass, or ``name`` is already
+            taken by a different class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
+        msg = f"cache policy {name!r}: {cls!r} is not a subclass of CachePolicy"
+        raise ConfigError(msg)
+    key = name.lower()
+    existing = _POLICIES.get(key)
+    if existing is not None and existing is not cls:
+        msg = (
+            f"cache policy {name!r} is already registered to "
+            f"{existing.__module__}.{existing.__qualname__}; cannot register "
+            f"{cls.__module__}.{cls.__qualname__}"
+        )
+        raise ConfigError(msg)
+    _POLICIES[key] = cls
+
+
+def available_cache_policies() -> list[str]:
+    """Return the registered policy names, sorted."""
+    return sorted(_POLICIES)
+
+
+def get_cache_policy(name: str) -> type[CachePolicy]:
+    """Return the policy class registered under ``name`` (case-insensitive).
+
+    Raises:
+        ConfigError: no policy of that name; the message lists the known ones.
+    """
+    cls = _POLICIES.get(str(name).lower())
+    if cls is None:
+        known = ", ".join(repr(p) for p in available_cache_policies())
+        msg = f"unknown cache policy {name!r}; known policies: {known}"
+        raise ConfigError(msg)
+    return cls

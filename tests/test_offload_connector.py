@@ -1,0 +1,231 @@
+"""OffloadingConnector: config, planning, events, failures, and the engine end to end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from connectors.offload import transfer as tr
+from connectors.offload.connector import OffloadingConnector, OffloadingConnectorMetadata
+from kvconnector_core.connector.base import KVConnectorRole
+from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.connector.metadata import check_metadata_roundtrip
+from kvconnector_core.engine.engine import Engine, EngineConfig
+from kvconnector_core.engine.workloads import TraceRequest
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvconnector_core.kv_events import BlockRemoved, BlockStored, to_external_hash
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ]),
+]
+
+
+def kv_config(groups: int = 1, block_size: int = 16) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8)
+    return KVCacheConfig(num_blocks=32, kv_cache_groups=[
+        KVCacheGroupSpec([f"g{g}.l{i}" for i in range(2)], spec) for g in range(groups)])
+
+
+def make(extra: dict, kv: KVCacheConfig | None = None,
+         role: KVConnectorRole = KVConnectorRole.SCHEDULER) -> OffloadingConnector:
+    cfg = KVConnectorConfig(name="cpu_offload", extra_config=extra)
+    return OffloadingConnector(cfg, role, kv or kv_config())
+
+
+# ------------------------------------------------------------------------------ config
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"num_cpu_blocks": 4, "block_size": 24}, "multiple of the GPU block size 16"),
+    ({"num_cpu_blocks": 4, "block_size": 32, "blocks_per_chunk": 2}, "not both"),
+    ({"num_cpu_blocks": 4, "blocks_per_chunk": 0}, "blocks_per_chunk=0"),
+    ({}, "num_cpu_blocks"),
+    ({"num_cpu_blocks": 0}, "at least one"),
+    ({"num_cpu_blocks": 4, "cache_policy": "mru"}, "unknown cache policy 'mru'"),
+], ids=["bad-block-size", "both-sizes", "zero-factor", "no-capacity", "zero-capacity", "policy"])
+def test_invalid_config(extra: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make(extra)
+
+
+def test_multi_group_is_refused() -> None:
+    with pytest.raises(ConfigError, match="single KV cache group"):
+        make({"num_cpu_blocks": 4}, kv_config(groups=2))
+
+
+def test_capacity_from_bytes_and_chunk_size_from_tokens() -> None:
+    kv = kv_config()
+    conn = make({"cpu_bytes": 10 * 2 * kv.bytes_per_block + 5, "block_size": 32}, kv)
+    assert conn.offload_config.blocks_per_chunk == 2
+    assert conn.offload_config.num_cpu_blocks == 10
+
+
+def test_registered_under_both_names() -> None:
+    from kvconnector_core.connector.registry import create_connector
+
+    for name in ("OffloadingConnector", "cpu_offload"):
+        conn = create_connector(KVConnectorConfig(name=name, extra_config={"num_cpu_blocks": 2}),
+                                KVConnectorRole.SCHEDULER, kv_config())
+        assert isinstance(conn, OffloadingConnector)
+
+
+# ------------------------------------------------------------------------------ engine
+def doc_trace(seed: int = 0, rounds: int = 3) -> list[TraceRequest]:
+    """Four 96-token documents asked about repeatedly; the GPU pool cannot keep them all."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(1000) for _ in range(96)] for _ in range(4)]
+    return [
+        TraceRequest(request_id=f"r{r}-{d}", arrival=r * 40 + d * 2, max_new_tokens=8,
+                     prompt_token_ids=doc + [rng.randrange(1000) for _ in range(5)])
+        for r in range(rounds) for d, doc in enumerate(docs)
+    ]
+
+
+def engine(device: str, connector: dict | None) -> Engine:
+    return Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256,
+                               max_num_batched_tokens=128, max_num_seqs=2, device=device,
+                               connector=connector))
+
+
+OFFLOAD = {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "blocks_per_chunk": 2}}
+
+
+def record_events(eng: Engine) -> list:
+    """Capture the connector's wire events as the engine takes them."""
+    seen: list = []
+    conn = eng.scheduler_connector
+    original = conn.take_events
+
+    def take() -> list:
+        events = original()
+        seen.extend(events)
+        return events
+
+    conn.take_events = take  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["lru", "arc"], ids=["lru", "arc"])
+def test_engine_serves_prefixes_from_cpu_with_identical_outputs(device: str, policy: str) -> None:
+    trace = doc_trace()
+    baseline = engine(device, None).run(trace)
+    offload = dict(OFFLOAD, extra_config=dict(OFFLOAD["extra_config"], cache_policy=policy))
+    eng = engine(device, offload)
+    events = record_events(eng)
+    result = eng.run(trace)
+    assert result.outputs == baseline.outputs
+    m = result.metrics
+    assert m.connector_hit_tokens > 0  # repeated documents came back from the CPU tier
+    assert m.prefill_tokens_computed < baseline.metrics.prefill_tokens_computed
+    assert m.bytes_loaded > 0 and m.bytes_stored > 0 and m.connector_errors == {}
+    # Wire events: self-describing, and a replay matches what the tier holds.
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored and all(e.medium == "CPU" and e.block_size == 16 for e in stored)
+    assert all(len(e.token_ids) == 16 * len(e.block_hashes) == 32 for e in stored)
+    assert any(e.parent_block_hash is not None for e in stored)
+    held: set[int] = set()
+    for e in events:
+        held = held | set(e.block_hashes) if isinstance(e, BlockStored) else held - set(e.block_hashes)
+        assert isinstance(e, (BlockStored, BlockRemoved))
+    manager = eng.scheduler_connector.manager
+    ready = {key for key, entry in manager.policy if entry.ref_cnt >= 0}
+    # Each chunk key is its last GPU block's hash, which must be on the wire.
+    assert {to_external_hash(k) for k in ready} <= held
+    assert len(held) == 2 * len(ready)
+    eng.shutdown()
+
+
+def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tr.KVBlockMover._copy
+
+    def fail_stores(self: tr.KVBlockMover, job: tr._Job, is_store: bool, *args: object) -> None:
+        if is_store:
+            raise RuntimeError("injected store failure")
+        real(self, job, is_store, *args)
+
+    monkeypatch.setattr(tr.KVBlockMover, "_copy", fail_stores)
+    trace = doc_trace(rounds=2)
+    baseline = engine("cpu", None).run(trace)
+    eng = engine("cpu", OFFLOAD)
+    events = record_events(eng)
+    result = eng.run(trace)
+    assert result.outputs == baseline.outputs
+    assert result.metrics.connector_hit_tokens == 0
+    assert len(eng.scheduler_connector.manager.policy) == 0  # every slot given back
+    assert not [e for e in events if isinstance(e, BlockStored)]
+
+
+def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tr.KVBlockMover._copy
+
+    def fail_loads(self: tr.KVBlockMover, job: tr._Job, is_store: bool, *args: object) -> None:
+        if not is_store:
+            raise RuntimeError("injected load failure")
+        real(self, job, is_store, *args)
+
+    monkeypatch.setattr(tr.KVBlockMover, "_copy", fail_loads)
+    trace = doc_trace(rounds=2)
+    baseline = engine("cpu", None).run(trace)
+    eng = engine("cpu", OFFLOAD)
+    result = eng.run(trace)
+    assert result.outputs == baseline.outputs  # recomputed, never garbage
+    assert result.metrics.num_failed_loads_recovered > 0
+    assert result.metrics.bytes_loaded == 0
+    # Loads were unpinned after failing: everything is evictable again.
+    manager = eng.scheduler_connector.manager
+    assert all(entry.ref_cnt == 0 for _, entry in manager.policy)
+
+
+def test_preemption_flushes_stores_and_outputs_match() -> None:
+    rng = random.Random(3)
+    trace = [TraceRequest(request_id=f"q{i}", arrival=0, max_new_tokens=40,
+                          prompt_token_ids=[rng.randrange(1000) for _ in range(70)])
+             for i in range(4)]
+    def small(connector: dict | None) -> Engine:
+        return Engine(EngineConfig(num_gpu_blocks=14, block_size=16, max_model_len=128,
+                                   max_num_batched_tokens=64, max_num_seqs=4, connector=connector))
+    baseline = small(None).run(trace)
+    result = small(OFFLOAD).run(trace)
+    assert result.metrics.num_preemptions > 0
+    assert result.outputs == baseline.outputs
+
+
+def test_metadata_survives_msgpack() -> None:
+    eng = engine("cpu", OFFLOAD)
+    for r in doc_trace(rounds=1)[:2]:
+        eng.add_request(r.prompt_token_ids, r.max_new_tokens, request_id=r.request_id)
+    metas = []
+    original = eng.scheduler_connector.build_connector_meta
+
+    def capture(so: object) -> OffloadingConnectorMetadata:
+        meta = original(so)
+        metas.append(meta)
+        return meta
+
+    eng.scheduler_connector.build_connector_meta = capture  # type: ignore[method-assign]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert any(m.stores for m in metas)
+    for meta in metas:
+        check_metadata_roundtrip(meta)
+
+
+def test_cli_run_with_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvconnector run --connector cpu_offload` serves prefixes from CPU, same outputs."""
+    import json
+
+    pytest.importorskip("kvconnector_core.cli.run_cmd",
+                        reason="needs the engine's `kvconnector run` command")
+    from kvconnector_core.cli import main
+
+    assert main(["run", "--connector", "cpu_offload", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["comparison"]["identical"] is True
+    assert report["metrics"]["connector_hit_tokens"] > 0
+    assert report["metrics"]["events"].get("BlockStored[CPU]", 0) > 0

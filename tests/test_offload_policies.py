@@ -1,0 +1,208 @@
+"""Cache policies (LRU, ARC) and the policy registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.offload import policies as pol
+from connectors.offload.manager import CPUOffloadingManager
+from connectors.offload.policies import (
+    ARCCachePolicy,
+    CachePolicy,
+    LRUCachePolicy,
+    SlotEntry,
+    get_cache_policy,
+    register_cache_policy,
+)
+from kvconnector_core.errors import ConfigError
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big")
+
+
+def ks(*ids: int) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def fill(policy: CachePolicy, *ids: int, ref_cnt: int = 0) -> None:
+    for i in ids:
+        policy.insert(k(i), SlotEntry(slot_id=i, ref_cnt=ref_cnt))
+
+
+def victims(out: list[tuple[bytes, SlotEntry]] | None) -> list[bytes] | None:
+    return None if out is None else [key for key, _ in out]
+
+
+# ------------------------------------------------------------------------------ LRU
+def test_lru_evicts_least_recent_and_touch_reverses() -> None:
+    p = LRUCachePolicy(8)
+    fill(p, 1, 2, 3, 4)
+    p.touch(ks(2, 1))  # reversed: 1 then 2 -> 2 ends up most recent
+    assert victims(p.evict(2, protected=())) == ks(3, 4)
+    assert [key for key, _ in p] == ks(1, 2)
+
+
+def test_lru_skips_protected_pinned_and_unready() -> None:
+    p = LRUCachePolicy(8)
+    fill(p, 1)
+    fill(p, 2, ref_cnt=-1)
+    fill(p, 3, ref_cnt=2)
+    fill(p, 4, 5)
+    assert victims(p.evict(1, protected=ks(1))) == ks(4)
+    assert p.evict(3, protected=()) is None  # only 1 and 5 are evictable
+    assert len(p) == 4  # the refused eviction changed nothing
+
+
+# ------------------------------------------------------------------------------ ARC
+def test_arc_basic_insert_goes_to_t1_and_evicts_to_b1() -> None:
+    p = ARCCachePolicy(4)
+    fill(p, 1, 2, 3)
+    assert p.t1 == tuple(ks(1, 2, 3)) and p.t2 == ()
+    assert victims(p.evict(1, protected=())) == ks(1)
+    assert p.b1 == (k(1),) and p.get(k(1)) is None
+
+
+def test_arc_t1_to_t2_promotion_only_when_ready() -> None:
+    p = ARCCachePolicy(4)
+    fill(p, 1, 2)
+    fill(p, 3, ref_cnt=-1)
+    p.touch(ks(1, 3))
+    assert p.t2 == (k(1),)
+    assert p.t1 == tuple(ks(2, 3))  # 3 moved to T1's MRU end, not promoted
+    p.get(k(3)).ref_cnt = 0
+    p.touch(ks(3))
+    assert p.t2 == tuple(ks(1, 3))
+
+
+def test_arc_touch_ordering_head_of_prefix_most_recent() -> None:
+    p = ARCCachePolicy(8)
+    fill(p, 1, 2, 3)
+    p.touch(ks(1, 2, 3))
+    assert p.t2 == tuple(ks(3, 2, 1))  # 3 (the tail) is evicted first
+    assert victims(p.evict(1, protected=())) == ks(3)
+
+
+def test_arc_adaptive_target_moves_with_ghost_hits() -> None:
+    p = ARCCachePolicy(4)
+    fill(p, 1, 2, 3)
+    p.touch(ks(3))  # 3 -> T2
+    p.evict(2, protected=())  # 1, 2 -> B1
+    p.touch(ks(3))
+    p.evict(1, protected=())  # T1 is empty -> 3 from T2 -> B2
+    assert p.b1 == tuple(ks(1, 2)) and p.b2 == (k(3),)
+    p.touch(ks(1))  # B1 hit: target += max(1, |B2|/|B1|) = 1
+    assert p.target == pytest.approx(1.0)
+    p.touch(ks(2, 1))
+    assert p.target == pytest.approx(3.0)
+    for _ in range(5):
+        p.touch(ks(1))
+    assert p.target == pytest.approx(4.0)  # capped at the capacity
+    p.touch(ks(3))  # B2 hit: target -= max(1, |B1|/|B2|) = 2
+    assert p.target == pytest.approx(2.0)
+    for _ in range(3):
+        p.touch(ks(3))
+    assert p.target == 0.0  # floored at 0
+
+
+def test_arc_t1_t2_eviction_follows_target() -> None:
+    p = ARCCachePolicy(6)
+    fill(p, 1, 2, 3, 4)
+    p.touch(ks(3, 4))  # T1 = [1, 2], T2 = [4, 3] (3 most recent)
+    p.target = 3.0  # T1 (size 2) is below target: take from T2 first
+    assert victims(p.evict(1, protected=())) == ks(4)
+    p.target = 1.0  # now T1 is at/above target: take from T1
+    assert victims(p.evict(2, protected=())) == ks(1, 2)
+    assert p.b1 == tuple(ks(1, 2)) and p.b2 == (k(4),)
+
+
+def test_arc_falls_back_to_other_list_when_preferred_is_pinned() -> None:
+    p = ARCCachePolicy(6)
+    fill(p, 1, ref_cnt=1)  # pinned by a load
+    fill(p, 2)
+    p.touch(ks(2))  # T1 = [1] (pinned), T2 = [2]
+    assert victims(p.evict(1, protected=())) == ks(2)
+
+
+def test_arc_ghost_lists_bounded_by_capacity() -> None:
+    cap = 3
+    p = ARCCachePolicy(cap)
+    for i in range(10):
+        fill(p, i)
+        if i % 2:
+            p.touch(ks(i))  # odd keys go to T2
+        while len(p) > cap:
+            p.evict(1, protected=())
+    for i in range(10, 20):  # cycle more through both lists
+        fill(p, i)
+        p.touch(ks(i))
+        p.evict(1, protected=())
+    assert len(p.b1) <= cap and len(p.b2) <= cap
+    assert len(p.b1) + len(p.b2) > 0
+    # The ghosts kept are the most recent victims, never live keys.
+    assert not (set(p.b1) | set(p.b2)) & {key for key, _ in p}
+
+
+def test_arc_eviction_while_loading_is_atomic() -> None:
+    m = CPUOffloadingManager(3, "arc")
+    m.prepare_store(ks(1, 2, 3))
+    m.complete_store(ks(1, 2, 3))
+    m.prepare_load(ks(1, 2))
+    assert m.prepare_store(ks(4, 5)) is None  # only 3 is evictable
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    assert policy.b1 == () and len(policy) == 3
+    out = m.prepare_store(ks(4))
+    assert out is not None and list(out.evicted_keys) == ks(3)
+    m.complete_load(ks(1, 2))
+    assert m.lookup(ks(1, 2)) == 2
+
+
+def test_arc_failed_store_leaves_no_ghost() -> None:
+    m = CPUOffloadingManager(2, "arc")
+    m.prepare_store(ks(1, 2))
+    m.complete_store(ks(1, 2), success=False)
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    assert len(policy) == 0 and policy.b1 == () and policy.b2 == ()
+    assert m.lookup(ks(1)) == 0
+
+
+def test_arc_insert_clears_ghost_and_clear_resets_target() -> None:
+    p = ARCCachePolicy(2)
+    fill(p, 1, 2)
+    p.evict(1, protected=())
+    p.touch(ks(1))
+    assert p.target > 0
+    fill(p, 1)
+    assert p.b1 == () and p.t1 == tuple(ks(2, 1))
+    p.clear()
+    assert p.target == 0.0 and len(p) == 0
+
+
+# ------------------------------------------------------------------------------ registry
+def test_unknown_policy_names_it_and_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown cache policy 'fifo'.*'arc', 'lru'"):
+        get_cache_policy("fifo")
+
+
+def test_register_custom_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pol, "_POLICIES", dict(pol._POLICIES))
+
+    class FIFO(LRUCachePolicy):
+        def touch(self, keys: object) -> None:  # recency is ignored
+            return
+
+    register_cache_policy("FIFO", FIFO)
+    register_cache_policy("fifo", FIFO)  # same class again: fine
+    assert get_cache_policy("fifo") is FIFO
+    m = CPUOffloadingManager(2, "fifo")
+    m.prepare_store(ks(1, 2))
+    m.complete_store(ks(1, 2))
+    m.touch(ks(1))
+    out = m.prepare_store(ks(3))
+    assert out is not None and list(out.evicted_keys) == ks(1)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_cache_policy("lru", FIFO)
+    with pytest.raises(ConfigError, match="not a subclass"):
+        register_cache_policy("bad", dict)  # type: ignore[arg-type]

@@ -1,0 +1,183 @@
+"""Worker-side block mover: byte-exact round trips on CPU (CI) and CUDA (where present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connectors.offload import transfer as tr
+from connectors.offload.transfer import (
+    KVBlockMover,
+    build_block_layout,
+    chunk_to_sub_block_ids,
+    coalesce_runs,
+)
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ]),
+]
+METHODS = pytest.mark.parametrize("method", ["auto", "coalesced", "per_block", "gather"],
+                                  ids=["auto", "coalesced", "per_block", "gather"])
+
+NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, HEADS, HEAD = 12, 3, 4, 2, 8
+
+
+def cross_layer_cache(device: str, num_blocks: int = NUM_BLOCKS) -> tuple[torch.Tensor, dict]:
+    """The engine's layout: one tensor, per-layer views handed to the connector."""
+    gen = torch.Generator().manual_seed(1234)
+    base = torch.randn(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen)
+    base = base.to(device=device, dtype=torch.bfloat16)
+    return base, {f"layer.{i}": base[:, i] for i in range(NUM_LAYERS)}
+
+
+def snapshot(views: dict) -> list[torch.Tensor]:
+    return [v.clone() for v in views.values()]
+
+
+def test_layout_recovers_cross_layer_block() -> None:
+    base, views = cross_layer_cache("cpu")
+    shuffled = dict(reversed(list(views.items())))  # dict order must not matter
+    layout = build_block_layout(shuffled)
+    assert layout.cross_layer and len(layout.planes) == 1
+    plane = layout.planes[0]
+    assert plane.shape == (NUM_BLOCKS, base[0].numel() * 2)
+    assert torch.equal(plane[5], base[5].contiguous().view(torch.uint8).flatten())
+
+
+def test_layout_falls_back_to_per_layer_planes() -> None:
+    layers = {f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD) for i in range(3)}
+    layout = build_block_layout(layers)
+    assert not layout.cross_layer and len(layout.planes) == 3
+    # a layout where a block is not one chunk is refused with a clear message
+    bad = {"x": torch.randn(2, NUM_BLOCKS, BLOCK_SIZE).transpose(0, 1)}
+    with pytest.raises(ValueError, match="contiguous chunk"):
+        build_block_layout(bad)
+
+
+@pytest.mark.parametrize(("factor", "n", "expected"), [
+    (1, 3, [4, 7, 1]),
+    (3, 6, [12, 13, 14, 21, 22, 23]),
+    (3, 4, [14, 21, 22, 23]),  # starts mid-chunk: skip 2 of the first chunk
+], ids=["f1", "f3", "f3-mid-chunk"])
+def test_chunk_to_sub_block_ids(factor: int, n: int, expected: list[int]) -> None:
+    chunks = [4, 7, 1] if factor == 1 else [4, 7]
+    assert chunk_to_sub_block_ids(chunks, factor, n) == expected
+
+
+def test_chunk_to_sub_block_ids_rejects_mismatch() -> None:
+    with pytest.raises(ValueError, match="cannot hold exactly"):
+        chunk_to_sub_block_ids([1, 2], 3, 7)
+
+
+def test_coalesce_runs() -> None:
+    assert coalesce_runs([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(3, 0, 3), (9, 3, 2), (2, 8, 1)]
+    assert coalesce_runs([], []) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@METHODS
+@pytest.mark.parametrize("factor", [1, 3], ids=["factor1", "factor3"])
+def test_round_trip_is_byte_exact(device: str, method: str, factor: int) -> None:
+    """GPU -> CPU -> GPU moves exactly the chosen blocks and leaves the others alone."""
+    base, views = cross_layer_cache(device)
+    mover = KVBlockMover(views, num_cpu_blocks=4 * factor, method=method)
+    assert mover.layout.cross_layer
+    # factor 3: 5 GPU blocks in 2 chunks, so the transfer starts mid-chunk
+    src_gpu = [7, 2, 3, 4, 11, 0][: 5 if factor == 3 else 4]
+    chunks = [2, 0] if factor == 3 else [1, 2, 3, 0]
+    cpu_ids = chunk_to_sub_block_ids(chunks, factor, len(src_gpu))
+    original = base.clone()
+    mover.submit_store(1, src_gpu, cpu_ids)
+    mover.wait()
+    assert [(r.job_id, r.success, r.is_store) for r in mover.get_finished()] == [(1, True, True)]
+    # Overwrite the whole device cache, then load the blocks into other places.
+    base.fill_(-7.0)
+    dst_gpu = [5, 6, 8, 1, 9, 10][: len(src_gpu)]
+    mover.submit_load(2, cpu_ids, dst_gpu)
+    mover.wait()
+    (result,) = mover.get_finished()
+    assert result.success and not result.is_store
+    assert result.num_bytes == len(src_gpu) * mover.layout.block_bytes
+    for s, d in zip(src_gpu, dst_gpu, strict=True):
+        assert torch.equal(base[d].view(torch.int16), original[s].view(torch.int16))
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst_gpu]
+    assert bool((base[untouched] == -7.0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@METHODS
+def test_per_layer_fallback_round_trip(device: str, method: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    layers = {f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen).to(device)
+              for i in range(3)}
+    original = {name: t.clone() for name, t in layers.items()}
+    mover = KVBlockMover(layers, num_cpu_blocks=5, method=method)
+    assert len(mover.layout.planes) == 3
+    mover.submit_store(1, [9, 10, 4], [0, 1, 2])
+    mover.wait()
+    for t in layers.values():
+        t.zero_()
+    mover.submit_load(2, [2, 0, 1], [3, 5, 6])
+    mover.wait()
+    assert [r.success for r in mover.get_finished()] == [True, True]
+    for name, t in layers.items():
+        for s, d in ((4, 3), (9, 5), (10, 6)):
+            assert torch.equal(t[d], original[name][s])
+        assert not t[[0, 1, 2, 4, 7, 8, 9, 10, 11]].any()
+
+
+def test_out_of_range_ids_fail_the_job_not_the_caller() -> None:
+    _, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=2)
+    mover.submit_store(1, [0, 1, 2], [0, 1, 2])  # CPU id 2 does not exist
+    mover.submit_load(2, [0], [NUM_BLOCKS])  # device id out of range
+    mover.submit_store(3, [0], [1])
+    results = {r.job_id: r.success for r in mover.get_finished()}
+    assert results == {1: False, 2: False, 3: True}
+    assert mover.num_pending == 0
+
+
+def test_exception_during_copy_fails_only_that_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=4)
+    real_copy = mover._copy
+
+    def broken(job: tr._Job, *args: object) -> None:
+        if job.job_id == 2:
+            raise RuntimeError("DMA engine on fire")
+        real_copy(job, *args)
+
+    monkeypatch.setattr(mover, "_copy", broken)
+    mover.submit_store(1, [0], [0])
+    mover.submit_store(2, [1], [1])
+    mover.submit_load(3, [0], [2])
+    assert [(r.job_id, r.success) for r in mover.get_finished()] == [(1, True), (2, False), (3, True)]
+
+
+def test_invalid_arguments() -> None:
+    _, views = cross_layer_cache("cpu")
+    with pytest.raises(ValueError, match="unknown transfer method 'dma'"):
+        KVBlockMover(views, 4, method="dma")
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        KVBlockMover(views, 0)
+    assert KVBlockMover(views, 1).method == "auto"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_store_waits_for_compute_stream() -> None:
+    """A store submitted right after a slow kernel must see that kernel's writes."""
+    base, views = cross_layer_cache("cuda", num_blocks=64)
+    mover = KVBlockMover(views, num_cpu_blocks=64)
+    assert mover.cpu_buffer.is_pinned()
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy
+    base.fill_(3.0)
+    mover.submit_store(1, list(range(64)), list(range(64)))
+    mover.wait()
+    assert mover.get_finished()[0].success
+    expected = torch.full_like(base[0], 3.0).cpu().view(torch.uint8).flatten()
+    assert all(torch.equal(mover.cpu_planes[0][i], expected) for i in range(64))
