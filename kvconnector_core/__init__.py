@@ -55,6 +55,13 @@ from kvconnector_core.kv_events import decode_event_batch
 from kvconnector_core.kv_events import encode_event_batch
 from kvconnector_core.request import Request
 from kvconnector_core.request import RequestStatus
+from kvconnector_core.scheduler import CachedRequestData
+from kvconnector_core.scheduler import ModelRunnerOutput
+from kvconnector_core.scheduler import NewRequestData
+from kvconnector_core.scheduler import Scheduler
+from kvconnector_core.scheduler import SchedulerOutput
+from kvconnector_core.scheduler import SchedulerStats
+from kvconnector_core.scheduler import yield_req_data
 
 from kvconnector_core.connector import KVConnectorBase_V1
 from kvconnector_core.connector import KVConnectorBase
@@ -75,6 +82,39 @@ from kvconnector_core.connector import reset_registry
 from kvconnector_core.connector import hookimpl
 from kvconnector_core.connector import check_metadata_roundtrip
 
+
+# Names whose modules import torch load on first use, so `import kvconnector_core`
+# (and `kvconnector list`) stays cheap.
+_LAZY = {
+    "Engine": "kvconnector_core.engine.engine",
+    "EngineConfig": "kvconnector_core.engine.engine",
+    "RunResult": "kvconnector_core.engine.engine",
+    "RunMetrics": "kvconnector_core.engine.engine",
+    "RequestOutput": "kvconnector_core.engine.engine",
+    "Trace": "kvconnector_core.engine.workloads",
+    "TraceRequest": "kvconnector_core.engine.workloads",
+    "WORKLOADS": "kvconnector_core.engine.workloads",
+    "get_workload": "kvconnector_core.engine.workloads",
+    "load_trace_jsonl": "kvconnector_core.engine.workloads",
+    "dump_trace_jsonl": "kvconnector_core.engine.workloads",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvconnector_core' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
+
+
 __all__ = [
     "AllBlocksCleared",
     "BlockHash",
@@ -83,6 +123,7 @@ __all__ = [
     "BlockRemoved",
     "BlockSizeError",
     "BlockStored",
+    "CachedRequestData",
     "check_metadata_roundtrip",
     "ChunkedLocalAttentionManager",
     "ChunkedLocalAttentionSpec",
@@ -92,8 +133,11 @@ __all__ = [
     "ConnectorRegistry",
     "create_connector",
     "decode_event_batch",
+    "dump_trace_jsonl",
     "DuplicateConnectorError",
     "encode_event_batch",
+    "Engine",
+    "EngineConfig",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "FullAttentionSpec",
@@ -102,6 +146,7 @@ __all__ = [
     "get_kv_cache_coordinator",
     "get_manager_for_kv_cache_spec",
     "get_registry",
+    "get_workload",
     "GPUBlockPoolView",
     "hash_block_tokens",
     "hash_request_tokens",
@@ -128,6 +173,9 @@ __all__ = [
     "KVConnectorTransferResults",
     "KVEventBatch",
     "load_connector_config",
+    "load_trace_jsonl",
+    "ModelRunnerOutput",
+    "NewRequestData",
     "NoFreeBlocksError",
     "NONE_HASH",
     "PluginFailure",
@@ -135,13 +183,23 @@ __all__ = [
     "PluginRecord",
     "RegistryError",
     "Request",
+    "RequestOutput",
     "RequestStatus",
     "reset_registry",
+    "RunMetrics",
+    "RunResult",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
     "ShutdownError",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",
+    "Trace",
+    "TraceRequest",
     "TransferError",
     "UnitaryKVCacheCoordinator",
     "UnknownConnectorError",
+    "WORKLOADS",
+    "yield_req_data",
 ]

@@ -413,7 +413,8 @@ class Engine:
             load_seconds=float(std["load_seconds"]), store_seconds=float(std["store_seconds"]),
             load_gbps=_gbps(std["bytes_loaded"], std["load_seconds"]),
             store_gbps=_gbps(std["bytes_stored"], std["store_seconds"]),
-            connector_stats=cstats, connector_errors=dict(stats.connector_errors),
+            connector_stats=cstats,
+            connector_errors=self._connector_errors(),
             events=dict(sorted(self.event_counts.items())), steps=steps, wall_seconds=wall,
         )
         return RunResult(
@@ -424,6 +425,13 @@ class Engine:
             statuses={rid: results[rid].status if rid in results else "UNFINISHED" for rid in ids},
             metrics=metrics,
         )
+
+    def _connector_errors(self) -> dict[str, int]:
+        # Scheduler-side and worker-side hooks have distinct names, so one dict suffices.
+        errors = dict(self.scheduler.stats.connector_errors)
+        for hook, count in self.model_runner.connector_errors.items():
+            errors[hook] = errors.get(hook, 0) + count
+        return dict(sorted(errors.items()))
 
     def shutdown(self) -> None:
         """Shut both connector instances down (safe to call twice).

@@ -1,0 +1,76 @@
+"""``kvconnector run``: default run, JSON report, errors that list valid choices, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvconnector_core.cli import main
+from kvconnector_core.engine.engine import RunMetrics, RunResult
+from kvconnector_core.engine.report import compare_outputs, format_report
+from kvconnector_core.engine.workloads import dump_trace_jsonl, private_prefixes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # run_cmd sets one thread on CPU
+
+
+def test_json_run_with_baseline(capsys):
+    """The JSON report has metrics for both runs and says the outputs are identical."""
+    assert main(["run", "--workload", "documents", "--json", "--num-gpu-blocks", "48"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "documents"
+    assert report["metrics"]["num_finished"] == report["metrics"]["num_requests"] > 0
+    if report["connector"] is not None:
+        assert report["comparison"]["identical"] is True
+        assert report["baseline_metrics"]["num_requests"] == report["metrics"]["num_requests"]
+
+
+def test_trace_file_without_connector(tmp_path, capsys):
+    """--trace runs a JSONL file; --connector none runs no connector and no baseline."""
+    path = tmp_path / "t.jsonl"
+    dump_trace_jsonl(private_prefixes(1, num_users=2, prefix_len=40, requests_per_user=2), path)
+    assert main(["run", "--trace", str(path), "--connector", "none", "--no-baseline"]) == 0
+    out = capsys.readouterr().out
+    assert "workload 't'" in out and "connector: none" in out and "4 finished / 4" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--workload", "nope"], "valid workloads: chat, chat_large, documents, mixed, private"),
+        (["--connector", "nope"], "nope"),
+        (["--device", "tpu"], "valid devices: cpu, cuda"),
+        (["--trace", "/no/such/file.jsonl"], "no/such/file.jsonl"),
+    ],
+    ids=["workload", "connector", "device", "trace"],
+)
+def test_usage_errors_name_valid_choices(capsys, argv, needle):
+    """Bad names exit 2 with a message listing what is valid."""
+    assert main(["run", *argv, "--no-baseline"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(capsys):
+    """--device cuda on a machine without CUDA exits 2 and says so."""
+    assert main(["run", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_comparison_reports_first_difference():
+    """A differing run names the first differing request and token."""
+    def result(outputs):
+        return RunResult("w", "c", "cpu", outputs, {k: "FINISHED_LENGTH_CAPPED" for k in outputs},
+                         RunMetrics())
+    base = result({"a": [1, 2, 3], "b": [4, 5]})
+    bad = result({"a": [1, 2, 3], "b": [4, 6]})
+    cmp = compare_outputs(bad, base)
+    assert not cmp.identical and cmp.first_differing_request == "b" and cmp.first_differing_token == 1
+    assert "outputs identical to baseline: NO" in format_report(bad, base)
+    assert compare_outputs(base, base).identical
