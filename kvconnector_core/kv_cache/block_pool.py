@@ -468,7 +468,14 @@ class BlockPool:
         queue = self.free_block_queue
         for b in blocks:
             if b.ref_cnt == 0 and not b.is_null:
-                queue.remove(b)
+                # FreeKVCacheBlockQueue.remove, inlined: one frame less per block.
+                prev, nxt = b.prev_free_block, b.next_free_block
+                if prev is None or nxt is None:
+                    raise InvariantError(f"{b!r} has ref count 0 but is not in the free queue")
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+                b.prev_free_block = b.next_free_block = None
+                queue.num_free_blocks -= 1
             b.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:

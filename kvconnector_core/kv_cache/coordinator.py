@@ -177,7 +177,37 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """One KV cache group."""
+    """One KV cache group.
+
+    The per-step methods call the single manager directly: they run once per
+    running request per step, and iterating a one-element tuple through a
+    generator costs more than the work itself on the decode path.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._manager = self.single_type_managers[0]
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: BlockLists,
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        return self._manager.get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks[0], total_computed_tokens, apply_admission_cap
+        )
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> BlockLists:
+        return (self._manager.allocate_new_blocks(request_id, num_tokens, num_computed_tokens),)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self._manager.cache_blocks(request, num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        self._manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         m = self.single_type_managers[0]

@@ -212,7 +212,11 @@ class KVCacheManager:
         new_blocks = groups.allocate_new_blocks(request.request_id, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
             groups.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
-        return KVCacheBlocks(new_blocks)
+        for group in new_blocks:
+            if group:
+                return KVCacheBlocks(new_blocks)
+        # Nothing new (most decode steps): the shared empty value, not a new object.
+        return self.empty_kv_cache_blocks
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tails first, so they are evicted first)."""

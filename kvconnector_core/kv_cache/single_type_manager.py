@@ -159,10 +159,10 @@ class SingleTypeKVCacheManager:
         block instead of a real one.
         """
         req_blocks = self.req_to_blocks[request_id]
-        self.num_cached_block.setdefault(request_id, len(req_blocks))
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
-        if num_new <= 0:
+        num_new = -(-num_tokens // self.block_size) - len(req_blocks)
+        if num_new <= 0:  # the common decode step: the last block still has room
             return []
+        self.num_cached_block.setdefault(request_id, len(req_blocks))
         num_skipped = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
         num_null = max(0, min(num_skipped - len(req_blocks), num_new))
         if num_null:
@@ -229,6 +229,32 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every block stays; hits are a left-to-right chained scan."""
 
     spec_type = FullAttentionSpec
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        # Same result as the base method with nothing ever skipped, without the
+        # skipped-token arithmetic and the slice copy (hot: once per decode step).
+        num_required = -(-num_tokens // self.block_size)
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required = min(num_required, self.max_admission_blocks_per_request)
+        blocks = self.req_to_blocks.get(request_id)
+        held = len(blocks) if blocks is not None else 0
+        num_new = num_required - held - len(new_computed_blocks)
+        if num_new < 0:
+            num_new = 0
+        for blk in new_computed_blocks:
+            if blk.ref_cnt == 0 and not blk.is_null:
+                num_new += 1
+        return num_new
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Nothing to do: full attention reads every block again."""
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
