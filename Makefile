@@ -28,3 +28,28 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Side-by-side benchmark against vLLM 0.33's pure-Python core (CPU only; not part of CI).
+# vLLM lives in its own venv so that it never touches the project's environment.
+# torch is pinned and installed first; vllm and its CPU requirements go in with --no-deps
+# so nothing can pull another torch.
+VLLM_VENV ?= .vllm-venv
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQS ?= ../shared/reference/vllm-0.33-cpu-requirements.txt
+
+.PHONY: compare-vllm vllm-venv
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
+	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
+	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_REQS)
+	$(VLLM_PY) -m pip install -q msgspec pluggy pytest hypothesis tqdm
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+compare-vllm: $(VLLM_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) benchmarks/compare_vllm.py $(ARGS)

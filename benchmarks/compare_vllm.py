@@ -1,0 +1,311 @@
+"""kvconnector vs vLLM 0.33's pure-Python core, side by side, in one process.
+
+The same deterministic workloads (``benchmarks/_drivers.py``) run through both
+implementations, alternating kvconnector/vLLM (and which goes first) on every repeat, and
+the table shows the median of each side and the ratio *kvconnector / vLLM* in throughput
+(> 1 means kvconnector is faster). Rows:
+
+- block pool primitives, per block (allocate, free cached / uncached, touch, cache full
+  blocks, cached-block lookup hit / miss, allocation that evicts);
+- the KV cache manager on a 1000-request multi-turn chat trace with shared system prompts
+  (~1.3 M prompt tokens), events off and on: requests/s and steps/s, with both prefix hit
+  rates (the run fails if the two implementations disagree on any counter);
+- the CPU offloading manager, LRU and ARC, on the same trace's block-hash chains:
+  operations (keys) per second and both hit rates;
+- KV event batches: msgpack encode and decode, events/s (plus a cross-decoding check:
+  our bytes with vLLM's types and vice versa);
+- chained block hashing: blocks/s (each side's default: vLLM's pickle + sha256, ours
+  msgpack + sha256).
+
+Needs vLLM 0.33 installed (``make compare-vllm`` builds ``.vllm-venv`` and runs this with
+``VLLM_TARGET_DEVICE=cpu``). Not part of CI.
+
+Usage::
+
+    python benchmarks/compare_vllm.py [--repeats 5] [--json out.json] [--record benchmarks/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _drivers as d  # noqa: E402  (path set up above)
+
+__all__ = ["Row", "compare", "main", "render_run", "render_table"]
+
+SECTION = "## Side by side with vLLM 0.33 (compare_vllm.py)"
+_MANAGER_TARGET = 1.5
+_OFFLOAD_TARGET = 1.5
+
+
+class Row:
+    """One line of the table: per-repeat throughputs of both sides.
+
+    Args:
+        group: section of the table (``"block pool"``, ...).
+        name: what is measured.
+        unit: throughput unit (``"blocks/s"``, ...).
+        target: the ratio the row should reach (1.0 = "no slower than vLLM").
+    """
+
+    __slots__ = ("extra", "group", "kvc", "name", "target", "unit", "vllm")
+
+    def __init__(self, group: str, name: str, unit: str, target: float = 1.0) -> None:
+        self.group = group
+        self.name = name
+        self.unit = unit
+        self.target = target
+        self.kvc: list[float] = []
+        self.vllm: list[float] = []
+        self.extra: str = ""
+
+    def add(self, side: str, units: float, ns: int) -> None:
+        """Record one repeat: ``units`` processed in ``ns`` nanoseconds by ``side``."""
+        rate = units / (ns / 1e9) if ns > 0 else float("inf")
+        (self.kvc if side == "kvconnector" else self.vllm).append(rate)
+
+    @property
+    def ratio(self) -> float:
+        """Median kvconnector throughput / median vLLM throughput."""
+        return statistics.median(self.kvc) / statistics.median(self.vllm)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (medians, all samples, ratio, target)."""
+        return {
+            "group": self.group, "name": self.name, "unit": self.unit,
+            "kvconnector": statistics.median(self.kvc), "vllm": statistics.median(self.vllm),
+            "ratio": self.ratio, "target": self.target, "note": self.extra,
+            "samples": {"kvconnector": self.kvc, "vllm": self.vllm},
+        }
+
+
+def _alternate(repeats: int, sides: tuple[d.Side, d.Side], fn: Callable[[d.Side], None]) -> None:
+    # Alternate which side goes first so slow drift (thermal, other tenants) hits both.
+    for r in range(repeats):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            fn(side)
+
+
+def _fmt_rate(x: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.2f}{suffix}"
+    return f"{x:.1f}"
+
+
+def compare(repeats: int = 5, trace_size: str = "large", pool_blocks: int = 65537,
+            manager_blocks: int = 4096, offload_blocks: int = 4096,
+            log: Callable[[str], None] = print) -> tuple[list[Row], dict[str, Any]]:
+    """Run every workload on both sides; return the rows and the correctness checks.
+
+    Args:
+        repeats: runs per side per workload (medians are reported).
+        trace_size: ``"large"`` (the 1000-request trace), ``"medium"`` or ``"tiny"``.
+        pool_blocks: block pool size for the primitive rows.
+        manager_blocks: KV cache size for the manager trace.
+        offload_blocks: CPU tier slots for the offload trace.
+        log: progress printer.
+
+    Returns:
+        ``(rows, checks)``; ``checks`` holds the manager counters of both sides, event
+        cross-decoding results and whether the manager semantics matched.
+    """
+    t0 = time.perf_counter()
+    kvc = d.KvconnectorSide()
+    vl = d.VllmSide()  # imports vLLM (seconds), outside every timed region
+    sides = (kvc, vl)
+    log(f"vLLM imported in {time.perf_counter() - t0:.1f}s")
+    trace = d.chat_trace(trace_size)
+    chains = d.offload_key_chains(trace)
+    log(f"trace {trace.name}: {len(trace)} requests, {trace.num_prompt_tokens} prompt tokens")
+    rows: list[Row] = []
+    checks: dict[str, Any] = {}
+
+    # -- block pool
+    pool_rows: dict[str, Row] = {}
+
+    def pool(side: d.Side) -> None:
+        for name, (ns, n) in d.run_block_pool(side, pool_blocks).items():
+            row = pool_rows.setdefault(name, Row("block pool", name, "blocks/s"))
+            row.add(side.name, n, ns)
+
+    _alternate(repeats, sides, pool)
+    rows += pool_rows.values()
+    log("block pool done")
+
+    # -- KV cache manager
+    stats: dict[tuple[str, bool], list[d.ManagerStats]] = {}
+    for events in (False, True):
+        label = "events on" if events else "events off"
+        r_req = Row("KV cache manager", f"chat trace, {label}", "requests/s", _MANAGER_TARGET)
+        r_step = Row("KV cache manager", f"chat trace, {label}", "steps/s", _MANAGER_TARGET)
+
+        def manager(side: d.Side, events: bool = events, r_req: Row = r_req,
+                    r_step: Row = r_step) -> None:
+            reqs = d.build_manager_requests(side, trace)
+            st = d.run_manager_trace(side, reqs, num_blocks=manager_blocks, events=events)
+            stats.setdefault((side.name, events), []).append(st)
+            r_req.add(side.name, st.requests, st.ns)
+            r_step.add(side.name, st.steps, st.ns)
+
+        _alternate(repeats, sides, manager)
+        a, b = stats[("kvconnector", events)][0], stats[("vllm", events)][0]
+        same = a.semantics() == b.semantics()
+        checks[f"manager {label}"] = {
+            "same_semantics": same,
+            "kvconnector": dict(zip(_SEM_FIELDS, a.semantics())),
+            "vllm": dict(zip(_SEM_FIELDS, b.semantics())),
+        }
+        note = f"hit rate {a.hit_rate:.4f} / {b.hit_rate:.4f}"
+        if not same:
+            note += " SEMANTICS DIFFER"
+        for r in (r_req, r_step):
+            r.extra = note
+        rows += [r_req, r_step]
+    log("KV cache manager done")
+
+    # -- offload manager
+    for policy in ("lru", "arc"):
+        r_off = Row("CPU offload manager", f"{policy.upper()}, {offload_blocks} slots", "ops/s",
+                    _OFFLOAD_TARGET)
+        hit: dict[str, float] = {}
+
+        def offload(side: d.Side, policy: str = policy, r_off: Row = r_off,
+                    hit: dict[str, float] = hit) -> None:
+            st = d.run_offload_trace(side, chains, policy=policy, num_blocks=offload_blocks)
+            r_off.add(side.name, st.keys, st.ns)
+            hit[side.name] = st.hit_rate
+
+        _alternate(repeats, sides, offload)
+        r_off.extra = f"hit rate {hit['kvconnector']:.4f} / {hit['vllm']:.4f}"
+        rows.append(r_off)
+    log("offload done")
+
+    # -- events
+    r_enc = Row("KV events", "msgpack encode", "events/s")
+    r_dec = Row("KV events", "msgpack decode", "events/s")
+    last: dict[str, dict[str, Any]] = {}
+
+    def ev(side: d.Side) -> None:
+        res = d.run_events(side, chains, trace)
+        r_enc.add(side.name, res["encode"][1], res["encode"][0])
+        r_dec.add(side.name, res["decode"][1], res["decode"][0])
+        last[side.name] = res
+
+    _alternate(repeats, sides, ev)
+    rows += [r_enc, r_dec]
+    checks["event cross-decoding"] = _cross_decode(kvc, vl, last)
+    log("events done")
+
+    # -- hashing
+    r_hash = Row("block hashing", "chained, default hash", "blocks/s")
+    inputs = d.hashing_inputs(trace)
+    _alternate(repeats, sides,
+               lambda side: r_hash.add(side.name, *reversed(d.run_hashing(side, inputs))))
+    r_hash.extra = "vLLM: pickle+sha256; ours: msgpack+sha256"
+    rows.append(r_hash)
+    checks["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    return rows, checks
+
+
+_SEM_FIELDS = ("requests", "steps", "prompt_tokens", "hit_tokens", "allocate_calls",
+               "free_calls", "preemptions", "events")
+
+
+def _cross_decode(kvc: d.Side, vl: d.Side, last: dict[str, dict[str, Any]]) -> dict[str, str]:
+    # Our bytes must decode with vLLM's types and vice versa, to the same values.
+    import msgspec
+
+    out: dict[str, str] = {}
+    for src, dst in ((kvc, vl), (vl, kvc)):
+        _, _, decode = dst.event_codec()
+        payloads, batches = last[src.name]["payloads"], last[src.name]["batches"]
+        key = f"{src.name} bytes -> {dst.name} types"
+        try:
+            for p, b in zip(payloads, batches):
+                got = decode(p)
+                if msgspec.to_builtins(got) != msgspec.to_builtins(b):
+                    out[key] = "MISMATCH: decoded values differ"
+                    break
+            else:
+                out[key] = "ok"
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            out[key] = f"FAIL: {type(exc).__name__}: {exc}"
+    same_bytes = all(a == b for a, b in zip(last["kvconnector"]["payloads"], last["vllm"]["payloads"]))
+    out["identical bytes"] = "yes" if same_bytes else "no"
+    return out
+
+
+def render_table(rows: list[Row]) -> str:
+    """The comparison as a markdown table (medians, ratio, target, notes)."""
+    lines = [
+        "| group | workload | unit | kvconnector | vLLM 0.33 | ratio | target | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        mark = "" if r.ratio >= r.target else " **below**"
+        lines.append(
+            f"| {r.group} | {r.name} | {r.unit} | {_fmt_rate(statistics.median(r.kvc))} | "
+            f"{_fmt_rate(statistics.median(r.vllm))} | {r.ratio:.2f}{mark} | {r.target:.1f} | {r.extra} |"
+        )
+    return "\n".join(lines)
+
+
+def render_run(rows: list[Row], checks: dict[str, Any], info: dict[str, str], repeats: int) -> str:
+    """A complete markdown record of one run: header, machine, table, checks."""
+    head = (f"### Run {info['date']}\n\n"
+            f"Machine: {info['cpu']}, {info['cores']} cores ({info['platform']}). "
+            f"Python {info['python']}, torch {info['torch']}, vLLM {info['vllm']}, "
+            f"msgspec {info['msgspec']}. Median of {repeats} alternating repeats; "
+            f"ratio = kvconnector / vLLM throughput. Whole run {checks.get('wall_seconds')} s.\n")
+    chk = ["", "Checks:"]
+    for k, v in checks.items():
+        if k == "wall_seconds":
+            continue
+        if isinstance(v, dict) and "same_semantics" in v:
+            chk.append(f"- {k}: identical counters = {v['same_semantics']} "
+                       f"({', '.join(f'{f}={x}' for f, x in v['kvconnector'].items())})")
+        elif isinstance(v, dict):
+            chk.append(f"- {k}: " + "; ".join(f"{a}: {b}" for a, b in v.items()))
+    return head + "\n" + render_table(rows) + "\n" + "\n".join(chk) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns 0, or 1 if the manager semantics differ."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5, help="runs per side per workload (default 5)")
+    p.add_argument("--trace", default="large", choices=["large", "medium", "tiny"],
+                   help="chat trace size (default large: 1000 requests, ~1.3M prompt tokens)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--record", metavar="RESULTS_MD",
+                   help="append this run to the compare section of a RESULTS.md")
+    args = p.parse_args(argv)
+    info = d.machine_info()
+    print(f"# {info['cpu']} x{info['cores']}, Python {info['python']}, torch {info['torch']}, "
+          f"vLLM {info['vllm']}", flush=True)
+    rows, checks = compare(repeats=args.repeats, trace_size=args.trace,
+                           log=lambda m: print(f"  .. {m}", flush=True))
+    text = render_run(rows, checks, info, args.repeats)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"machine": info, "repeats": args.repeats, "rows": [r.as_dict() for r in rows],
+             "checks": checks}, indent=2))
+    if args.record:
+        d.record_section(Path(args.record), SECTION, text)
+    ok = all(v.get("same_semantics", True) for v in checks.values() if isinstance(v, dict))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""Smoke tests for the benchmark scripts: tiny sizes, no timing assertions.
+
+They keep ``benchmarks/bench_core.py`` and its shared drivers from rotting as the core
+evolves: every workload runs end to end and its counters are checked for consistency.
+``compare_vllm.py`` needs vLLM 0.33 and is only exercised where vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH_DIR))
+
+import _drivers as d  # noqa: E402
+import bench_core  # noqa: E402
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_block_pool_rows_cover_every_usable_block() -> None:
+    """Each block pool row processes exactly the usable blocks, in positive time."""
+    rows = d.run_block_pool(d.KvconnectorSide(), num_blocks=65, batch=16)
+    assert set(rows) == {"allocate", "free uncached", "cache full blocks", "free cached",
+                         "lookup hit", "lookup miss", "touch", "allocate evicting"}
+    for name, (ns, n) in rows.items():
+        assert n == 64, name
+        assert ns > 0, name
+
+
+def test_block_pool_rejects_sizes_that_do_not_split_into_batches() -> None:
+    """A pool whose usable blocks are not a multiple of the batch is refused, naming both."""
+    with pytest.raises(ValueError, match="batch=16"):
+        d.run_block_pool(d.KvconnectorSide(), num_blocks=64, batch=16)
+
+
+def test_bench_block_pool_reports_a_rate_per_operation() -> None:
+    """bench_core's block pool benchmark returns one positive rate per operation."""
+    res = bench_core.bench_block_pool(num_blocks=33, batch=16, repeats=1)
+    assert len(res) == 8
+    assert all(r["rate"] > 0 and r["unit"] == "blocks/s" for r in res)
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_manager_trace_finishes_every_request(events: bool) -> None:
+    """The manager simulation finishes all requests and counts hits and events sensibly."""
+    side = d.KvconnectorSide()
+    trace = d.chat_trace("tiny")
+    st = d.run_manager_trace(side, d.build_manager_requests(side, trace), num_blocks=256,
+                             events=events)
+    assert st.requests == len(trace)
+    assert st.prompt_tokens == trace.num_prompt_tokens
+    # Later turns extend earlier prompts and all users share a system prompt.
+    assert 0 < st.hit_tokens < st.prompt_tokens
+    assert st.free_calls == st.requests + st.preemptions
+    assert (st.events > 0) == events
+
+
+def test_manager_trace_preempts_when_the_pool_is_tight_and_still_finishes() -> None:
+    """A pool too small for the batch forces preemptions; every request still finishes."""
+    side = d.KvconnectorSide()
+    trace = d.chat_trace("tiny")
+    st = d.run_manager_trace(side, d.build_manager_requests(side, trace), num_blocks=20,
+                             max_running=8)
+    assert st.requests == len(trace)
+    assert st.preemptions > 0
+
+
+def test_manager_trace_is_deterministic() -> None:
+    """Two runs of the same trace make exactly the same calls with the same outcomes."""
+    side = d.KvconnectorSide()
+    trace = d.chat_trace("tiny")
+    a = d.run_manager_trace(side, d.build_manager_requests(side, trace), num_blocks=40)
+    b = d.run_manager_trace(side, d.build_manager_requests(side, trace), num_blocks=40)
+    assert a.semantics() == b.semantics()
+
+
+def test_bench_kv_cache_manager_reports_three_metrics_per_events_setting() -> None:
+    """bench_core's manager benchmark reports requests/s, steps/s and calls/s per setting."""
+    res = bench_core.bench_kv_cache_manager("tiny", num_blocks=256, repeats=1)
+    assert [r["unit"] for r in res] == ["requests/s", "steps/s", "allocate+free calls/s"] * 2
+    assert all(r["rate"] > 0 and 0 < r["hit_rate"] < 1 for r in res)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_offload_trace_hits_repeated_prefixes(policy: str) -> None:
+    """Key chains that repeat earlier prefixes hit the offload tier."""
+    trace = d.chat_trace("tiny")
+    chains = d.offload_key_chains(trace)
+    st = d.run_offload_trace(d.KvconnectorSide(), chains, policy=policy, num_blocks=64)
+    assert st.keys == sum(len(c) for c in chains)
+    assert 0 < st.hit_keys < st.keys
+
+
+def test_events_round_trip_through_msgpack() -> None:
+    """Encoded event batches decode back to the same values."""
+    import msgspec
+
+    trace = d.chat_trace("tiny")
+    res = d.run_events(d.KvconnectorSide(), d.offload_key_chains(trace), trace, passes=1)
+    assert res["encode"][1] == 2 * len(trace)
+    _, _, decode = d.KvconnectorSide().event_codec()
+    for payload, batch in zip(res["payloads"], res["batches"]):
+        assert msgspec.to_builtins(decode(payload)) == msgspec.to_builtins(batch)
+
+
+def test_hashing_counts_full_blocks_only() -> None:
+    """Hashing covers every full block of every prompt and nothing else."""
+    trace = d.chat_trace("tiny")
+    inputs = d.hashing_inputs(trace)
+    ns, n = d.run_hashing(d.KvconnectorSide(), inputs)
+    assert n == sum(len(r.prompt_token_ids) // d.BLOCK_SIZE for r in trace.requests)
+    assert ns > 0
+
+
+def test_record_section_appends_runs_and_keeps_other_sections(tmp_path: Path) -> None:
+    """Recording a run appends under its heading and leaves other sections intact."""
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n\n## Transfers (bench_transfer.py)\n\nGB/s table\n")
+    d.record_section(path, bench_core.SECTION, "### Run 1\n")
+    d.record_section(path, bench_core.SECTION, "### Run 2\n")
+    d.record_section(path, "## Other", "x\n")
+    text = path.read_text()
+    assert "## Transfers (bench_transfer.py)\n\nGB/s table\n" in text
+    core = text.index(bench_core.SECTION)
+    assert core < text.index("### Run 1") < text.index("### Run 2") < text.index("## Other")
+
+
+def test_bench_core_main_writes_json(tmp_path: Path) -> None:
+    """The command line runs end to end (tiny sizes) and writes its JSON."""
+    import json
+
+    out = tmp_path / "core.json"
+    assert bench_core.main(["--repeats", "1", "--trace", "tiny", "--pool-blocks", "33",
+                            "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["machine"]["cores"]
+    assert len(data["results"]) == 8 + 6
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm not installed")
+def test_compare_vllm_tiny_run_has_matching_semantics() -> None:
+    """With vLLM installed, a tiny comparison runs and both managers agree on every counter."""
+    import compare_vllm
+
+    rows, checks = compare_vllm.compare(repeats=1, trace_size="tiny", pool_blocks=33,
+                                        log=lambda _m: None)
+    assert rows
+    assert checks["manager events off"]["same_semantics"]
+    assert checks["manager events on"]["same_semantics"]
