@@ -138,10 +138,11 @@ def test_tiny_pool_preempts_and_still_finishes():
     """With a pool too small for all requests at once, preemption by recompute lets all finish."""
     s = make_scheduler(num_blocks=9, budget=64)
     for i in range(4):
-        s.add_request(req(f"r{i}", n=14, max_tokens=8, base=100 * i))
+        s.add_request(req(f"r{i}", n=6, max_tokens=18, base=100 * i))
     done = run_to_completion(s)
+    assert s.stats.num_preemptions > 0
     assert len(done) == 4
-    assert all(r.num_output_tokens == 8 for r in done)
+    assert all(r.num_output_tokens == 18 for r in done)
 
 
 def test_full_attention_request_that_can_never_fit_is_rejected():
@@ -376,3 +377,114 @@ def test_bad_policy_is_rejected():
     """An unknown load-failure policy raises a ValueError naming it and the valid ones."""
     with pytest.raises(ValueError, match="'retry'.*recompute, fail"):
         make_scheduler(policy="retry")
+
+
+def test_failed_load_on_hybrid_model_restarts_when_window_was_skipped():
+    """A failed load on a full + sliding-window model never leaves null blocks where recomputation reads."""
+    full, swa = FullAttentionSpec(BS, 1, 4, "int32"), SlidingWindowSpec(BS, 1, 4, "int32", sliding_window=8)
+    cfg = KVCacheConfig(64, [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)])
+    c = make_connector()
+    s = Scheduler(cfg, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, scheduler_block_size=BS,
+                  hash_block_size=BS, connector=c)
+    c.external["r"] = (32, True)
+    s.add_request(req("r", n=40, max_tokens=4))
+    out = s.schedule()
+    full_ids, swa_ids = s.kv_cache_manager.get_block_ids("r")
+    assert swa_ids[0] == 0  # the sliding-window group skipped the start of the loaded region
+    s.update_from_output(out, fake_model_output(s, out, finished_recving={"r"}, invalid_block_ids={full_ids[2]}))
+    out = s.schedule()
+    # Resuming at token 8 would need sliding-window KV for tokens 1..7, which was never computed.
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    for group in s.kv_cache_manager.get_block_ids("r"):
+        assert 0 not in group[: -(-out.num_scheduled_tokens["r"] // BS)]
+    s.update_from_output(out, fake_model_output(s, out))
+    assert run_to_completion(s)[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_async_loads_on_a_tight_pool_do_not_deadlock():
+    """Blocks still needed by requests holding loaded KV are reserved, so the queue never stalls."""
+    c = make_connector(11)
+    s = make_scheduler(num_blocks=11, connector=c, budget=64, max_model_len=40)
+    c.external.update({"A": (4, True), "B": (24, True)})
+    s.add_request(req("A", n=24, max_tokens=4))
+    s.add_request(req("B", n=25, max_tokens=3, base=100))
+    out = s.schedule()
+    s.update_from_output(out, fake_model_output(s, out, finished_recving={"A", "B"}))
+    done = run_to_completion(s, max_steps=200)
+    assert sorted(r.request_id for r in done) == ["A", "B"]
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in done)
+
+
+def test_sync_load_is_flagged_in_the_scheduler_output():
+    """A step that admits a synchronous connector load tells the worker to load before the forward."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (8, False)
+    s.add_request(req("a"))
+    out = s.schedule()
+    assert out.has_sync_kv_loads
+    s.update_from_output(out, fake_model_output(s, out))
+    out = s.schedule()
+    assert not out.has_sync_kv_loads
+
+
+def test_abort_after_load_reported_does_not_leak_into_a_reused_id():
+    """Aborting a request whose load was reported but not consumed leaves no state for a later request of that id."""
+    c = make_connector()
+    s = make_scheduler(connector=c)
+    c.external["r"] = (8, True)
+    s.add_request(req("r"))
+    out = s.schedule()
+    s.update_from_output(out, fake_model_output(s, out, finished_recving={"r"}))
+    s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 39
+    s.add_request(req("r"))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {}  # the new request waits for its own load
+    assert s.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_abort_while_loading_honours_a_delayed_free():
+    """A request aborted mid-load whose connector delays the free keeps its blocks until finished_sending."""
+    c = make_connector()
+    c.delay_free.add("r")
+    s = make_scheduler(connector=c)
+    c.external["r"] = (8, True)
+    s.add_request(req("r"))
+    out = s.schedule()
+    s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(out, fake_model_output(s, out, finished_recving={"r"}))
+    pool = s.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() < 39 and s.has_unfinished_requests()
+    out = s.schedule()
+    s.update_from_output(out, fake_model_output(s, out, finished_sending={"r"}))
+    assert pool.get_num_free_blocks() == 39 and not s.has_unfinished_requests()
+
+
+def test_token_sources_add_up_to_the_prompt_tokens_under_preemption():
+    """Computed, GPU-hit and connector-hit prompt tokens sum to the prompt tokens; repeats count as recomputed."""
+    c = make_connector(9)
+    s = make_scheduler(num_blocks=9, connector=c, budget=64)
+    for i in range(4):
+        c.external[f"r{i}"] = (4, False)
+        # Short prompts, long outputs: two fit at admission, then outgrow the pool.
+        s.add_request(req(f"r{i}", n=6, max_tokens=18, base=100 * i))
+    run_to_completion(s)
+    st = s.stats
+    assert st.num_preemptions > 0 and st.num_recomputed_tokens > 0
+    assert st.num_prefill_tokens_computed + st.num_gpu_cache_hit_tokens + st.num_connector_hit_tokens == 4 * 6
+
+
+def test_bind_gpu_block_pool_errors_are_not_hidden():
+    """A connector that cannot bind to the pool fails scheduler construction instead of running inert."""
+    c = make_connector()
+    c.raise_in.add("bind_gpu_block_pool")
+    with pytest.raises(RuntimeError, match="injected failure in bind_gpu_block_pool"):
+        make_scheduler(connector=c)
+
+
+def test_prompt_longer_than_max_model_len_is_rejected():
+    """add_request refuses a prompt that leaves no room to generate, naming the limit."""
+    s = make_scheduler(max_model_len=16)
+    with pytest.raises(ValueError, match="16 prompt tokens; max_model_len=16 allows at most 15"):
+        s.add_request(req("a", n=16))

@@ -231,16 +231,35 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
-    def rollback(self, request: Request, num_valid_tokens: int) -> None:
+    def rollback(self, request: Request, num_valid_tokens: int) -> int:
         """Forget that the request's blocks past ``num_valid_tokens`` hold valid, cached KV.
 
         Used after a failed KV load: blocks the request owns alone from the first
         invalid one on leave the prefix cache (their contents are garbage), and
-        caching resumes from there as the request recomputes. The request keeps
-        its blocks; the caller sets ``request.num_computed_tokens``.
+        caching resumes from there as the request recomputes. Null blocks the
+        recomputation would write to or read from are dropped from the table so
+        ``allocate_slots`` gives it real ones.
+
+        If some group cannot resume at ``num_valid_tokens`` (a sliding window
+        whose blocks before that point were never computed, only skipped), the
+        request's blocks are all freed and 0 is returned: it restarts from scratch.
+
+        Returns:
+            The number of valid tokens the request resumes from; the caller sets
+            ``request.num_computed_tokens`` to it.
         """
         rid = request.request_id
-        for m in self.coordinator.single_type_managers:
+        managers = self.coordinator.single_type_managers
+        for m in managers:
+            blocks = m.req_to_blocks.get(rid)
+            if not blocks:
+                continue
+            first_needed = m.get_num_skipped_tokens(num_valid_tokens) // m.block_size
+            last_valid = -(-num_valid_tokens // m.block_size)
+            if any(b.is_null for b in blocks[first_needed:last_valid]):
+                self.coordinator.free(rid)
+                return 0
+        for m in managers:
             blocks = m.req_to_blocks.get(rid)
             if not blocks:
                 continue
@@ -248,8 +267,17 @@ class KVCacheManager:
             self.block_pool.evict_blocks(
                 b.block_id for b in blocks[n_valid:] if b.block_hash is not None and b.ref_cnt == 1
             )
+            # Positions to be recomputed must not stay null: cut the table at the
+            # first such null; allocate_slots grows it again with real blocks.
+            first_needed = m.get_num_skipped_tokens(num_valid_tokens) // m.block_size
+            cut = next((i for i in range(first_needed, len(blocks)) if blocks[i].is_null), None)
+            if cut is not None:
+                removed = blocks[cut:]
+                del blocks[cut:]
+                self.block_pool.free_blocks(reversed(removed))
             if rid in m.num_cached_block:
-                m.num_cached_block[rid] = min(m.num_cached_block[rid], n_valid)
+                m.num_cached_block[rid] = min(m.num_cached_block[rid], n_valid, len(blocks))
+        return num_valid_tokens
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks per group."""

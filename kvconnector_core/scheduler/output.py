@@ -124,6 +124,9 @@ class SchedulerOutput(msgspec.Struct):
         preempted_req_ids: requests preempted in this step; their blocks are freed.
         kv_connector_metadata: the plan built by the scheduler-side connector's
             ``build_connector_meta`` (``None`` without a connector).
+        has_sync_kv_loads: some request admitted this step loads KV synchronously;
+            the worker must run ``start_load_kv`` (and let it finish) before the
+            forward reads those blocks.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -133,6 +136,7 @@ class SchedulerOutput(msgspec.Struct):
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     kv_connector_metadata: Any = None
+    has_sync_kv_loads: bool = False
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -42,6 +42,8 @@ __all__ = ["LOAD_FAILURE_POLICIES", "Scheduler", "SchedulerStats"]
 
 logger = logging.getLogger(__name__)
 
+_FAILED = object()  # sentinel: a contained connector hook raised
+
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 """What to do with a request whose KV load failed: recompute from the first bad block, or fail it."""
 
@@ -53,9 +55,12 @@ class SchedulerStats:
     Attributes:
         num_steps: ``schedule()`` calls.
         num_prompt_tokens: prompt tokens of all admitted requests (first admission).
-        num_prefill_tokens_computed: prompt tokens the model computed (recomputation included).
-        num_gpu_cache_hit_tokens: prompt tokens served from the GPU prefix cache.
-        num_connector_hit_tokens: prompt tokens loaded by the connector (successful loads).
+        num_prefill_tokens_computed: prompt tokens the model computed for the first time.
+        num_gpu_cache_hit_tokens: prompt tokens first served from the GPU prefix cache.
+        num_connector_hit_tokens: prompt tokens first served by the connector (successful loads).
+        num_recomputed_tokens: prompt tokens computed or loaded again after a preemption or
+            a failed load. Each prompt token is counted once in exactly one of the three
+            counters above, so they add up to ``num_prompt_tokens`` once all requests finish.
         num_preemptions: requests preempted by recompute.
         num_failed_loads_recovered: requests rolled back and recomputed after a failed load.
         num_requests_failed: requests finished with FINISHED_ERROR.
@@ -68,6 +73,7 @@ class SchedulerStats:
     num_prefill_tokens_computed: int = 0
     num_gpu_cache_hit_tokens: int = 0
     num_connector_hit_tokens: int = 0
+    num_recomputed_tokens: int = 0
     num_preemptions: int = 0
     num_failed_loads_recovered: int = 0
     num_requests_failed: int = 0
@@ -152,11 +158,16 @@ class Scheduler:
         # Requests whose KV load failed once: they recompute instead of asking
         # the connector again, so a persistently failing connector cannot livelock them.
         self._recompute_only: set[str] = set()
+        # Per request, prompt tokens already attributed in the stats (see _account).
+        self._prompt_progress: dict[str, int] = {}
+        # Requests aborted while loading whose connector also asked to delay the free.
+        self._delay_free_after_load: set[str] = set()
         self.stats = SchedulerStats()
         if connector is not None:
             # Unconditionally, right after the KV cache manager exists (opt-in hook;
-            # the base class default does nothing).
-            self._call("bind_gpu_block_pool", None, self.kv_cache_manager.block_pool)
+            # the base class default does nothing). Not contained: a connector that
+            # cannot bind is misconfigured, and running without it would hide that.
+            connector.bind_gpu_block_pool(self.kv_cache_manager.block_pool)
 
     # -- connector calls -------------------------------------------------------
 
@@ -183,6 +194,11 @@ class Scheduler:
             raise ConfigError(
                 f"request {request.request_id!r} hashes blocks of {request.hash_block_size} tokens; "
                 f"the scheduler needs hash_block_size={self.hash_block_size}"
+            )
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ConfigError(
+                f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens; "
+                f"max_model_len={self.max_model_len} allows at most {self.max_model_len - 1}"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -212,6 +228,9 @@ class Scheduler:
             # A request aborted while its KV is loading keeps its blocks until the
             # connector reports the load finished (the worker may still be writing them).
             keep = loading and rid not in self.finished_recving_kv_req_ids
+            # A reported-but-unconsumed load must not leak into a later request reusing the id.
+            self.finished_recving_kv_req_ids.discard(rid)
+            self.failed_recving_kv_req_ids.discard(rid)
             if keep:
                 self._aborted_while_loading.add(rid)
             self._free_request(req, keep_blocks=keep)
@@ -226,10 +245,27 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _count_prefill(self, req: Request, num_computed_before: int, num_new: int) -> None:
-        done = min(num_computed_before + num_new, req.num_prompt_tokens)
-        if done > num_computed_before:
-            self.stats.num_prefill_tokens_computed += done - num_computed_before
+    def _account(self, req: Request, source: str, start: int, end: int) -> None:
+        """Attribute prompt tokens ``[start, end)`` to ``source`` ("computed", "gpu", "connector").
+
+        Tokens beyond the request's progress count once toward ``source``; tokens
+        below it were counted before and now count as recomputed.
+        """
+        end = min(end, req.num_prompt_tokens)
+        if end <= start:
+            return
+        progress = self._prompt_progress.get(req.request_id, 0)
+        first = max(0, end - max(start, progress))
+        stats = self.stats
+        stats.num_recomputed_tokens += (end - start) - first
+        if first:
+            self._prompt_progress[req.request_id] = end
+            if source == "computed":
+                stats.num_prefill_tokens_computed += first
+            elif source == "gpu":
+                stats.num_gpu_cache_hit_tokens += first
+            else:
+                stats.num_connector_hit_tokens += first
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step; see the module docstring for the order of work."""
@@ -270,6 +306,11 @@ class Scheduler:
 
         # 2. Waiting requests (not in a step that had to preempt).
         skipped: deque[Request] = deque()
+        # Blocks that requests already holding blocks (async loads in flight or
+        # done) still need to finish; fresh admissions must leave them free, or a
+        # later request could take them and nothing would run to free any.
+        reserved = self._reserved_blocks()
+        has_sync_loads = False
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -308,6 +349,7 @@ class Scheduler:
                     load_async = bool(load_async) and num_external > 0
             num_computed = (num_local + num_external) if fresh else req.num_computed_tokens
             num_new = 0 if load_async else min(req.num_tokens - num_computed, budget)
+            own_need = 0 if fresh else self._remaining_need(req)
 
             blocks = kvm.allocate_slots(
                 req,
@@ -317,10 +359,23 @@ class Scheduler:
                 num_external_computed_tokens=num_external,
                 delay_cache_blocks=num_external > 0,
                 full_sequence_must_fit=fresh,
+                reserved_blocks=max(0, reserved - own_need),
             ) if (num_new > 0 or num_external > 0) else None
             if blocks is None:
+                if not fresh and not self.running and not num_scheduled:
+                    # It holds blocks but cannot grow and nothing runs that could
+                    # free any: release its blocks (valid ones stay cached) and
+                    # retry it from the prefix cache, like a preemption.
+                    reserved -= own_need
+                    kvm.free(req)
+                    req.num_computed_tokens = 0
+                    req.num_preemptions += 1
+                    req.status = RequestStatus.PREEMPTED
+                    self.stats.num_preemptions += 1
+                    continue
                 break  # out of blocks: admit nothing more this step
             self.waiting.popleft()
+            reserved -= own_need
 
             if self.connector is not None and fresh:
                 ok = self._call_update_state(req, num_external)
@@ -333,18 +388,21 @@ class Scheduler:
                     skipped.append(req)
                     continue
             if fresh:
-                self.stats.num_gpu_cache_hit_tokens += num_local
-                if req.num_preemptions == 0:
+                self._account(req, "gpu", 0, num_local)
+                if req.request_id not in self._prompt_progress:
+                    self._prompt_progress[req.request_id] = 0
                     self.stats.num_prompt_tokens += req.num_prompt_tokens
             if load_async:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = num_computed
                 req.num_external_computed_tokens = num_external
+                reserved += self._remaining_need(req)
                 skipped.append(req)
                 continue
             if num_external > 0:
                 self._sync_load_reqs.add(req.request_id)
                 req.num_external_computed_tokens = num_external
+                has_sync_loads = True
 
             was_preempted = req.num_preemptions > 0 and req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
@@ -357,29 +415,34 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, new_blocks_of,
-                                num_scheduled, preempted)
+                                num_scheduled, preempted, has_sync_loads)
         # Advance now (as vLLM does): a failed load's valid computed tokens are
         # then num_computed_tokens - num_scheduled_tokens[req] for sync and async alike.
         for rid, n in num_scheduled.items():
-            req = self.requests[rid]
-            self._count_prefill(req, req.num_computed_tokens, n)
-            req.num_computed_tokens += n
+            self.requests[rid].num_computed_tokens += n
         return out
 
+    def _remaining_need(self, req: Request) -> int:
+        """Blocks a waiting request that already holds blocks still needs to finish (admission-capped)."""
+        full = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        coord = self.kv_cache_manager.coordinator
+        return coord.get_num_blocks_to_allocate(
+            req.request_id, full, self.kv_cache_manager.empty_kv_cache_blocks.blocks,
+            req.num_computed_tokens, apply_admission_cap=True,
+        )
+
+    def _reserved_blocks(self) -> int:
+        """Sum of :meth:`_remaining_need` over waiting requests that hold blocks."""
+        return sum(self._remaining_need(r) for r in self.waiting if r.num_computed_tokens > 0)
+
     def _call_update_state(self, req: Request, num_external: int) -> bool:
-        try:
-            self.connector.update_state_after_alloc(req, self.kv_cache_manager.get_blocks(req.request_id),
-                                                    num_external)
-            return True
-        except Exception:
-            logger.exception("connector %r raised in update_state_after_alloc", self.connector)
-            errs = self.stats.connector_errors
-            errs["update_state_after_alloc"] = errs.get("update_state_after_alloc", 0) + 1
-            return False
+        """Tell the connector about an admitted request; False if the hook raised."""
+        blocks = self.kv_cache_manager.get_blocks(req.request_id)
+        return self._call("update_state_after_alloc", _FAILED, req, blocks, num_external) is not _FAILED
 
     def _make_output(self, new: list[Request], resumed: list[Request], running: list[Request],
                      new_blocks_of: dict[str, KVCacheBlocks], num_scheduled: dict[str, int],
-                     preempted: list[Request]) -> SchedulerOutput:
+                     preempted: list[Request], has_sync_loads: bool) -> SchedulerOutput:
         kvm = self.kv_cache_manager
         new_data = [
             NewRequestData(r.request_id, list(r.prompt_token_ids), kvm.get_block_ids(r.request_id),
@@ -408,6 +471,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            has_sync_kv_loads=has_sync_loads,
         )
         self.finished_req_ids = set()
         if self.connector is not None:
@@ -435,9 +499,10 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 kvm.free(req)  # nothing valid: start over as a fresh request
             else:
-                kvm.rollback(req, req.num_computed_tokens)
+                req.num_computed_tokens = kvm.rollback(req, req.num_computed_tokens)
         else:
-            self.stats.num_connector_hit_tokens += req.num_external_computed_tokens
+            self._account(req, "connector", req.num_computed_tokens - req.num_external_computed_tokens,
+                          req.num_computed_tokens)
         kvm.cache_blocks(req, req.num_computed_tokens)
         req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
         return True
@@ -480,8 +545,7 @@ class Scheduler:
                 req.num_computed_tokens = valid
                 self.failed_recving_kv_req_ids.add(rid)
                 continue
-            req.num_computed_tokens = valid
-            kvm.rollback(req, valid)
+            req.num_computed_tokens = kvm.rollback(req, valid)
             if self.recompute_on_failure:
                 self.stats.num_failed_loads_recovered += 1
                 self._recompute_only.add(rid)
@@ -528,8 +592,11 @@ class Scheduler:
                 continue
             if rid in bad_reqs:
                 continue  # this step's sample was computed on bad KV: dropped
+            n = num_scheduled[rid]
+            before = req.num_computed_tokens - n
             if rid in self._sync_load_reqs:
-                self.stats.num_connector_hit_tokens += req.num_external_computed_tokens
+                self._account(req, "connector", before - req.num_external_computed_tokens, before)
+            self._account(req, "computed", before, req.num_computed_tokens)
             sampled = model_runner_output.sampled_token_ids.get(rid)
             if not sampled:
                 continue
@@ -551,10 +618,14 @@ class Scheduler:
                 req = self.requests.get(rid)
                 if req is None:
                     continue
-                if req.is_finished():  # aborted while loading: free now
+                if req.is_finished():  # aborted while loading: free now (or after sending)
                     self._aborted_while_loading.discard(rid)
-                    self.kv_cache_manager.free(req)
-                    self.requests.pop(rid, None)
+                    if rid in self._delay_free_after_load:
+                        self._delay_free_after_load.discard(rid)
+                        self.delayed_free[rid] = req
+                    else:
+                        self.kv_cache_manager.free(req)
+                        self.requests.pop(rid, None)
                 else:
                     self.finished_recving_kv_req_ids.add(rid)
             for rid in kv_out.finished_sending:
@@ -594,7 +665,10 @@ class Scheduler:
             req.kv_transfer_params = params
         self.finished_req_ids.add(rid)
         self._recompute_only.discard(rid)
+        self._prompt_progress.pop(rid, None)
         if keep_blocks:
+            if delay:
+                self._delay_free_after_load.add(rid)
             return  # freed when the connector reports the load finished
         if delay:
             self.delayed_free[rid] = req
