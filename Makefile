@@ -2,16 +2,22 @@
 # Both create .venv and install what they need on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch is installed first, pinned, so that nothing pulls a
-# multi-GB CUDA build onto a CPU machine. On a GPU machine: make TORCH=torch ...
-TORCH ?= torch==2.13.0
+# The CPU build of torch is installed first, pinned to its "+cpu" local version,
+# so that nothing pulls a multi-GB CUDA build onto a CPU machine (PyPI's plain
+# Linux torch wheel is the CUDA build). Where no local wheel or CPU index is
+# configured: make TORCH_INDEX=https://download.pytorch.org/whl/cpu ...
+# On a GPU machine: make TORCH=torch ...
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: install run test bench clean
 
 $(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		|| { echo "could not install $(TORCH); set TORCH_INDEX (CPU wheels) or TORCH=torch (GPU machine)"; exit 1; }
 	$(PY) -m pip install -q -e '.[test]' -e examples/ttl_connector
 	touch $(STAMP)
 

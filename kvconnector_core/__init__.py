@@ -53,6 +53,17 @@ from kvconnector_core.kv_events import KVCacheEvent
 from kvconnector_core.kv_events import KVEventBatch
 from kvconnector_core.kv_events import decode_event_batch
 from kvconnector_core.kv_events import encode_event_batch
+from kvconnector_core.kv_cache.hashing import make_block_hash_with_group_id
+from kvconnector_core.kv_cache.hashing import get_block_hash
+from kvconnector_core.kv_cache.hashing import get_group_id
+from kvconnector_core.kv_cache.hashing import BlockHashWithGroupId
+from kvconnector_core.kv_events import to_external_hash
+from kvconnector_core.kv_events import ExternalBlockHash
+from kvconnector_core.kv_events import MEDIUM_GPU
+from kvconnector_core.kv_events import MEDIUM_CPU
+from kvconnector_core.kv_events import MEDIUM_STORAGE
+from kvconnector_core.kv_events import EventBatch
+from kvconnector_core.kv_cache.kv_cache_manager import PrefixCacheStats
 from kvconnector_core.request import Request
 from kvconnector_core.request import RequestStatus
 from kvconnector_core.scheduler import CachedRequestData
@@ -119,6 +130,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockHash",
     "BlockHashToBlockMap",
+    "BlockHashWithGroupId",
     "BlockPool",
     "BlockRemoved",
     "BlockSizeError",
@@ -138,10 +150,14 @@ __all__ = [
     "encode_event_batch",
     "Engine",
     "EngineConfig",
+    "EventBatch",
+    "ExternalBlockHash",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "FullAttentionSpec",
+    "get_block_hash",
     "get_connector_class",
+    "get_group_id",
     "get_kv_cache_config",
     "get_kv_cache_coordinator",
     "get_manager_for_kv_cache_spec",
@@ -174,6 +190,10 @@ __all__ = [
     "KVEventBatch",
     "load_connector_config",
     "load_trace_jsonl",
+    "make_block_hash_with_group_id",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "ModelRunnerOutput",
     "NewRequestData",
     "NoFreeBlocksError",
@@ -181,6 +201,7 @@ __all__ = [
     "PluginFailure",
     "PluginLoadError",
     "PluginRecord",
+    "PrefixCacheStats",
     "RegistryError",
     "Request",
     "RequestOutput",
@@ -195,6 +216,7 @@ __all__ = [
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",
+    "to_external_hash",
     "Trace",
     "TraceRequest",
     "TransferError",
