@@ -48,7 +48,8 @@ VLLM_REQS ?= ../shared/reference/vllm-0.33-cpu-requirements.txt
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)" \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
 	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_REQS)
 	$(VLLM_PY) -m pip install -q msgspec pluggy pytest hypothesis tqdm

@@ -32,6 +32,7 @@ import datetime as _dt
 import gc
 import os
 import platform
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -53,6 +54,7 @@ __all__ = [
     "offload_key_chains",
     "run_block_pool",
     "run_events",
+    "run_events_interleaved",
     "run_hashing",
     "run_manager_trace",
     "run_offload_trace",
@@ -697,12 +699,14 @@ def _event_batches(kv_events: Any, chains: list[list[bytes]], trace: Any,
 
 
 def run_events(side: Side, chains: list[list[bytes]], trace: Any,
-               batch_events: int = 16, passes: int = 20) -> dict[str, Any]:
+               batch_events: int = 16, passes: int = 21) -> dict[str, Any]:
     """msgpack encode, then decode, the same KV event batches built with ``side``'s structs.
 
-    Each timed region goes over all batches ``passes`` times: one pass over the large
-    trace takes about a millisecond, too short to time reliably on its own. One untimed
-    pass first warms msgspec's per-type caches.
+    One pass (all batches of the large trace) takes about a millisecond, too short to time
+    reliably on a shared machine: each pass is timed on its own, ``passes`` times, and the
+    median pass is reported (scaled to all passes), so a burst of interference from other
+    processes does not decide the row. One untimed pass first warms msgspec's per-type
+    caches.
 
     Returns:
         ``{"encode": (ns, events), "decode": (ns, events), "payloads": [bytes, ...],
@@ -710,19 +714,67 @@ def run_events(side: Side, chains: list[list[bytes]], trace: Any,
     """
     kv_events, encode, decode = side.event_codec()
     batches = _event_batches(kv_events, chains, trace, batch_events)
-    n = sum(len(b.events) for b in batches) * passes
-    for p in [encode(b) for b in batches]:
+    n = sum(len(b.events) for b in batches)
+    payloads = [encode(b) for b in batches]
+    for p in payloads:
         decode(p)
-    payloads: list[bytes] = []
-    with stopwatch() as sw:
+    clock = time.perf_counter_ns
+    enc_ns: list[int] = []
+    dec_ns: list[int] = []
+    with stopwatch():  # gc off for all passes; each pass is timed inside
         for _ in range(passes):
+            t0 = clock()
             payloads = [encode(b) for b in batches]
-    enc = (sw.ns, n)
-    with stopwatch() as sw:
+            enc_ns.append(clock() - t0)
+    with stopwatch():
         for _ in range(passes):
+            t0 = clock()
             for p in payloads:
                 decode(p)
-    return {"encode": enc, "decode": (sw.ns, n), "payloads": payloads, "batches": batches}
+            dec_ns.append(clock() - t0)
+    return {"encode": (int(statistics.median(enc_ns)), n), "decode": (int(statistics.median(dec_ns)), n),
+            "payloads": payloads, "batches": batches}
+
+
+def run_events_interleaved(sides: Sequence[Side], chains: list[list[bytes]], trace: Any,
+                           batch_events: int = 16, passes: int = 21) -> dict[str, dict[str, Any]]:
+    """:func:`run_events` for several sides at once, alternating them pass by pass.
+
+    A pass takes about a millisecond, so load from other processes drifts on a longer
+    time scale than one pass; alternating the sides at every pass (and which goes first)
+    exposes them to the same conditions, which matters for rows that are at parity by
+    construction (both sides run the same msgspec code).
+
+    Returns:
+        ``{side name: run_events-shaped result}`` with median-pass timings.
+    """
+    state = []
+    for side in sides:
+        kv_events, encode, decode = side.event_codec()
+        batches = _event_batches(kv_events, chains, trace, batch_events)
+        payloads = [encode(b) for b in batches]
+        for p in payloads:
+            decode(p)
+        state.append((side, encode, decode, batches, payloads, [], []))
+    n = sum(len(b.events) for b in state[0][3])
+    clock = time.perf_counter_ns
+    with stopwatch():
+        for i in range(passes):
+            for side, encode, _decode, batches, _payloads, enc_ns, _ in (state if i % 2 == 0 else state[::-1]):
+                t0 = clock()
+                for b in batches:
+                    encode(b)
+                enc_ns.append(clock() - t0)
+        for i in range(passes):
+            for side, _encode, decode, _batches, payloads, _, dec_ns in (state if i % 2 == 0 else state[::-1]):
+                t0 = clock()
+                for p in payloads:
+                    decode(p)
+                dec_ns.append(clock() - t0)
+    return {side.name: {"encode": (int(statistics.median(enc)), n),
+                        "decode": (int(statistics.median(dec)), n),
+                        "payloads": payloads, "batches": batches}
+            for side, _e, _d, batches, payloads, enc, dec in state}
 
 
 # --------------------------------------------------------------------------- hashing

@@ -108,6 +108,21 @@ def test_events_round_trip_through_msgpack() -> None:
         assert msgspec.to_builtins(decode(payload)) == msgspec.to_builtins(batch)
 
 
+def test_interleaved_events_time_every_side_on_the_same_batches() -> None:
+    """The pass-by-pass interleaved event benchmark returns per-side results that decode back."""
+    import msgspec
+
+    trace = d.chat_trace("tiny")
+    side = d.KvconnectorSide()
+    res = d.run_events_interleaved([side], d.offload_key_chains(trace), trace, passes=3)
+    one = res["kvconnector"]
+    assert one["encode"][1] == one["decode"][1] == 2 * len(trace)
+    assert one["encode"][0] > 0 and one["decode"][0] > 0
+    _, _, decode = side.event_codec()
+    for payload, batch in zip(one["payloads"], one["batches"]):
+        assert msgspec.to_builtins(decode(payload)) == msgspec.to_builtins(batch)
+
+
 def test_hashing_counts_full_blocks_only() -> None:
     """Hashing covers every full block of every prompt and nothing else."""
     trace = d.chat_trace("tiny")
