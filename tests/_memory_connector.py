@@ -8,6 +8,11 @@ extra_config:
     save_delay (int): a save planned in step ``k`` is copied at the end of step ``k + delay``;
         with ``delay > 0`` ``request_finished`` asks for a delayed free, and the request is
         reported in ``finished_sending`` once its saves are copied.
+    sync_flag (bool): the class capability ``has_sync_kv_loads`` (default: ``not load_async``).
+        ``False`` with sync loads relies on the scheduler's per-step
+        ``SchedulerOutput.has_sync_kv_loads``.
+    fail_start_load (int): in the first N steps that have loads, ``start_load_kv`` overwrites
+        every load target with garbage and raises (a load that failed half-way).
 
 The scheduler side learns that a save is done by counting steps (the copy happens in the
 worker's ``wait_for_save`` of a known step), so the two sides share only the metadata.
@@ -50,7 +55,8 @@ class InMemoryConnector(KVConnectorBase_V1):
         super().__init__(*args, **kwargs)
         self.load_async = bool(self.config.get_from_extra_config("load_async", False))
         self.save_delay = int(self.config.get_from_extra_config("save_delay", 0))
-        self.has_sync_kv_loads = not self.load_async
+        self.has_sync_kv_loads = bool(self.config.get_from_extra_config("sync_flag", not self.load_async))
+        self.fail_start_load = int(self.config.get_from_extra_config("fail_start_load", 0))
         cfg = self.kv_cache_config
         self.block_size = cfg.kv_cache_groups[0].kv_cache_spec.block_size
         # scheduler side
@@ -60,6 +66,7 @@ class InMemoryConnector(KVConnectorBase_V1):
         self._reqs: dict[str, dict[str, Any]] = {}
         self._loads: list[tuple[str, bytes, list[int]]] = []
         self._async_reqs: list[str] = []
+        self._last_stores: list[tuple[str, bytes, list[int]]] = []
         # worker side
         self._views: list[torch.Tensor] = []
         self._store: dict[bytes, list[torch.Tensor]] = {}
@@ -126,8 +133,27 @@ class InMemoryConnector(KVConnectorBase_V1):
                 state["last_store"] = self._step
             state["next_store"] = max(state["next_store"], full)
         self._loads, self._async_reqs = [], []
+        self._last_stores = list(meta.stores)
         self._step += 1
         return meta
+
+    def update_connector_output(self, connector_output):
+        """Forget this step's saves of requests that read invalid blocks (a failed sync load).
+
+        Those requests computed this step's KV on garbage, and the worker saved it: serving
+        it later would be wrong. The request rolls back and recomputes, and its blocks are
+        saved again from the first invalid one.
+        """
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for rid, key, _ in self._last_stores:
+            state = self._reqs.get(rid)
+            if state is None or not any(b in invalid for g in state["blocks"] for b in g):
+                continue
+            self._available_at.pop(key, None)
+            first_bad = min(i for g in state["blocks"] for i, b in enumerate(g) if b in invalid)
+            state["next_store"] = min(state["next_store"], first_bad)
 
     def request_finished(self, request, block_ids):
         state = self._reqs.pop(request.request_id, None)
@@ -147,6 +173,12 @@ class InMemoryConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context=None):
         meta = self._get_connector_metadata()
+        if meta.loads and self.fail_start_load > 0:
+            self.fail_start_load -= 1
+            for _, _, block_ids in meta.loads:
+                for view, block_id in zip(self._views, block_ids):
+                    view[block_id].fill_(7)
+            raise RuntimeError(f"injected start_load_kv failure (step {meta.step})")
         t0 = time.perf_counter()
         for _, key, block_ids in meta.loads:
             for view, block_id, data in zip(self._views, block_ids, self._store[key]):

@@ -74,3 +74,59 @@ def test_comparison_reports_first_difference():
     assert not cmp.identical and cmp.first_differing_request == "b" and cmp.first_differing_token == 1
     assert "outputs identical to baseline: NO" in format_report(bad, base)
     assert compare_outputs(base, base).identical
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n"], ids=["empty", "blank"])
+def test_empty_trace_is_a_usage_error(tmp_path, capsys, content):
+    """An empty or blank trace file exits 2 naming the file, without a traceback."""
+    path = tmp_path / "nothing.jsonl"
+    path.write_text(content)
+    assert main(["run", "--trace", str(path), "--connector", "none"]) == 2
+    err = capsys.readouterr().err
+    assert f"trace {path} has no requests" in err and "Traceback" not in err
+
+
+def test_out_of_vocab_token_names_file_line_and_range(tmp_path, capsys):
+    path = tmp_path / "vocab.jsonl"
+    path.write_text('{"arrival": 0, "prompt_token_ids": [1, 2], "max_new_tokens": 1}\n'
+                    '{"arrival": 0, "prompt_token_ids": [3, 99999], "max_new_tokens": 1}\n')
+    assert main(["run", "--trace", str(path), "--connector", "none"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2:" in err and "99999" in err and "0..31999" in err
+
+
+def test_unknown_connector_lists_aliases(capsys):
+    assert main(["run", "--connector", "nope", "--no-baseline"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown connector 'nope'" in err
+    assert "aliases: cpu_offload" in err or "OffloadingConnector" not in err
+
+
+def _capture_configs(monkeypatch) -> list:
+    """Make Engine.run return at once, recording each engine's config."""
+    from kvconnector_core.engine.engine import Engine
+
+    seen = []
+
+    def fake_run(self, trace, progress=None):
+        seen.append(self.config)
+        return RunResult(trace.name, None, "cpu", {}, {}, RunMetrics())
+
+    monkeypatch.setattr(Engine, "run", fake_run)
+    return seen
+
+
+def test_gpu_pool_is_sized_for_the_longest_request(monkeypatch, capsys):
+    """chat_large's requests need more than the default 64 blocks: the default grows to fit."""
+    seen = _capture_configs(monkeypatch)
+    assert main(["run", "--workload", "chat_large", "--connector", "none"]) == 0
+    (config,) = seen
+    assert config.num_gpu_blocks > 64
+    config.kv_cache_config()  # does not raise: one longest request fits
+    capsys.readouterr()
+    assert main(["run", "--workload", "chat_large", "--connector", "none",
+                 "--num-gpu-blocks", "64"]) == 2
+    err = capsys.readouterr().err
+    assert f"--num-gpu-blocks {config.min_num_gpu_blocks} or more" in err
+    assert main(["run", "--workload", "mixed", "--connector", "none"]) == 0
+    assert seen[-1].num_gpu_blocks == 64  # the default stays when it suffices

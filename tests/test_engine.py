@@ -139,3 +139,58 @@ def test_arrival_is_in_engine_steps():
     result = engine.run(trace)
     assert result.metrics.num_finished == len(trace)
     assert result.metrics.steps >= int(trace.requests[-1].arrival) - int(trace.requests[0].arrival)
+
+
+def test_per_step_sync_flag_makes_undeclared_sync_loads_correct(trace, reference):
+    """A connector with sync loads but no class flag: the scheduler's per-step flag suffices."""
+    result = Engine(EngineConfig(**SMALL, connector=_memory(sync_flag=False))).run(trace)
+    assert result.metrics.connector_hit_tokens > 0
+    assert result.outputs == reference
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(load_async=True)], ids=["sync", "async"])
+def test_start_load_kv_raising_recomputes_and_never_deadlocks(trace, reference, extra):
+    """start_load_kv fails (after scribbling on its targets): requests recompute and finish."""
+    config = EngineConfig(**SMALL, connector=_memory(fail_start_load=3, **extra))
+    result = Engine(config).run(trace)
+    m = result.metrics
+    assert m.connector_errors == {"start_load_kv": 3}
+    assert m.num_finished == len(trace) and m.num_failed_loads_recovered >= 1
+    assert m.connector_hit_tokens > 0  # later loads still served hits
+    assert result.outputs == reference
+
+
+@pytest.mark.parametrize("connector", [None, "memory", "memory-async"])
+def test_prompt_token_accounting_adds_up_on_default_workload(connector):
+    """computed + GPU hits + connector hits == prompt tokens; rates never exceed 100%."""
+    conn = {None: None, "memory": _memory(), "memory-async": _memory(load_async=True)}[connector]
+    # The `kvconnector run` defaults: a pool small enough to evict and preempt.
+    config = EngineConfig(num_gpu_blocks=40, max_num_batched_tokens=256, max_num_seqs=8,
+                          max_model_len=512, connector=conn)
+    trace = get_workload("mixed")
+    m = Engine(config).run(trace).metrics
+    assert m.num_finished == len(trace)
+    assert m.num_prompt_tokens == trace.num_prompt_tokens
+    assert (m.prefill_tokens_computed + m.gpu_prefix_hit_tokens + m.connector_hit_tokens
+            == m.num_prompt_tokens)
+    assert m.num_preemptions > 0 and m.recomputed_tokens > 0  # the case that overcounted
+    assert 0.0 <= m.total_hit_rate <= 1.0
+    assert m.total_hit_rate == pytest.approx(m.gpu_hit_rate + m.connector_hit_rate)
+
+
+def test_auto_ids_never_collide_with_explicit_ids():
+    """Requests without an id get ``req-<n>`` ids that skip every explicit id of the trace."""
+    from kvconnector_core.engine.workloads import TraceRequest
+
+    trace = [TraceRequest(arrival=0, prompt_token_ids=[1, 2, 3], max_new_tokens=2),
+             TraceRequest(arrival=0, prompt_token_ids=[4, 5, 6], max_new_tokens=2,
+                          request_id="req-0"),
+             TraceRequest(arrival=50, prompt_token_ids=[7, 8, 9], max_new_tokens=2,
+                          request_id="req-1")]
+    result = Engine(EngineConfig(**SMALL)).run(trace)
+    assert len(result.outputs) == 3 and {"req-0", "req-1"} < set(result.outputs)
+    assert all(len(out) == 2 for out in result.outputs.values())
+    dup = [*trace, TraceRequest(arrival=1, prompt_token_ids=[1], max_new_tokens=1,
+                                request_id="req-1")]
+    with pytest.raises(ConfigError, match=r"duplicate request_id 'req-1'.*#2 and #3"):
+        Engine(EngineConfig(**SMALL)).run(dup)

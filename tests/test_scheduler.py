@@ -488,3 +488,15 @@ def test_prompt_longer_than_max_model_len_is_rejected():
     s = make_scheduler(max_model_len=16)
     with pytest.raises(ValueError, match="16 prompt tokens; max_model_len=16 allows at most 15"):
         s.add_request(req("a", n=16))
+
+
+def test_prompt_tokens_counted_once_even_with_prefix_hits():
+    """A request admitted with a GPU prefix hit still counts its whole prompt, once."""
+    s = make_scheduler()
+    s.add_request(req("a"))
+    run_to_completion(s)
+    s.add_request(req("b"))
+    run_to_completion(s)
+    st = s.stats
+    assert st.num_prompt_tokens == 40
+    assert st.num_prefill_tokens_computed + st.num_gpu_cache_hit_tokens + st.num_connector_hit_tokens == 40

@@ -243,3 +243,84 @@ def test_harness_outputs_match_with_recording_connector():
     plain = run_requests(prompts, 3, model_config=mc)
     with_conn = run_requests(prompts, 3, runner=ModelRunner(mc, cfg, connector=conn))
     assert plain == with_conn
+
+
+def test_per_step_sync_flag_runs_start_load_before_the_forward():
+    """SchedulerOutput.has_sync_kv_loads moves start_load_kv before the layers for that step only."""
+    mc = ModelConfig(layer_types=("full",))
+    cfg = make_kv_cache_config(mc)
+    conn = _RecordingWorker(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    assert not conn.has_sync_kv_loads  # the class attribute says "async"
+    runner = ModelRunner(mc, cfg, connector=conn)
+    layers = _layer_calls(mc.layer_names())
+    conn.calls.clear()
+    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)],
+                         CachedRequestData.make_empty(), {"a": 3}, 3, set(), set(), _Meta(),
+                         has_sync_kv_loads=True)
+    runner.execute_model(so)
+    assert conn.calls == ["bind_connector_metadata", "start_load_kv", *layers, *TAIL]
+    conn.calls.clear()
+    so = SchedulerOutput([], CachedRequestData(["a"], set(), [[]], [None], [3]), {"a": 1}, 1,
+                         set(), set(), _Meta())
+    runner.execute_model(so)
+    assert conn.calls == ["bind_connector_metadata", *layers, "start_load_kv", *TAIL]
+
+
+class _WorkerMetaWorker(_RecordingWorker):
+    def get_kv_connector_kv_cache_events(self):
+        self._rec("get_kv_connector_kv_cache_events")
+        return None
+
+    def build_connector_worker_meta(self):
+        self._rec("build_connector_worker_meta")
+        return {"saved": 1}
+
+
+def test_build_connector_worker_meta_runs_after_events_before_clear():
+    """The optional hook runs in the reference position; its result reaches the output."""
+    mc = ModelConfig(layer_types=("full",))
+    cfg = make_kv_cache_config(mc)
+    conn = _WorkerMetaWorker(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    runner = ModelRunner(mc, cfg, connector=conn)
+    empty = SchedulerOutput.make_empty()
+    empty.kv_connector_metadata = _Meta()
+    conn.calls.clear()
+    out = runner.execute_model(empty)
+    assert conn.calls[-3:] == ["get_kv_connector_kv_cache_events", "build_connector_worker_meta",
+                               "clear_connector_metadata"]
+    assert out.kv_connector_output.kv_connector_worker_meta == {"saved": 1}
+    conn.raise_in = {"build_connector_worker_meta"}
+    out = runner.execute_model(empty)
+    assert out.kv_connector_output.kv_connector_worker_meta is None
+    assert runner.connector_errors == {"build_connector_worker_meta": 1}
+
+
+def test_failed_sync_load_spares_shared_prefix_blocks_and_freed_blocks():
+    """Only blocks a sync load could target are invalid: not blocks another live request holds."""
+    mc = ModelConfig(layer_types=("full",))
+    cfg = make_kv_cache_config(mc, block_size=4)
+    conn = _RecordingWorker(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    runner = ModelRunner(mc, cfg, connector=conn)
+    prefix = list(range(1, 9))
+    # "a" computes the shared prefix into blocks 1, 2; "p" runs and is then preempted.
+    runner.execute_model(SchedulerOutput(
+        [NewRequestData("a", [*prefix, 50], ([1, 2, 3],), 0),
+         NewRequestData("p", [40, 41, 42], ([9],), 0)],
+        CachedRequestData.make_empty(), {"a": 9, "p": 3}, 12, set(), set(), _Meta()))
+    runner.execute_model(SchedulerOutput(
+        [], CachedRequestData(["a"], set(), [[]], [None], [9]), {"a": 1}, 1, set(), {"p"},
+        _Meta()))
+    # "b" hits the prefix locally (blocks 1, 2) and loads 8 tokens into blocks 5, 9 (9 was
+    # p's, freed by the preemption); the load fails.
+    conn.raise_in = {"start_load_kv"}
+    so = SchedulerOutput([NewRequestData("b", [*prefix, *range(20, 30)], ([1, 2, 5, 9, 6],), 16)],
+                         CachedRequestData.make_empty(), {"b": 2}, 2, set(), set(), _Meta(),
+                         has_sync_kv_loads=True)
+    out = runner.execute_model(so)
+    assert out.kv_connector_output.invalid_block_ids == {5, 9}
+    assert runner.start_load_failed
+    # Without sync loads in the step, a failed load hook invalidates nothing the batch read.
+    so = SchedulerOutput([NewRequestData("c", [*prefix, 60, 61], ([1, 2, 7],), 8)],
+                         CachedRequestData.make_empty(), {"c": 2}, 2, set(), set(), _Meta())
+    out = runner.execute_model(so)
+    assert out.kv_connector_output.invalid_block_ids == set() and runner.start_load_failed

@@ -127,3 +127,14 @@ def test_bad_jsonl_names_line_and_field(tmp_path, line, field, needle):
     assert f"bad.jsonl:3:" in str(info.value) and needle in str(info.value)
     if field is not None:
         assert info.value.field == field
+
+
+def test_jsonl_token_outside_vocab_names_line_and_range(tmp_path):
+    path = tmp_path / "v.jsonl"
+    path.write_text('{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": 1}\n\n'
+                    '{"arrival": 0, "prompt_token_ids": [5, 100], "max_new_tokens": 1}\n')
+    assert len(load_trace_jsonl(path)) == 2  # no vocabulary given: not checked
+    with pytest.raises(TraceFormatError) as info:
+        load_trace_jsonl(path, vocab_size=100)
+    assert info.value.line_number == 3 and info.value.field == "$.prompt_token_ids[1]"
+    assert f"{path}:3:" in str(info.value) and "0..99" in str(info.value)

@@ -20,6 +20,8 @@ DEFAULT_WORKLOAD = "mixed"
 DEFAULT_CONNECTOR = "cpu_offload"
 # Small enough that the default workload evicts GPU blocks, so the connector matters.
 DEFAULT_NUM_GPU_BLOCKS = 64
+MAX_NUM_BATCHED_TOKENS = 256
+MAX_NUM_SEQS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the no-connector run and the output comparison")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    parser.add_argument("--num-gpu-blocks", type=int, default=DEFAULT_NUM_GPU_BLOCKS,
-                        metavar="N", help=f"GPU block pool size (default {DEFAULT_NUM_GPU_BLOCKS})")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, metavar="N",
+                        help=f"GPU block pool size (default {DEFAULT_NUM_GPU_BLOCKS}, or more "
+                             "when the workload's longest request needs more)")
 
 
 def _fail(msg: str) -> int:
@@ -62,7 +65,19 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
         name = DEFAULT_CONNECTOR
     if name.lower() == "none":
         return None
-    cls = registry.get(name)  # raises UnknownConnectorError listing the known names
+    from kvconnector_core.errors import UnknownConnectorError
+
+    try:
+        cls = registry.get(name)
+    except UnknownConnectorError as exc:
+        # The registry lists canonical names; configs and this flag accept aliases too.
+        known = ", ".join(
+            e.name + (f" (aliases: {', '.join(e.aliases)})" if e.aliases else "")
+            for e in registry.entries())
+        msg = f"unknown connector {name!r}; valid connectors: {known or 'none'} or 'none'"
+        if registry.errors:
+            msg += " (some plugins failed to load; see `kvconnector list`)"
+        raise UnknownConnectorError(msg) from exc
     extra: dict[str, Any] = {}
     if DEFAULT_CONNECTOR in registry and cls is registry.get(DEFAULT_CONNECTOR):
         # The CPU tier needs a size: four times the GPU pool.
@@ -89,13 +104,30 @@ def main(args: argparse.Namespace) -> int:
         # The model's tensors are tiny: one thread is faster and immune to busy cores.
         torch.set_num_threads(1)
     try:
-        trace = (load_trace_jsonl(args.trace) if args.trace
+        vocab = EngineConfig().model.vocab_size
+        trace = (load_trace_jsonl(args.trace, vocab_size=vocab) if args.trace
                  else get_workload(args.workload or DEFAULT_WORKLOAD, args.seed))
-        connector = _connector_config(args, args.num_gpu_blocks)
-        base = dict(num_gpu_blocks=args.num_gpu_blocks, max_num_batched_tokens=256,
-                    max_num_seqs=8, device=args.device,
-                    max_model_len=max(512, 16 + max(len(r.prompt_token_ids) + r.max_new_tokens
-                                                    for r in trace)))
+        if not trace.requests:
+            return _fail(f"trace {args.trace} has no requests (the file is empty or blank)")
+        max_model_len = max(512, 16 + max(len(r.prompt_token_ids) + r.max_new_tokens
+                                          for r in trace))
+        sizing = EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                              max_model_len=max_model_len)
+        min_blocks = sizing.min_num_gpu_blocks
+        if args.num_gpu_blocks is None:
+            # Room for the longest request plus one step's worth of blocks, so another
+            # request can make progress next to it.
+            num_gpu_blocks = max(DEFAULT_NUM_GPU_BLOCKS,
+                                 min_blocks + -(-MAX_NUM_BATCHED_TOKENS // sizing.block_size))
+        elif args.num_gpu_blocks < min_blocks:
+            return _fail(f"--num-gpu-blocks {args.num_gpu_blocks} is too small: the longest "
+                         f"request of {trace.name!r} needs max_model_len={max_model_len}, which "
+                         f"needs --num-gpu-blocks {min_blocks} or more")
+        else:
+            num_gpu_blocks = args.num_gpu_blocks
+        connector = _connector_config(args, num_gpu_blocks)
+        base = dict(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                    max_num_seqs=MAX_NUM_SEQS, device=args.device, max_model_len=max_model_len)
         runs = [("connector" if connector else "no connector", EngineConfig(**base, connector=connector))]
         if not args.no_baseline and connector is not None:
             runs.append(("baseline", EngineConfig(**base)))

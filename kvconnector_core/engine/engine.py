@@ -102,6 +102,14 @@ class EngineConfig:
             return self.load_failure_policy
         return self.connector.load_failure_policy if self.connector is not None else "recompute"
 
+    @property
+    def min_num_gpu_blocks(self) -> int:
+        """The smallest ``num_gpu_blocks`` that holds one request of ``max_model_len`` tokens
+        (the null block included), as :meth:`kv_cache_config` checks it."""
+        specs = set(self.model.kv_cache_specs(self.block_size).values())
+        return 1 + sum(s.max_admission_blocks_per_request(self.max_num_batched_tokens,
+                                                          self.max_model_len) for s in specs)
+
     def kv_cache_config(self) -> KVCacheConfig:
         """The KV cache layout: the model's specs grouped, ``num_gpu_blocks`` blocks.
 
@@ -115,7 +123,8 @@ class EngineConfig:
                                        self.max_model_len, self.max_num_batched_tokens)
         except ConfigError as exc:
             msg = (f"num_gpu_blocks={self.num_gpu_blocks} is too small for max_model_len="
-                   f"{self.max_model_len} with block_size={self.block_size}: {exc}")
+                   f"{self.max_model_len} with block_size={self.block_size}; it must be at "
+                   f"least {self.min_num_gpu_blocks} ({exc})")
             raise ConfigError(msg) from None
 
 
@@ -144,14 +153,19 @@ class RunMetrics(msgspec.Struct):
         num_requests: requests in the trace.
         num_finished: requests finished normally (length-capped or stopped).
         num_failed: requests finished with an error (or aborted).
-        num_prompt_tokens: prompt tokens in the trace.
+        num_prompt_tokens: prompt tokens of the requests the scheduler admitted (the
+            trace's, less any rejected request's); the denominator of every rate.
         num_output_tokens: tokens generated.
-        prefill_tokens_computed: prompt tokens the model computed (recomputation included).
-        gpu_prefix_hit_tokens: prompt tokens served from the GPU prefix cache.
-        connector_hit_tokens: prompt tokens loaded by the connector.
+        prefill_tokens_computed: prompt tokens the model computed the first time they were
+            needed.
+        gpu_prefix_hit_tokens: prompt tokens first served from the GPU prefix cache.
+        connector_hit_tokens: prompt tokens first loaded by the connector.
+        recomputed_tokens: prompt tokens computed or loaded again after a preemption or a
+            failed load (not in the three counters above, which add up to
+            ``num_prompt_tokens`` once every request finished).
         gpu_hit_rate: ``gpu_prefix_hit_tokens / num_prompt_tokens``.
         connector_hit_rate: ``connector_hit_tokens / num_prompt_tokens``.
-        total_hit_rate: the sum of both rates.
+        total_hit_rate: the sum of both rates (at most 1).
         num_preemptions: requests preempted (recomputed later).
         num_failed_loads_recovered: requests rolled back after a failed load.
         bytes_loaded: bytes the connector loaded into the GPU pool.
@@ -175,6 +189,7 @@ class RunMetrics(msgspec.Struct):
     prefill_tokens_computed: int = 0
     gpu_prefix_hit_tokens: int = 0
     connector_hit_tokens: int = 0
+    recomputed_tokens: int = 0
     gpu_hit_rate: float = 0.0
     connector_hit_rate: float = 0.0
     total_hit_rate: float = 0.0
@@ -266,6 +281,10 @@ class Engine:
         self.event_counts: dict[str, int] = {}
         self.connector_stats: dict[str, float] = {}
         self._next_id = 0
+        # Every id this engine has used, and ids a running trace will use later: auto ids
+        # skip both, so they never collide with explicit ones.
+        self._used_ids: set[str] = set()
+        self._reserved_ids: set[str] = set()
         self._last_num_scheduled = 0
         self._shut_down = False
 
@@ -278,7 +297,8 @@ class Engine:
         Args:
             prompt_token_ids: the prompt (ids below the model's vocab size).
             max_new_tokens: tokens to generate.
-            request_id: unique id; default ``req-<n>``.
+            request_id: unique id; default ``req-<n>``, the first ``n`` whose id was not
+                used by this engine and is not reserved by the trace :meth:`run` runs.
             cache_salt: isolates the request's prefix-cache entries.
 
         Returns:
@@ -290,7 +310,10 @@ class Engine:
         """
         if request_id is None:
             request_id = f"req-{self._next_id}"
-        self._next_id += 1
+            while request_id in self._used_ids or request_id in self._reserved_ids:
+                self._next_id += 1
+                request_id = f"req-{self._next_id}"
+            self._next_id += 1
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -303,6 +326,7 @@ class Engine:
         request = Request(request_id, prompt_token_ids, max_new_tokens, cache_salt=cache_salt,
                           hash_block_size=self.config.block_size, arrival_time=float(self.num_steps))
         self.scheduler.add_request(request)
+        self._used_ids.add(request_id)
         return request_id
 
     def has_unfinished_requests(self) -> bool:
@@ -317,9 +341,21 @@ class Engine:
         Returns:
             The requests that finished in this step.
         """
+        loading_before = self._async_loading_ids() if self.worker_connector is not None else set()
         scheduler_output = self.scheduler.schedule()
         self._last_num_scheduled = scheduler_output.total_num_scheduled_tokens
         runner_output = self.model_runner.execute_model(scheduler_output)
+        if self.model_runner.start_load_failed and runner_output.kv_connector_output is not None:
+            # start_load_kv raised: the async loads planned in this step may never start,
+            # so the connector may never report them and they would wait forever. Report
+            # them as finished and failed; the scheduler recomputes them. (The worker does
+            # not know these ids; the engine does, as the requests this schedule() put in
+            # WAITING_FOR_REMOTE_KVS.) Loads planned in earlier steps are left to the
+            # connector.
+            started = self._async_loading_ids() - loading_before
+            kv_out = runner_output.kv_connector_output
+            kv_out.finished_recving |= started
+            kv_out.failed_recving |= started
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         kv_out = runner_output.kv_connector_output
@@ -353,11 +389,26 @@ class Engine:
             Outputs and metrics.
 
         Raises:
+            ConfigError: two trace requests share a ``request_id`` (the message gives both
+                positions), or a request id was already used by this engine.
             InvariantError: the engine made no progress for many steps (a deadlock).
         """
         name = trace.name if isinstance(trace, Trace) else "trace"
-        requests = sorted(trace.requests if isinstance(trace, Trace) else trace,
-                          key=lambda r: r.arrival)
+        given = trace.requests if isinstance(trace, Trace) else trace
+        first_at: dict[str, int] = {}
+        for i, r in enumerate(given):
+            if r.request_id is None:
+                continue
+            if r.request_id in first_at:
+                msg = (f"duplicate request_id {r.request_id!r}: trace requests #{first_at[r.request_id]} "
+                       f"and #{i} (0-based)")
+                raise ConfigError(msg)
+            if r.request_id in self._used_ids:
+                msg = f"request_id {r.request_id!r} was already used by this engine"
+                raise ConfigError(msg)
+            first_at[r.request_id] = i
+        self._reserved_ids = set(first_at)
+        requests = sorted(given, key=lambda r: r.arrival)
         start = time.perf_counter()
         start_steps = self.num_steps
         ids: list[str] = []
@@ -387,10 +438,18 @@ class Engine:
         wall = time.perf_counter() - start
         return self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
 
+    def _async_loading_ids(self) -> set[str]:
+        from kvconnector_core.request import RequestStatus
+
+        # Requests waiting for async loads stay in the waiting queue.
+        return {r.request_id for r in self.scheduler.waiting
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+
     def _result(self, name: str, requests: list[TraceRequest], ids: list[str],
                 results: dict[str, RequestOutput], steps: int, wall: float) -> RunResult:
         stats = self.scheduler.stats
-        num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+        # The scheduler's count, so numerators and denominator cover the same requests.
+        num_prompt = stats.num_prompt_tokens
         cstats = dict(self.connector_stats)
         std = {k: cstats.pop(k, 0) for k in STANDARD_STATS_KEYS}
         finished_ok = {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"}
@@ -405,6 +464,7 @@ class Engine:
             prefill_tokens_computed=stats.num_prefill_tokens_computed,
             gpu_prefix_hit_tokens=stats.num_gpu_cache_hit_tokens,
             connector_hit_tokens=stats.num_connector_hit_tokens,
+            recomputed_tokens=stats.num_recomputed_tokens,
             gpu_hit_rate=gpu_rate, connector_hit_rate=conn_rate,
             total_hit_rate=gpu_rate + conn_rate,
             num_preemptions=stats.num_preemptions,

@@ -106,6 +106,7 @@ def _rows(result: RunResult) -> list[tuple[str, str]]:
         ("served from GPU prefix cache", f"{m.gpu_prefix_hit_tokens} ({m.gpu_hit_rate:.1%})"),
         ("served by connector", f"{m.connector_hit_tokens} ({m.connector_hit_rate:.1%})"),
         ("total hit rate", f"{m.total_hit_rate:.1%}"),
+        ("recomputed (preemption, failed load)", f"{m.recomputed_tokens}"),
         ("preemptions", f"{m.num_preemptions}"),
     ]
     if m.num_failed_loads_recovered:

@@ -422,7 +422,7 @@ def _field_of(message: str) -> str | None:
     return message[idx + len(marker):-1] if idx >= 0 and message.endswith("`") else None
 
 
-def load_trace_jsonl(path: str | Path) -> Trace:
+def load_trace_jsonl(path: str | Path, vocab_size: int | None = None) -> Trace:
     """Read a trace: one JSON object per line with the fields of :class:`TraceRequest`.
 
     Blank lines are skipped. Requests are sorted by arrival; the trace is named after the
@@ -430,6 +430,7 @@ def load_trace_jsonl(path: str | Path) -> Trace:
 
     Args:
         path: the ``.jsonl`` file.
+        vocab_size: if given, every prompt token id must lie in ``[0, vocab_size)``.
 
     Returns:
         The trace.
@@ -437,7 +438,8 @@ def load_trace_jsonl(path: str | Path) -> Trace:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         TraceFormatError: a line is not valid JSON, misses or mistypes a field, has an
-            unknown field, or reuses a ``request_id``; the message names the file, the
+            unknown field, reuses a ``request_id`` (the message names both lines), or has
+            a token id outside ``[0, vocab_size)``; the message names the file, the
             1-based line number and the field.
     """
     path = Path(path)
@@ -465,6 +467,16 @@ def load_trace_jsonl(path: str | Path) -> Trace:
                     raise TraceFormatError(msg, path=str(path), line_number=line_number,
                                            field="$.request_id")
                 seen_ids[req.request_id] = line_number
+            if vocab_size is not None:
+                bad = next((i for i, t in enumerate(req.prompt_token_ids)
+                            if not 0 <= t < vocab_size), None)
+                if bad is not None:
+                    field = f"$.prompt_token_ids[{bad}]"
+                    msg = (f"{path}:{line_number}: token id {req.prompt_token_ids[bad]} is outside "
+                           f"the model vocabulary; valid token ids are 0..{vocab_size - 1} - at "
+                           f"`{field}`")
+                    raise TraceFormatError(msg, path=str(path), line_number=line_number,
+                                           field=field)
             requests.append(req)
     return _sorted_trace(path.stem, requests)
 

@@ -388,10 +388,10 @@ class Scheduler:
                     skipped.append(req)
                     continue
             if fresh:
-                self._account(req, "gpu", 0, num_local)
-                if req.request_id not in self._prompt_progress:
+                if req.request_id not in self._prompt_progress:  # first admission
                     self._prompt_progress[req.request_id] = 0
                     self.stats.num_prompt_tokens += req.num_prompt_tokens
+                self._account(req, "gpu", 0, num_local)
             if load_async:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = num_computed

@@ -6,7 +6,7 @@ nothing is scheduled)::
 
     bind_connector_metadata(meta)
     [handle_preemptions(meta)            if the connector defines it]
-    [start_load_kv()                     if connector.has_sync_kv_loads: before the forward]
+    [start_load_kv()                     if the step has sync loads: before the forward]
     forward: per layer wait_for_layer_load(layer) ... write KV, attend ... save_kv_layer(...)
     [start_load_kv()                     otherwise: after the forward was launched]
     wait_for_save()
@@ -14,14 +14,25 @@ nothing is scheduled)::
     get_block_ids_with_load_errors()
     get_kv_connector_stats()
     [get_kv_connector_kv_cache_events()  if the connector defines it]
+    [build_connector_worker_meta()       if the connector defines it]
     clear_connector_metadata()
 
+"The step has sync loads" is ``scheduler_output.has_sync_kv_loads`` (the scheduler sets
+it when a request admitted this step loads with ``load_async=False``) or the connector's
+class attribute ``has_sync_kv_loads`` (a static override: always load before the forward).
+
 A worker hook that raises is contained: it is logged and counted in
-:attr:`ModelRunner.connector_errors`, and treated as a failed transfer. When a *load* hook
-(``start_load_kv``, ``wait_for_layer_load``) raises in a step with synchronous loads, every
-block below ``num_computed_tokens`` of the step's newly admitted requests is reported as
-invalid (the runner cannot tell which of them the connector was writing), so the scheduler
-recomputes them; the cost is recomputation, never wrong output.
+:attr:`ModelRunner.connector_errors`, and treated as a failed transfer:
+
+- A *load* hook (``start_load_kv``, ``wait_for_layer_load``) raising in a step with sync
+  loads: the blocks those loads may have been writing are reported as invalid (see
+  :meth:`ModelRunner._blocks_of_loaded_prefixes` for which), so the scheduler rolls the
+  owners back and recomputes; the cost is recomputation, never wrong output.
+- ``start_load_kv`` raising at all: the async loads it was to start may never be reported
+  by the connector. The runner cannot name those requests (the scheduler does not send
+  them to the worker), so it sets :attr:`ModelRunner.start_load_failed`; the engine then
+  reports the requests the scheduler put in WAITING_FOR_REMOTE_KVS this step as finished
+  and failed receives, so they are recomputed instead of waiting forever.
 
 The runner keeps, per request, its token ids (prompt + the tokens it sampled) and block
 ids per KV cache group; see :mod:`kvconnector_core.scheduler.output` for how the
@@ -167,6 +178,13 @@ class ModelRunner:
         #: Per worker hook name, how many times the connector raised (contained).
         self.connector_errors: dict[str, int] = {}
         self._load_failed = False
+        #: True when this step's ``start_load_kv`` raised (reset every step); the engine
+        #: then fails the async loads planned this step (see the module docstring).
+        self.start_load_failed = False
+        self._sync_loads = False
+        # Preempted requests keep their worker state (tokens) but their blocks were freed;
+        # they hold no block until resumed with a new block table.
+        self._preempted: set[str] = set()
         if connector is not None:
             connector.register_kv_caches(self.kv_caches.layer_tensors)
 
@@ -185,6 +203,10 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._preempted.discard(req_id)
+        self._preempted |= so.preempted_req_ids
+        self._preempted -= {n.req_id for n in so.scheduled_new_reqs}
+        self._preempted -= so.scheduled_cached_reqs.resumed_req_ids
         for new in so.scheduled_new_reqs:
             old = self.requests.get(new.req_id)
             # A re-sent request keeps the tokens it sampled if they extend the prompt.
@@ -279,17 +301,21 @@ class ModelRunner:
         work = self._scheduled(so)
         connector = self.connector
         self._load_failed = False
+        self.start_load_failed = False
+        # The per-step flag is authoritative; the class attribute forces sync behaviour.
+        sync = connector is not None and (so.has_sync_kv_loads or bool(connector.has_sync_kv_loads))
+        self._sync_loads = sync
         if connector is not None:
             if so.kv_connector_metadata is not None:
                 self._call("bind_connector_metadata", None, so.kv_connector_metadata)
             if hasattr(connector, "handle_preemptions") and so.kv_connector_metadata is not None:
                 self._call("handle_preemptions", None, so.kv_connector_metadata)
-            if connector.has_sync_kv_loads:
+            if sync:
                 self._call("start_load_kv", None, None)
         sampled: dict[str, list[int]] = {}
         if work:
             sampled = self._forward(work)
-        elif connector is not None and not connector.has_sync_kv_loads:
+        elif connector is not None and not sync:
             self._call("start_load_kv", None, None)  # empty step: no forward, same hook order
         kv_output = self._finish_connector_step(so) if connector is not None else None
         return ModelRunnerOutput(
@@ -310,7 +336,7 @@ class ModelRunner:
                 self._call("save_kv_layer", None, name, kv_layer, meta)
         hidden = self.model.forward(batch, self.kv_caches.layer_tensors,
                                     before_layer=before, after_layer=after)
-        if connector is not None and not connector.has_sync_kv_loads:
+        if connector is not None and not self._sync_loads:
             # Async loads target blocks of requests that are not in this batch, so they
             # may start once the forward is launched (on CPU: once it returned).
             self._call("start_load_kv", None, None)
@@ -331,15 +357,23 @@ class ModelRunner:
         events: list[Any] = []
         if hasattr(connector, "get_kv_connector_kv_cache_events"):
             events = list(self._call("get_kv_connector_kv_cache_events", None) or ())
+        worker_meta = None
+        if hasattr(connector, "build_connector_worker_meta"):  # optional on duck-typed connectors
+            # Reference order: after the events, before clear; travels to the scheduler
+            # side's update_connector_output as KVConnectorOutput.kv_connector_worker_meta.
+            worker_meta = self._call("build_connector_worker_meta", None)
         self._call("clear_connector_metadata", None)
-        if self._load_failed:
+        if self._load_failed and self._sync_loads:
+            # Without sync loads this step, no block the forward read was being loaded, so a
+            # failed load hook invalidates nothing the batch used (async loads: see
+            # start_load_failed).
             invalid |= self._blocks_of_loaded_prefixes(so)
         return KVConnectorOutput(
             finished_sending=set(results.finished_sending) if results else set(),
             finished_recving=set(results.finished_recving) if results else set(),
             failed_recving=set(results.failed_recving) if results else set(),
             invalid_block_ids=invalid, kv_connector_stats=stats or None,
-            kv_cache_events=events,
+            kv_cache_events=events, kv_connector_worker_meta=worker_meta,
         )
 
     def _call(self, hook: str, default: Any, *args: Any) -> Any:
@@ -352,13 +386,42 @@ class ModelRunner:
             self.connector_errors[hook] = self.connector_errors.get(hook, 0) + 1
             if hook in _LOAD_HOOKS:
                 self._load_failed = True
+            if hook == "start_load_kv":
+                self.start_load_failed = True
             return default
 
     def _blocks_of_loaded_prefixes(self, so: SchedulerOutput) -> set[int]:
-        """Every block below ``num_computed_tokens`` of the step's new requests."""
+        """Blocks a failed sync load may have been writing.
+
+        A sync load targets requests admitted this step (new ones, and resumed ones, whose
+        admission recomputes from zero), and only blocks below their
+        ``num_computed_tokens``. That region mixes the local prefix-cache hit (valid) with
+        the connector's targets, and the worker is not told the split. Load targets are
+        freshly allocated and cached only after the load succeeded, so no other request
+        can hold them; a block that also appears in another request's block table is
+        therefore a shared prefix hit and is left out, so a failed load never evicts a
+        shared prefix or rolls back unrelated requests. An unshared local hit is still
+        reported (the scheduler recomputes it): costly, but never wrong output.
+        """
+        admitted: list[tuple[str, int, tuple[list[int], ...]]] = [
+            (n.req_id, n.num_computed_tokens, n.block_ids) for n in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                admitted.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i]))
+        # How many requests hold each block (the runner's state is already updated).
+        holders: dict[int, int] = {}
+        for state in self.requests.values():
+            if state.req_id in self._preempted:
+                continue  # its blocks were freed (and may be this step's load targets)
+            for block_id in {b for group_ids in state.block_ids for b in group_ids}:
+                holders[block_id] = holders.get(block_id, 0) + 1
         bad: set[int] = set()
-        for new in so.scheduled_new_reqs:
-            for g, group_ids in enumerate(new.block_ids):
+        for _, num_computed, block_ids in admitted:
+            if num_computed <= 0:
+                continue
+            for g, group_ids in enumerate(block_ids):
                 bs = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
-                bad.update(b for b in group_ids[:-(-new.num_computed_tokens // bs)] if b != 0)
+                bad.update(b for b in group_ids[:-(-num_computed // bs)]
+                           if b != 0 and holders.get(b, 0) <= 1)
         return bad
