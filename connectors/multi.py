@@ -32,14 +32,21 @@ Semantics:
   worker-side load hook has its loads of that step reported the same way. Save
   hooks, ``register_kv_caches`` and ``bind_gpu_block_pool`` are not contained:
   the error propagates as :class:`ConnectorHookError` after the other children ran.
+  ``get_transfer_results`` and ``get_block_ids_with_load_errors`` are
+  contained per child (logged, counted; the other children's results are
+  still returned). ``handle_preemptions`` reaches every child with a plan
+  this step, with that child's own plan.
 - **Stats** are ``{"children": {label: stats}}`` plus the sums of the standard
-  byte/second keys, so an engine report works unchanged. **Events** are
-  chained. ``shutdown`` reaches every child and raises one
-  :class:`ShutdownError` listing all failures.
+  byte/second keys, so an engine report works unchanged. **Worker metadata**
+  (``build_connector_worker_meta``) is a :class:`MultiKVConnectorWorkerMetadata`
+  holding each child's by position. In ``update_connector_output`` child ``i``
+  gets a copy of the output carrying its own stats and its own worker
+  metadata. **Events** are chained. ``shutdown`` reaches every child and
+  raises one :class:`ShutdownError` listing all failures.
 
-Known limitation: every child sees the combined :class:`KVConnectorOutput` in
-``update_connector_output``, so a child learns that its own save finished only
-once every child that delayed the request has finished.
+Known limitation: the request sets of the :class:`KVConnectorOutput` are the
+combined ones, so a child learns that its own delayed free finished only once
+every child that delayed the request has finished.
 
 Primitives: :class:`MultiConnector`, :class:`MultiKVConnectorMetadata`,
 :class:`MultiLoad`, :class:`LoaderSelectionPolicy`, :class:`LongestHitPolicy`,
@@ -84,6 +91,7 @@ __all__ = [
     "LongestHitPolicy",
     "MultiConnector",
     "MultiKVConnectorMetadata",
+    "MultiKVConnectorWorkerMetadata",
     "MultiLoad",
 ]
 
@@ -178,6 +186,17 @@ class MultiKVConnectorMetadata(KVConnectorMetadata, kw_only=True):
     failed_loads: dict[str, MultiLoad] = msgspec.field(default_factory=dict)
 
 
+class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):
+    """The children's worker metadata (worker -> scheduler), one entry per child.
+
+    Attributes:
+        metadata: child ``i``'s ``build_connector_worker_meta()`` result (None
+            when it had nothing or raised), in child order.
+    """
+
+    metadata: tuple[Any, ...]
+
+
 # -------------------------------------------------------------------- connector
 
 
@@ -238,6 +257,7 @@ class MultiConnector(KVConnectorBase_V1):
         self._awaiting_send: dict[str, set[int]] = {}
         self._bound: list[bool] = [False] * len(self._children)
         self._step_meta: MultiKVConnectorMetadata | None = None
+        self._child_metas: list[KVConnectorMetadata | None] = [None] * len(self._children)
         self._broken_loaders: set[int] = set()
         self._forced_recv: set[str] = set()
         self._forced_failed: set[str] = set()
@@ -430,9 +450,25 @@ class MultiConnector(KVConnectorBase_V1):
         return out
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Forward the worker's report to every child."""
+        """Forward the worker's report to every child, each with its own stats and worker metadata."""
+        stats = connector_output.kv_connector_stats
+        per_child_stats = stats.get("children") if isinstance(stats, dict) else None
+        if not isinstance(per_child_stats, dict):
+            per_child_stats = {}
+        worker_meta = connector_output.kv_connector_worker_meta
+        metas: tuple[Any, ...] = ()
+        if isinstance(worker_meta, MultiKVConnectorWorkerMetadata):
+            metas = worker_meta.metadata
+        elif worker_meta is not None:
+            logger.error("MultiConnector: kv_connector_worker_meta is %s, not MultiKVConnectorWorkerMetadata; "
+                         "ignored", type(worker_meta).__qualname__)
         for i, child in enumerate(self._children):
-            self._contained(i, "update_connector_output", lambda child=child: child.update_connector_output(connector_output), None)
+            own = msgspec.structs.replace(
+                connector_output,
+                kv_connector_stats=per_child_stats.get(self.labels[i]),
+                kv_connector_worker_meta=metas[i] if i < len(metas) else None,
+            )
+            self._contained(i, "update_connector_output", lambda child=child, own=own: child.update_connector_output(own), None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay the free if any child asks; merge the children's params (earlier child wins a key)."""
@@ -492,8 +528,46 @@ class MultiConnector(KVConnectorBase_V1):
         skipped = set(meta.skipped_children)
         for i, (child, raw) in enumerate(zip(self._children, meta.children)):
             self._bound[i] = i not in skipped
+            self._child_metas[i] = None
             if i not in skipped:
-                child.bind_connector_metadata(decode_metadata(raw, child.metadata_type))
+                child_meta = decode_metadata(raw, child.metadata_type)
+                self._child_metas[i] = child_meta
+                child.bind_connector_metadata(child_meta)
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Forward to every child with a plan this step, with its own plan.
+
+        Raises:
+            InvariantError: the metadata is not a MultiKVConnectorMetadata for
+                this many children.
+            ConnectorHookError: a child raised (after every other child ran).
+        """
+        meta = connector_metadata
+        if not isinstance(meta, MultiKVConnectorMetadata) or len(meta.children) != len(self._children):
+            msg = (
+                f"MultiConnector expected MultiKVConnectorMetadata for {len(self._children)} children, "
+                f"got {type(meta).__qualname__}"
+            )
+            raise InvariantError(msg)
+        bound_now = meta is self._step_meta
+        skipped = set(meta.skipped_children)
+        plans: list[KVConnectorMetadata | None] = []
+        for i, (child, raw) in enumerate(zip(self._children, meta.children)):
+            if i in skipped:
+                plans.append(None)
+            elif bound_now and self._child_metas[i] is not None:
+                plans.append(self._child_metas[i])  # the very objects the children bound
+            else:
+                plans.append(decode_metadata(raw, child.metadata_type))
+        index = {id(c): i for i, c in enumerate(self._children)}
+
+        def call(child: KVConnectorBase_V1) -> None:
+            plan = plans[index[id(child)]]
+            hook = getattr(child, "handle_preemptions", None)
+            if plan is not None and hook is not None:
+                hook(plan)
+
+        self._fan_out("handle_preemptions", call)
 
     def _fail_load(self, req_id: str, load: MultiLoad) -> None:
         self._forced_invalid.update(load.block_ids)
@@ -539,13 +613,17 @@ class MultiConnector(KVConnectorBase_V1):
                 child.clear_connector_metadata()
             self._bound[i] = False
         self._step_meta = None
+        self._child_metas = [None] * len(self._children)
         super().clear_connector_metadata()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Union receives; report a send once every child that delayed it has reported it."""
         out = KVConnectorTransferResults()
         for i, child in enumerate(self._children):
-            res = child.get_transfer_results(finished_req_ids)
+            res = self._contained_worker(i, "get_transfer_results",
+                                         lambda child=child: child.get_transfer_results(finished_req_ids))
+            if res is None:
+                continue
             for req_id in res.finished_sending:
                 waiting = self._awaiting_send.get(req_id)
                 if waiting is None or i not in waiting:
@@ -573,9 +651,40 @@ class MultiConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Union of the children's load errors and the loads this connector failed."""
         errors, self._forced_invalid = self._forced_invalid, set()
-        for child in self._children:
-            errors |= set(child.get_block_ids_with_load_errors())
+        for i, child in enumerate(self._children):
+            child_errors = self._contained_worker(i, "get_block_ids_with_load_errors",
+                                                  lambda child=child: set(child.get_block_ids_with_load_errors()))
+            errors |= child_errors or set()
         return errors
+
+    def build_connector_worker_meta(self) -> MultiKVConnectorWorkerMetadata | None:
+        """Each child's worker metadata by position; None when no child has any.
+
+        A child that raises is contained (logged, counted) and contributes None.
+        """
+        metas = tuple(
+            self._contained_worker(i, "build_connector_worker_meta",
+                                   lambda child=child: child.build_connector_worker_meta())
+            for i, child in enumerate(self._children)
+        )
+        if all(m is None for m in metas):
+            return None
+        return MultiKVConnectorWorkerMetadata(metas)
+
+    def _contained_worker(self, index: int, hook: str, call: Callable[[], T]) -> T | None:
+        """Run a child's worker report hook; on an exception log, count and return None.
+
+        A report hook only reads what finished, so one broken child must not hide
+        the others' results (which would leak their delayed frees and stall their
+        receives).
+        """
+        try:
+            return call()
+        except Exception:
+            self._hook_errors[f"{self.labels[index]}.{hook}"] += 1
+            logger.exception("MultiConnector: child %s raised in %s; its results this step are lost",
+                             self.labels[index], hook)
+            return None
 
     # ------------------------------------------------------------- both sides
 

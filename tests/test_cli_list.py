@@ -54,9 +54,9 @@ def test_table_lists_connectors_and_failures(capsys):
     code, out = run([], capsys, registry_with_failure())
     assert code == 0
     header, row = out.splitlines()[:2]
-    assert header.split() == ["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION"]
+    assert header.split() == ["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION", "STATUS"]
     assert row.split() == ["RecordingConnector", "-", "kvconnector_core.testing.recording.RecordingConnector",
-                           "kv-rec", "2.0"]
+                           "kv-rec", "2.0", "ok"]
     failed = out.split("failed to load:")[1]
     assert "broken (kv-broken)" in failed and "zzz" in failed
 
@@ -87,3 +87,41 @@ def test_installed_console_script_lists_builtins_and_ttl():
     assert names["MultiConnector"]["distribution"] == "kvconnector"
     assert names["TTLPinConnector"]["distribution"] == "kvconnector-ttl"
     assert names["TTLPinConnector"]["aliases"] == ["ttl"]
+
+
+class ClashingRecording(RecordingConnector):
+    """Another class claiming RecordingConnector's name."""
+
+
+def registry_with_conflict() -> ConnectorRegistry:
+    reg = ConnectorRegistry()
+    reg.load_plugins([
+        FakeEntryPoint("legit", "x:RecordingConnector", RecordingConnector, FakeDist("kv-legit", "1.0")),
+        FakeEntryPoint("squatter", "y:Clash", ClashingRecording, FakeDist("kv-squat", "0.1")),
+    ], builtin_fallback=False)
+    return reg
+
+
+def test_conflicted_name_is_shown_unusable_naming_both_claimants(capsys):
+    """A name two classes claim is a CONFLICT row, and the conflict names both plugins, not one."""
+    code, out = run([], capsys, registry_with_conflict())
+    assert code == 0
+    row = out.splitlines()[1]
+    assert row.startswith("RecordingConnector") and row.endswith("CONFLICT (unusable)")
+    conflicts = out.split("conflicts")[1]
+    assert "kv-legit" in conflicts and "kv-squat" in conflicts
+    assert "test_cli_list.ClashingRecording" in conflicts
+    assert "failed to load" not in out  # not filed as one plugin's load failure
+    assert run(["--strict"], capsys, registry_with_conflict())[0] == 1
+
+
+def test_conflict_json(capsys):
+    """--json: the connector is unusable; the conflict has the holder and the claimant."""
+    data = json.loads(run(["--json"], capsys, registry_with_conflict())[1])
+    (conn,) = data["connectors"]
+    assert conn["usable"] is False and conn["conflicted_names"] == ["RecordingConnector"]
+    (conflict,) = data["conflicts"]
+    assert conflict["name"] == "RecordingConnector"
+    assert conflict["holder"]["distribution"] == "kv-legit"
+    assert conflict["claimant"]["distribution"] == "kv-squat"
+    assert data["errors"] == []

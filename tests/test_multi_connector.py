@@ -322,3 +322,140 @@ def test_events_from_real_children_types():
     sched = multi(child("Evented", tag=7), child())
     events = list(sched.take_events())
     assert len(events) == 1 and not isinstance(events[0], AllBlocksCleared)
+
+
+# ------------------------------------------------------- worker metadata, preemptions
+
+
+class Preempting(RecordingConnector):
+    """Records handle_preemptions and reports worker metadata / stats tagged by its config."""
+
+    name = "Preempting"
+    metadata_type = OtherMeta
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.preempted_with: list[Any] = []
+        self.outputs: list[KVConnectorOutput] = []
+
+    def build_connector_meta(self, scheduler_output):
+        super().build_connector_meta(scheduler_output)
+        return OtherMeta(numbers=[self._config.extra_config["tag"]])
+
+    def handle_preemptions(self, connector_metadata):
+        self.preempted_with.append(connector_metadata)
+
+    def build_connector_worker_meta(self):
+        return {"worker_meta_of": self._config.extra_config["tag"]}
+
+    def get_kv_connector_stats(self):
+        return {"tag": self._config.extra_config["tag"], "bytes_stored": 1}
+
+    def update_connector_output(self, connector_output):
+        self.outputs.append(connector_output)
+
+
+REGISTRY.add(Preempting)
+
+
+def test_handle_preemptions_reaches_children_with_their_own_plans():
+    """handle_preemptions is forwarded to each bound child with that child's decoded plan."""
+    sched, worker = pair(child("Preempting", tag=1), child(), child("Preempting", tag=3))
+    meta = check_metadata_roundtrip(sched.build_connector_meta(empty_scheduler_output()))
+    worker.bind_connector_metadata(meta)
+    worker.handle_preemptions(meta)
+    first, _, third = worker.children
+    assert first.preempted_with == [OtherMeta(numbers=[1])]
+    assert third.preempted_with == [OtherMeta(numbers=[3])]
+    worker.clear_connector_metadata()
+
+
+def test_worker_meta_and_stats_reach_their_own_child():
+    """Worker metadata is aggregated by position; each child gets back only its own, and its own stats."""
+    sched, worker = pair(child("Preempting", tag=1), child(), child("Preempting", tag=3))
+    meta = sched.build_connector_meta(empty_scheduler_output())
+    worker.bind_connector_metadata(meta)
+    stats = worker.get_kv_connector_stats()
+    wmeta = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    assert wmeta.metadata == ({"worker_meta_of": 1}, None, {"worker_meta_of": 3})
+    out = KVConnectorOutput(finished_sending={"r"}, kv_connector_stats=stats, kv_connector_worker_meta=wmeta)
+    sched.update_connector_output(out)
+    first, middle, third = sched.children
+    assert first.outputs[0].kv_connector_worker_meta == {"worker_meta_of": 1}
+    assert third.outputs[0].kv_connector_worker_meta == {"worker_meta_of": 3}
+    assert first.outputs[0].kv_connector_stats == {"tag": 1, "bytes_stored": 1}
+    assert third.outputs[0].kv_connector_stats == {"tag": 3, "bytes_stored": 1}
+    assert first.outputs[0].finished_sending == {"r"}
+    middle_out = next(args[0] for name, args in middle.calls if name == "update_connector_output")
+    assert middle_out.kv_connector_worker_meta is None and middle_out.kv_connector_stats is None
+
+
+def test_no_worker_meta_when_no_child_has_any():
+    """Children without worker metadata make the multi report None (no empty tuple on the wire)."""
+    _, worker = pair(child(), child())
+    assert worker.build_connector_worker_meta() is None
+
+
+@pytest.mark.parametrize("hook", ["get_transfer_results", "get_block_ids_with_load_errors"])
+def test_worker_report_hook_failure_is_contained(hook):
+    """A child raising from a report hook is logged and counted; the others' results still come back."""
+    children = (child("Raising", raise_in=[hook, "get_finished"]), child("Evented", tag=1, errors=[5]),
+                child("SlowSender", send_delay=0, delay_free=True))
+    sched, worker = pair(*children)
+    manager = make_kv_cache_manager()
+    sched.bind_gpu_block_pool(manager.block_pool)
+    request = make_request()
+    admit(sched, manager, request)
+    delay, _ = sched.request_finished(request, manager.get_block_ids(request.request_id)[0])
+    assert delay
+    res, errors = step(sched, worker, finished=[request.request_id])
+    if hook == "get_transfer_results":
+        assert res.finished_sending == {request.request_id}
+    assert 5 in errors
+    assert worker.get_kv_connector_stats()["hook_errors"][f"Raising.{hook}"] == 1
+
+
+def test_guide_multiconnector_example_builds_in_both_roles():
+    """The MultiConnector JSON in docs/writing-a-connector.md §5 creates a working connector."""
+    import json
+    import pathlib
+    import re
+
+    from kvconnector_core.connector import create_connector
+
+    guide = (pathlib.Path(__file__).parents[1] / "docs" / "writing-a-connector.md").read_text()
+    section = guide.split("## 5.")[1].split("\n## ")[0]
+    (block,) = re.findall(r"```json\n(.*?)```", section, flags=re.S)
+    config = KVConnectorConfig.from_dict(json.loads(block))
+    for role in KVConnectorRole:
+        conn = create_connector(config, role, make_kv_cache_config())
+        assert [type(c).__name__ for c in conn.children] == ["TTLPinConnector", "OffloadingConnector"]
+        conn.shutdown()
+
+
+class NeverSends(RecordingConnector):
+    """Delays every free and never reports it in finished_sending."""
+
+    name = "NeverSends"
+
+    def request_finished(self, request, block_ids):
+        super().request_finished(request, block_ids)
+        return True, None
+
+    def get_finished(self, finished_req_ids):
+        return None, None
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "in-multi"])
+def test_contract_catches_a_delayed_free_never_reported(wrapped):
+    """The kit's delayed-free check fails for a connector that never reports its delayed free."""
+    config = (KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [
+        {"name": "NeverSends", "module_path": __name__}]}) if wrapped
+        else KVConnectorConfig(name="NeverSends", module_path=__name__))
+
+    class Broken(ConnectorContract):
+        connector_config = config
+
+    with pytest.raises(AssertionError, match="reported 0 times"):
+        Broken().test_delayed_free_is_eventually_reported()

@@ -229,3 +229,193 @@ def test_cli_run_with_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["comparison"]["identical"] is True
     assert report["metrics"]["connector_hit_tokens"] > 0
     assert report["metrics"]["events"].get("BlockStored[CPU]", 0) > 0
+
+
+# ------------------------------------------------------------------------------ review fixes
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"num_cpu_blocks": "abc"}, r"num_cpu_blocks='abc' is not valid; expected an integer, a positive"),
+    ({"cpu_bytes": [1]}, r"cpu_bytes=\[1\] is not valid; expected an integer"),
+    ({"num_cpu_blocks": 4, "blocks_per_chunk": 1.5}, r"blocks_per_chunk=1.5 is not valid"),
+    ({"num_cpu_blocks": 4, "block_size": "x"}, r"block_size='x' is not valid; .*multiple of the GPU block size 16"),
+    ({"num_cpu_blocks": True}, r"num_cpu_blocks=True is not valid"),
+    ({"num_cpu_blocks": 4, "enable_events": "maybe"}, r"enable_events='maybe' is not valid; expected true or false"),
+    ({"num_cpu_blocks": 4, "cache_policy": 3}, r"cache_policy=3 is not valid; expected a string"),
+], ids=["int-str", "bytes-list", "factor-float", "block-size-str", "bool", "events-str", "policy-int"])
+def test_wrongly_typed_config_names_key_value_and_valid(extra: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make(extra)
+
+
+def test_numeric_strings_are_accepted() -> None:
+    conn = make({"num_cpu_blocks": "6", "blocks_per_chunk": 2.0, "enable_events": "false"})
+    assert (conn.offload_config.num_cpu_blocks, conn.offload_config.blocks_per_chunk) == (6, 2)
+    assert conn.offload_config.enable_events is False
+
+
+def _worker(extra: dict | None = None) -> OffloadingConnector:
+    from kvconnector_core.testing import make_kv_caches
+
+    kv = kv_config()
+    worker = make(extra or {"num_cpu_blocks": 8}, kv, KVConnectorRole.WORKER)
+    worker.register_kv_caches(make_kv_caches(kv))
+    return worker
+
+
+def _run_worker_step(worker: OffloadingConnector, meta: OffloadingConnectorMetadata) -> None:
+    worker.bind_connector_metadata(meta)
+    worker.handle_preemptions(meta)
+    worker.start_load_kv()
+    worker.wait_for_save()
+
+
+def test_job_completions_travel_as_worker_metadata_not_stats() -> None:
+    """Finished job ids come from build_connector_worker_meta; the stats carry only numbers."""
+    from connectors.offload.connector import OffloadWorkerMetadata, TransferJobSpec
+
+    worker = _worker()
+    _run_worker_step(worker, OffloadingConnectorMetadata(stores=[TransferJobSpec(7, "r", [1, 2], [0, 1])]))
+    worker.clear_connector_metadata()
+    _run_worker_step(worker, OffloadingConnectorMetadata())
+    worker.get_transfer_results(set())
+    stats = worker.get_kv_connector_stats()
+    assert stats is not None and set(stats) == {"bytes_stored", "store_seconds"}
+    assert worker.build_connector_worker_meta() == OffloadWorkerMetadata(done_job_ids=[7])
+    assert worker.build_connector_worker_meta() is None  # reported once
+
+
+def test_stores_are_submitted_when_the_next_plan_is_bound() -> None:
+    """Step N's stores are submitted in step N+1's bind_connector_metadata, before its forward."""
+    from connectors.offload.connector import TransferJobSpec
+
+    worker = _worker()
+    submitted: list[int] = []
+    real = worker.mover.submit_store
+
+    def spy(job_id: int, *args: object) -> None:
+        submitted.append(job_id)
+        real(job_id, *args)
+
+    worker.mover.submit_store = spy  # type: ignore[method-assign]
+    _run_worker_step(worker, OffloadingConnectorMetadata(stores=[TransferJobSpec(1, "r", [3], [0])]))
+    worker.clear_connector_metadata()
+    assert submitted == []  # never during the step that computes the blocks
+    worker.bind_connector_metadata(OffloadingConnectorMetadata())
+    assert submitted == [1]  # before start_load_kv / the forward of the next step
+
+
+def test_completions_survive_an_exception_while_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll that raises halfway loses none of the completions it already took from the mover."""
+    from connectors.offload.connector import TransferJobSpec
+
+    worker = _worker()
+    jobs = [TransferJobSpec(i, f"r{i}", [i + 1], [i]) for i in range(3)]
+    _run_worker_step(worker, OffloadingConnectorMetadata(stores=jobs))
+    worker.clear_connector_metadata()
+    _run_worker_step(worker, OffloadingConnectorMetadata())
+    calls = []
+    real = worker._add_stat
+
+    def flaky(key: str, value: float) -> None:
+        calls.append(key)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        real(key, value)
+
+    monkeypatch.setattr(worker, "_add_stat", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        worker.get_transfer_results(set())
+    worker.get_transfer_results(set())
+    meta = worker.build_connector_worker_meta()
+    assert meta is not None and sorted(meta.done_job_ids) == [0, 1, 2]
+
+
+def _diverging_trace(seed: int) -> list[TraceRequest]:
+    """Prompts sharing 3 blocks, diverging in the 4th (so chunk 1 of f=2 shares block 2), plus noise."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(1000) for _ in range(n)]  # noqa: E731
+    shared = tok(48)
+    prompts = [shared + tok(rng.randrange(17, 40)) for _ in range(5)] + [tok(70) for _ in range(3)]
+    rng.shuffle(prompts)
+    return [TraceRequest(request_id=f"d{i}", arrival=i * rng.randrange(1, 12), max_new_tokens=rng.randrange(1, 12),
+                         prompt_token_ids=p) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", range(3))
+def test_event_replay_is_exact_when_chunks_share_blocks(policy: str, seed: int) -> None:
+    """f=2, diverging prefixes: each GPU hash is announced once while held, and a set replay
+    equals the GPU blocks of the tier's ready chunks."""
+    from kvconnector_core.request import Request
+
+    trace = _diverging_trace(seed)
+    eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, connector={
+        "name": "cpu_offload",
+        "extra_config": {"num_cpu_blocks": 5, "blocks_per_chunk": 2, "cache_policy": policy}}))
+    events = record_events(eng)
+    result = eng.run(trace)
+    held: set[int] = set()
+    for e in events:
+        if isinstance(e, BlockStored):
+            assert not held & set(e.block_hashes), "a held GPU block was announced again"
+            assert len(e.token_ids) == 16 * len(e.block_hashes)
+            held |= set(e.block_hashes)
+        else:
+            assert set(e.block_hashes) <= held, "removal of a GPU block not held"
+            held -= set(e.block_hashes)
+    chunk_blocks: dict[bytes, list[bytes]] = {}
+    for r in trace:
+        hashes = Request("x", r.prompt_token_ids + result.outputs[r.request_id], 1,
+                         hash_block_size=16).block_hashes
+        for i in range(len(hashes) // 2):
+            chunk_blocks[hashes[2 * i + 1]] = hashes[2 * i:2 * i + 2]
+    ready = [k for k, entry in eng.scheduler_connector.manager.policy if entry.ref_cnt >= 0]
+    assert held == {to_external_hash(h) for k in ready for h in chunk_blocks[k]}
+    eng.shutdown()
+
+
+def test_no_chunk_info_is_kept_without_events() -> None:
+    """With enable_events=False nothing drains the chunk table, so nothing is put in it."""
+    rng = random.Random(0)
+    trace = [TraceRequest(request_id=f"q{i}", arrival=i, max_new_tokens=2,
+                          prompt_token_ids=[rng.randrange(1000) for _ in range(64)]) for i in range(12)]
+    eng = engine("cpu", {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4, "enable_events": False}})
+    result = eng.run(trace)
+    assert result.metrics.bytes_stored > 0
+    assert len(eng.scheduler_connector._chunk_info) == 0
+    assert list(eng.scheduler_connector.take_events()) == []
+
+
+def test_arc_does_not_promote_a_requests_own_chunks() -> None:
+    """One request and no reuse: its chunks are seen once, so ARC keeps them all in T1."""
+    rng = random.Random(0)
+    eng = Engine(EngineConfig(num_gpu_blocks=40, block_size=16, max_model_len=512, connector={
+        "name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "cache_policy": "arc"}}))
+    prompt = [rng.randrange(1000) for _ in range(100)]
+    eng.add_request(prompt, 60, request_id="only")
+    while eng.has_unfinished_requests():
+        eng.step()
+    policy = eng.scheduler_connector.manager.policy
+    assert len(policy.t1) > 1 and len(policy.t2) == 0
+    # A real hit (a second request reusing the prompt) does promote the chunks it hits.
+    eng.add_request(prompt, 1, request_id="again")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(policy.t2) >= 100 // 16 - 1
+    eng.shutdown()
+
+
+# ------------------------------------------------------------------------------ contract
+from kvconnector_core.testing import ConnectorContract  # noqa: E402
+
+
+class TestOffloadingContract(ConnectorContract):
+    """Every built-in passes the kit's contract (delayed free and pin checks included)."""
+
+    connector_config = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8})
+
+
+class TestOffloadingChunkedContract(ConnectorContract):
+    """The contract with two GPU blocks per offloaded chunk."""
+
+    connector_config = KVConnectorConfig(name="cpu_offload",
+                                         extra_config={"num_cpu_blocks": 8, "blocks_per_chunk": 2})

@@ -15,7 +15,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from connectors.offload.connector import OffloadingConnector
+    from connectors.offload.connector import OffloadingConnector, OffloadWorkerMetadata
     from connectors.offload.manager import (
         CPUOffloadingManager,
         LoadStoreSpec,
@@ -41,6 +41,7 @@ _EXPORTS = {
     "LRUCachePolicy": "policies",
     "LoadStoreSpec": "manager",
     "OffloadingConnector": "connector",
+    "OffloadWorkerMetadata": "connector",
     "OffloadingEvent": "manager",
     "OffloadingManager": "manager",
     "PrepareStoreOutput": "manager",

@@ -14,16 +14,19 @@ its job succeeded; a failed store is dropped (``complete_store(success=False)``)
 
 Worker side: one :class:`~connectors.offload.transfer.KVBlockMover` (one pinned CPU buffer
 allocated in ``register_kv_caches``). Stores planned in step N are submitted at the start
-of step N+1 (``start_load_kv``) so they never delay step N; loads are submitted at once and
-are asynchronous. Preempted requests' stores are flushed in ``handle_preemptions`` before
-their blocks can be overwritten.
+of step N+1 (``bind_connector_metadata``, before the forward) so they never delay step N;
+loads are submitted in ``start_load_kv`` and are asynchronous. Preempted requests' stores
+are waited for in ``handle_preemptions`` before their blocks can be overwritten.
 
-Job completions travel worker -> scheduler in the stats dict (``offload_done_jobs``,
-``offload_failed_jobs``): :class:`KVConnectorOutput` has no other per-job channel.
+Job completions travel worker -> scheduler as typed worker metadata
+(:class:`OffloadWorkerMetadata`, from ``build_connector_worker_meta``, carried in
+``KVConnectorOutput.kv_connector_worker_meta``), never in the stats, so they survive
+wrapping in a MultiConnector.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -42,7 +45,7 @@ from kvconnector_core.scheduler.output import yield_req_data
 if TYPE_CHECKING:
     import torch
 
-    from connectors.offload.transfer import KVBlockMover
+    from connectors.offload.transfer import KVBlockMover, TransferResult
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorOutput
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
@@ -51,12 +54,15 @@ if TYPE_CHECKING:
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import SchedulerOutput
 
-__all__ = ["OffloadConfig", "OffloadingConnector", "OffloadingConnectorMetadata", "TransferJobSpec"]
+__all__ = [
+    "OffloadConfig",
+    "OffloadWorkerMetadata",
+    "OffloadingConnector",
+    "OffloadingConnectorMetadata",
+    "TransferJobSpec",
+]
 
 logger = logging.getLogger(__name__)
-
-DONE_JOBS_KEY = "offload_done_jobs"
-FAILED_JOBS_KEY = "offload_failed_jobs"
 
 
 # ------------------------------------------------------------------------------ records
@@ -91,6 +97,18 @@ class OffloadingConnectorMetadata(KVConnectorMetadata, kw_only=True):
     stores: list[TransferJobSpec] = msgspec.field(default_factory=list)
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     delayed_free_req_ids: list[str] = msgspec.field(default_factory=list)
+
+
+class OffloadWorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """Transfer jobs the worker finished since its last report (worker -> scheduler).
+
+    Attributes:
+        done_job_ids: jobs that completed successfully.
+        failed_job_ids: jobs that failed (stores are dropped, loads recomputed).
+    """
+
+    done_job_ids: list[int] = msgspec.field(default_factory=list)
+    failed_job_ids: list[int] = msgspec.field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +160,9 @@ class OffloadConfig:
             msg = "give either 'num_cpu_blocks' or 'cpu_bytes' in extra_config, not both"
             raise ConfigError(msg)
         if "num_cpu_blocks" in extra:
-            num = int(extra["num_cpu_blocks"])
+            num = _int_key(extra, "num_cpu_blocks", "a positive number of offloaded blocks")
         elif "cpu_bytes" in extra:
-            num = int(extra["cpu_bytes"]) // chunk_bytes
+            num = _int_key(extra, "cpu_bytes", "a positive number of bytes") // chunk_bytes
         else:
             msg = ("OffloadingConnector needs 'num_cpu_blocks' (offloaded blocks) or "
                    f"'cpu_bytes' in extra_config (one offloaded block is {chunk_bytes} bytes)")
@@ -153,9 +171,48 @@ class OffloadConfig:
             msg = (f"the CPU tier must hold at least one offloaded block of {chunk_bytes} "
                    f"bytes; extra_config gives {num}")
             raise ConfigError(msg)
-        return cls(gpu_bs, factor, num, str(extra.get("cache_policy", "lru")),
-                   bool(extra.get("enable_events", True)),
-                   str(extra.get("transfer_method", "auto")))
+        return cls(gpu_bs, factor, num,
+                   _str_key(extra, "cache_policy", "lru", "a cache policy name such as 'lru' or 'arc'"),
+                   _bool_key(extra, "enable_events", True),
+                   _str_key(extra, "transfer_method", "auto",
+                            "'auto', 'coalesced', 'per_block' or 'gather'"))
+
+
+def _int_key(extra: dict[str, Any], key: str, valid: str, default: int | None = None) -> int:
+    """Return ``extra[key]`` as an int; a bool, a fraction or a non-numeric string is a ConfigError."""
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        ok = False
+    elif isinstance(value, int):
+        return value
+    elif isinstance(value, float):
+        ok = value.is_integer()
+    elif isinstance(value, str):
+        ok = value.strip().lstrip("+-").isdigit()
+    else:
+        ok = False
+    if not ok:
+        msg = f"OffloadingConnector extra_config {key}={value!r} is not valid; expected an integer, {valid}"
+        raise ConfigError(msg)
+    return int(value)  # type: ignore[arg-type]
+
+
+def _bool_key(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    msg = f"OffloadingConnector extra_config {key}={value!r} is not valid; expected true or false"
+    raise ConfigError(msg)
+
+
+def _str_key(extra: dict[str, Any], key: str, default: str, valid: str) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str):
+        msg = f"OffloadingConnector extra_config {key}={value!r} is not valid; expected a string, {valid}"
+        raise ConfigError(msg)
+    return value
 
 
 def _blocks_per_chunk(extra: dict[str, Any], gpu_bs: int) -> int:
@@ -163,13 +220,13 @@ def _blocks_per_chunk(extra: dict[str, Any], gpu_bs: int) -> int:
         msg = "give either 'block_size' or 'blocks_per_chunk' in extra_config, not both"
         raise ConfigError(msg)
     if "block_size" in extra:
-        tokens = int(extra["block_size"])
+        tokens = _int_key(extra, "block_size", f"a positive multiple of the GPU block size {gpu_bs}")
         if tokens <= 0 or tokens % gpu_bs:
             msg = (f"extra_config block_size={tokens} must be a positive multiple of the GPU "
                    f"block size {gpu_bs}")
             raise ConfigError(msg)
         return tokens // gpu_bs
-    factor = int(extra.get("blocks_per_chunk", 1))
+    factor = _int_key(extra, "blocks_per_chunk", "the GPU blocks per offloaded block (>= 1)", 1)
     if factor < 1:
         msg = f"extra_config blocks_per_chunk={factor} must be >= 1"
         raise ConfigError(msg)
@@ -234,7 +291,12 @@ class OffloadingConnector(KVConnectorBase_V1):
         cfg = self.offload_config
         self.manager = CPUOffloadingManager(cfg.num_cpu_blocks, cfg.cache_policy,
                                             enable_events=cfg.enable_events, medium=MEDIUM_CPU)
+        # Per stored key: what its wire events need. Only kept with events on (nothing
+        # drains it otherwise). Manager events are translated as soon as they happen,
+        # so the table always matches the tier (a key evicted and stored again within
+        # one take_events window keeps its info).
         self._chunk_info = ChunkInfoTable()
+        self._wire_events: list[KVCacheEvent] = []
         self._reqs: dict[str, _ReqState] = {}
         self._jobs: dict[int, _JobRecord] = {}
         self._job_ids = itertools.count()
@@ -278,18 +340,21 @@ class OffloadingConnector(KVConnectorBase_V1):
         if state is None:
             state = self._reqs[rid] = _ReqState(request)
         keys = self._chunk_keys(request)
-        self.manager.touch(keys)
-        if num_external_tokens == 0 or any(j.req_id == rid for j in self._pending_loads):
-            return
         cfg, f = self.offload_config, self.offload_config.blocks_per_chunk
-        if num_external_tokens % cfg.gpu_block_size:
-            msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
-                   f"number of {cfg.gpu_block_size}-token blocks")
-            raise InvariantError(msg)
         group = blocks.blocks[0]
         # Blocks already in the GPU prefix cache carry a hash; newly allocated ones do not.
         local = next((i for i, b in enumerate(group) if b.block_hash is None), len(group))
         num_gpu = num_external_tokens // cfg.gpu_block_size
+        # Recency only for real reuse: the chunks this admission hits (GPU prefix hit or
+        # this load). Touching a request's own fresh chunks would promote them (ARC: T1
+        # -> T2) without any reuse.
+        self.manager.touch(keys[:(local + num_gpu) // f])
+        if num_external_tokens == 0 or any(j.req_id == rid for j in self._pending_loads):
+            return
+        if num_external_tokens % cfg.gpu_block_size:
+            msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
+                   f"number of {cfg.gpu_block_size}-token blocks")
+            raise InvariantError(msg)
         first_chunk, end_chunk = local // f, -(-(local + num_gpu) // f)
         load_keys = keys[first_chunk:end_chunk]
         spec = self.manager.prepare_load(load_keys)
@@ -341,13 +406,13 @@ class OffloadingConnector(KVConnectorBase_V1):
             return None
         wanted = keys[state.next_chunk:num_chunks]
         out = self.manager.prepare_store(wanted)
+        self._translate_events()  # evictions, before a re-stored key's info is replaced
         if out is None:
             logger.debug("CPU tier full: store of %d chunks of %s retried next step",
                          len(wanted), request.request_id)
             return None
         first = state.next_chunk
         state.next_chunk = num_chunks
-        self.manager.touch(keys[:num_chunks])
         if not out.keys_to_store:
             return None
         index_of = {k: first + i for i, k in enumerate(wanted)}
@@ -357,7 +422,8 @@ class OffloadingConnector(KVConnectorBase_V1):
             c = index_of[key]
             gpu_ids += state.block_ids[c * f:(c + 1) * f]
             cpu_ids += [slot * f + j for j in range(f)]
-            self._chunk_info.add(key, self._describe(request, c))
+            if cfg.enable_events:
+                self._chunk_info.add(key, self._describe(request, c))
         job = TransferJobSpec(next(self._job_ids), request.request_id, gpu_ids, cpu_ids)
         self._jobs[job.job_id] = _JobRecord(request.request_id, out.keys_to_store, is_store=True)
         state.store_jobs.add(job.job_id)
@@ -371,11 +437,17 @@ class OffloadingConnector(KVConnectorBase_V1):
                          hashes[chunk * f - 1] if chunk else None, list(tokens), request.lora_name)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Complete the stores and loads the worker finished; forget sent requests."""
-        stats = connector_output.kv_connector_stats or {}
+        """Complete the stores and loads the worker finished; forget sent requests.
+
+        Job completions come from ``connector_output.kv_connector_worker_meta`` (an
+        :class:`OffloadWorkerMetadata`); a job reported twice is ignored.
+        """
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, OffloadWorkerMetadata):
+            meta = OffloadWorkerMetadata()
         for job_id, success in itertools.chain(
-                ((j, True) for j in stats.get(DONE_JOBS_KEY, ())),
-                ((j, False) for j in stats.get(FAILED_JOBS_KEY, ()))):
+                ((j, True) for j in meta.done_job_ids),
+                ((j, False) for j in meta.failed_job_ids)):
             record = self._jobs.pop(job_id, None)
             if record is None:
                 continue
@@ -388,6 +460,7 @@ class OffloadingConnector(KVConnectorBase_V1):
                     state.store_jobs.discard(job_id)
             else:
                 self.manager.complete_load(record.keys)
+        self._translate_events()
         for rid in connector_output.finished_sending:
             state = self._reqs.get(rid)
             if state is not None and state.finished and not state.store_jobs:
@@ -405,10 +478,23 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._delayed_free.append(rid)
         return True, None
 
+    def _translate_events(self) -> None:
+        """Turn the manager's events into wire events now, while the chunk info is current."""
+        if self.offload_config.enable_events:
+            self._wire_events += to_wire_events(self.manager.take_events(), self._chunk_info,
+                                                self.offload_config.gpu_block_size)
+
     def take_events(self) -> list[KVCacheEvent]:
-        """CPU-tier stores and removals as self-describing wire events."""
-        return to_wire_events(self.manager.take_events(), self._chunk_info,
-                              self.offload_config.gpu_block_size)
+        """CPU-tier stores and removals as self-describing wire events.
+
+        Events are per GPU block hash and reference counted across chunks: a hash is
+        announced when the first chunk holding it is stored and removed when the last
+        one is evicted, so replaying the stream as a set gives exactly the GPU blocks
+        the tier can serve (also when chunks of ``blocks_per_chunk > 1`` share blocks).
+        """
+        self._translate_events()
+        events, self._wire_events = self._wire_events, []
+        return events
 
     # ================================================================ worker side
     def _init_worker(self) -> None:
@@ -419,6 +505,13 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._awaiting_send: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._stats: dict[str, Any] = {}
+        # Completions popped from the mover but not yet reported: kept on the instance
+        # so an exception halfway through a poll loses none of them.
+        self._results: collections.deque[TransferResult] = collections.deque()
+        self._done_jobs: list[int] = []
+        self._failed_jobs: list[int] = []
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Allocate the (pinned on CUDA) CPU buffer next to the KV cache.
@@ -466,8 +559,14 @@ class OffloadingConnector(KVConnectorBase_V1):
             return OffloadingConnectorMetadata()
         return meta
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the plan and submit the previous step's stores, before this step's forward."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.mover is not None:
+            self._submit_stores()
+
     def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Flush preempted requests' stores before their blocks can be rewritten."""
+        """Finish preempted requests' stores before their blocks can be rewritten."""
         if not isinstance(connector_metadata, OffloadingConnectorMetadata):
             return
         preempted = set(connector_metadata.preempted_req_ids)
@@ -478,8 +577,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._mover().wait(jobs)
 
     def start_load_kv(self, forward_context: Any = None) -> None:
-        """Submit the previous step's stores, then this step's loads (both async)."""
-        self._submit_stores()
+        """Submit this step's loads (async); stores were submitted when the plan was bound."""
+        self._submit_stores()  # no-op unless bind_connector_metadata could not submit
         for job in self._meta().loads:
             self._submit(job, is_store=False)
 
@@ -498,39 +597,46 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._awaiting_send.update(meta.delayed_free_req_ids)
 
     def _poll(self) -> KVConnectorTransferResults:
-        out = KVConnectorTransferResults()
         if self._awaiting_send:
             # A finished request waits on these stores: no later step is coming to
             # submit them for free, so submit now (after this step's forward).
             self._submit_stores(self._awaiting_send)
-        done, failed = self._stats.setdefault(DONE_JOBS_KEY, []), self._stats.setdefault(FAILED_JOBS_KEY, [])
-        for result in self._mover().get_finished() if self.mover is not None else ():
-            job = self._worker_jobs.pop(result.job_id, None)
-            if job is None:
-                continue
-            (done if result.success else failed).append(result.job_id)
-            if result.success:
-                bytes_key, seconds_key = (("bytes_stored", "store_seconds") if job.is_store
-                                          else ("bytes_loaded", "load_seconds"))
-                self._add_stat(bytes_key, result.num_bytes)
-                self._add_stat(seconds_key, result.seconds or 0.0)
-            if job.is_store:
-                jobs = self._req_jobs.get(job.spec.req_id)
-                if jobs is not None:
-                    jobs.discard(result.job_id)
-                    if not jobs and job.spec.req_id not in self._awaiting_send:
-                        del self._req_jobs[job.spec.req_id]
-            else:
-                out.finished_recving.add(job.spec.req_id)
-                if not result.success:
-                    out.failed_recving.add(job.spec.req_id)
-                    self._invalid_block_ids.update(job.spec.gpu_block_ids)
+        if self.mover is not None:
+            self._results.extend(self.mover.get_finished())
+        while self._results:
+            self._record(self._results.popleft())
+        out = KVConnectorTransferResults(finished_recving=self._recv_done,
+                                         failed_recving=self._recv_failed)
+        self._recv_done, self._recv_failed = set(), set()
         for rid in list(self._awaiting_send):
             if not self._req_jobs.get(rid):
                 self._awaiting_send.discard(rid)
                 self._req_jobs.pop(rid, None)
                 out.finished_sending.add(rid)
         return out
+
+    def _record(self, result: TransferResult) -> None:
+        """Book one finished job (pending report state lives on the instance)."""
+        job = self._worker_jobs.pop(result.job_id, None)
+        if job is None:
+            return
+        (self._done_jobs if result.success else self._failed_jobs).append(result.job_id)
+        if job.is_store:
+            jobs = self._req_jobs.get(job.spec.req_id)
+            if jobs is not None:
+                jobs.discard(result.job_id)
+                if not jobs and job.spec.req_id not in self._awaiting_send:
+                    del self._req_jobs[job.spec.req_id]
+        else:
+            self._recv_done.add(job.spec.req_id)
+            if not result.success:
+                self._recv_failed.add(job.spec.req_id)
+                self._invalid_block_ids.update(job.spec.gpu_block_ids)
+        if result.success:
+            bytes_key, seconds_key = (("bytes_stored", "store_seconds") if job.is_store
+                                      else ("bytes_loaded", "load_seconds"))
+            self._add_stat(bytes_key, result.num_bytes)
+            self._add_stat(seconds_key, result.seconds or 0.0)
 
     def _add_stat(self, key: str, value: float) -> None:
         self._stats[key] = self._stats.get(key, 0) + value
@@ -551,9 +657,17 @@ class OffloadingConnector(KVConnectorBase_V1):
         return ids
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Bytes and seconds moved this step, plus the finished job ids (for the scheduler)."""
+        """Bytes and seconds moved since the last call (None when nothing moved)."""
         stats, self._stats = self._stats, {}
         return stats if any(stats.values()) else None
+
+    def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
+        """The jobs finished since the last call, for the scheduler side (None if none)."""
+        if not (self._done_jobs or self._failed_jobs):
+            return None
+        meta = OffloadWorkerMetadata(done_job_ids=self._done_jobs, failed_job_ids=self._failed_jobs)
+        self._done_jobs, self._failed_jobs = [], []
+        return meta
 
     def shutdown(self) -> None:
         """Wait for in-flight transfers (both roles; safe to call twice)."""

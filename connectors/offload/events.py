@@ -8,6 +8,12 @@ into :class:`~kvconnector_core.kv_events.BlockStored` / ``BlockRemoved`` at GPU 
 granularity, so a consumer replaying the stream knows exactly which blocks the CPU tier
 holds, with a real block size (never 0).
 
+With ``blocks_per_chunk > 1`` two chunks can hold the same GPU block (two prompts that
+diverge inside a chunk share its leading blocks). The table therefore counts, per GPU
+block hash, the held chunks holding it: a hash is announced only when its count goes
+0 -> 1 and removed only when it goes 1 -> 0, so a consumer replaying the stream as a
+set is exact.
+
 Primitives: ChunkInfo, ChunkInfoTable, to_wire_events.
 """
 
@@ -45,6 +51,35 @@ class ChunkInfoTable:
 
     def __init__(self) -> None:
         self._info: dict[OffloadKey, ChunkInfo] = {}
+        self._refs: dict[bytes, int] = {}  # GPU block hash -> held chunks holding it
+
+    def hold(self, hashes: Iterable[bytes]) -> list[int]:
+        """Count one more held chunk for each hash; return the positions that went 0 -> 1."""
+        new = []
+        for i, h in enumerate(hashes):
+            count = self._refs.get(h, 0)
+            self._refs[h] = count + 1
+            if count == 0:
+                new.append(i)
+        return new
+
+    def release(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """Count one held chunk less for each hash; return the hashes that went 1 -> 0."""
+        gone = []
+        for h in hashes:
+            count = self._refs.get(h, 0)
+            if count <= 1:
+                self._refs.pop(h, None)
+                if count == 1:
+                    gone.append(h)
+            else:
+                self._refs[h] = count - 1
+        return gone
+
+    @property
+    def num_held_hashes(self) -> int:
+        """GPU block hashes the stream has announced and not removed."""
+        return len(self._refs)
 
     def add(self, key: OffloadKey, info: ChunkInfo) -> None:
         """Remember ``info`` for ``key`` (a store was planned)."""
@@ -83,32 +118,43 @@ def to_wire_events(events: Iterable[OffloadingEvent], table: ChunkInfoTable,
         group_idx: KV cache group of the blocks.
 
     Returns:
-        One ``BlockStored`` per stored chunk (its GPU blocks, parent hash and tokens)
-        and one ``BlockRemoved`` per removal event, in order. A key the table does not
-        know (never expected) is sent as its own hash, with no tokens.
+        Per stored chunk, one ``BlockStored`` with the GPU blocks no other held chunk
+        already announced (their parent hash and tokens; none when all were), and one
+        ``BlockRemoved`` per removal event listing the hashes no held chunk holds any
+        more (none when empty), in order. A key the table does not know (never
+        expected) is sent as its own hash, with no tokens.
     """
     out: list[KVCacheEvent] = []
     for event in events:
         if event.removed:
-            hashes: list[int] = []
+            gone: list[bytes] = []
             for key in event.keys:
                 info = table.removed(key)
-                hashes += ([to_external_hash(h) for h in info.block_hashes] if info
-                           else [to_external_hash(key)])
-            out.append(BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group_idx))
+                gone += table.release(info.block_hashes if info else (key,))
+            if gone:
+                out.append(BlockRemoved(block_hashes=[to_external_hash(h) for h in gone],
+                                        medium=event.medium, group_idx=group_idx))
             continue
         for key in event.keys:
             info = table.stored(key)
             if info is None:
-                out.append(BlockStored(block_hashes=[to_external_hash(key)], parent_block_hash=None,
-                                       token_ids=[], block_size=block_size, lora_id=None,
-                                       medium=event.medium, lora_name=None, group_idx=group_idx))
+                if table.hold((key,)):
+                    out.append(BlockStored(block_hashes=[to_external_hash(key)], parent_block_hash=None,
+                                           token_ids=[], block_size=block_size, lora_id=None,
+                                           medium=event.medium, lora_name=None, group_idx=group_idx))
                 continue
-            parent = info.parent_block_hash
+            new = table.hold(info.block_hashes)
+            if not new:
+                continue
+            # Held positions of a chunk are a prefix (the hashes are chained), so the new
+            # ones are its tail: its parent is the block before the first new one.
+            first = new[0]
+            parent = info.block_hashes[first - 1] if first else info.parent_block_hash
+            tokens = info.token_ids or []
             out.append(BlockStored(
-                block_hashes=[to_external_hash(h) for h in info.block_hashes],
+                block_hashes=[to_external_hash(info.block_hashes[i]) for i in new],
                 parent_block_hash=to_external_hash(parent) if parent is not None else None,
-                token_ids=list(info.token_ids or ()),
+                token_ids=[t for i in new for t in tokens[i * block_size:(i + 1) * block_size]],
                 block_size=block_size,
                 lora_id=None,
                 medium=event.medium,

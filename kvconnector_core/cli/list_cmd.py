@@ -1,10 +1,14 @@
 """``kvconnector list``: every connector the registry finds, and every plugin that failed.
 
-Prints a table (name, aliases, class, distribution, version), then a "failed to
-load" section naming each broken plugin's entry point, distribution and
-error, and the plugins skipped by ``KVCONNECTOR_PLUGINS_ALLOW`` / ``_DENY``.
-Exit code 0 even when a plugin failed, unless ``--strict``; ``--json`` prints
-the same data as one JSON object.
+Prints a table (name, aliases, class, distribution, version, status), then a
+"conflicts" section for every name two classes claim (such a name does not
+resolve; both claimants are named, since either may be the legitimate one), a
+"failed to load" section naming each broken plugin's entry point,
+distribution and error, and the plugins skipped by
+``KVCONNECTOR_PLUGINS_ALLOW`` / ``_DENY``. A row whose name is claimed twice
+has status ``CONFLICT (unusable)``; one with only a clashing alias names it.
+Exit code 0 even when a plugin failed or a name is conflicted, unless
+``--strict``; ``--json`` prints the same data as one JSON object.
 """
 
 from __future__ import annotations
@@ -26,24 +30,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collect(registry: Any = None) -> dict[str, Any]:
-    """Return the listing as plain data: ``{"connectors": [...], "errors": [...], "skipped": [...]}``.
+    """Return the listing as plain data.
+
+    Returns:
+        ``{"connectors": [...], "conflicts": [...], "errors": [...], "skipped": [...]}``.
+        Each connector has ``conflicted_names`` (its names that do not resolve because
+        another class claims them) and ``usable`` (False when its own name is one).
+        Each conflict has the ``name``, the registered ``holder`` (class,
+        entry point, distribution), the ``claimant`` plugin that clashed with it, and
+        the ``error`` naming both. ``errors`` holds the other plugin failures.
 
     Args:
         registry: a ConnectorRegistry; default: the default registry (loads the plugins).
     """
     from kvconnector_core.connector.registry import get_registry
+    from kvconnector_core.errors import DuplicateConnectorError
 
     reg = registry if registry is not None else get_registry()
-    return {
-        "connectors": [
+    connectors = []
+    holders: dict[str, Any] = {}
+    for e in reg.entries():
+        conflicted = [n for n in (e.name, *e.aliases) if n not in reg]
+        for n in conflicted:
+            holders[n] = e
+        connectors.append(
             {"name": e.name, "aliases": list(e.aliases), "class": e.class_path,
-             "distribution": e.distribution, "version": e.version, "entry_point": e.source}
-            for e in reg.entries()
-        ],
+             "distribution": e.distribution, "version": e.version, "entry_point": e.source,
+             "conflicted_names": conflicted, "usable": e.name not in conflicted})
+    conflicts = []
+    for name, holder in sorted(holders.items()):
+        try:
+            reg.get(name)
+        except DuplicateConnectorError as exc:
+            message = str(exc)
+        else:  # pragma: no cover - a name not in the registry always fails to resolve
+            continue
+        claimant = next((f.plugin for f in reg.errors
+                         if isinstance(f.error, DuplicateConnectorError) and f.message == message), None)
+        conflicts.append({
+            "name": name,
+            "holder": {"class": holder.class_path, "entry_point": holder.source,
+                       "distribution": holder.distribution, "version": holder.version},
+            "claimant": None if claimant is None else {
+                "entry_point": claimant.entry_point, "distribution": claimant.distribution,
+                "version": claimant.version},
+            "error": message,
+        })
+    return {
+        "connectors": connectors,
+        "conflicts": conflicts,
         "errors": [
             {"entry_point": f.plugin.entry_point, "distribution": f.plugin.distribution,
              "version": f.plugin.version, "error": f.message}
-            for f in reg.errors
+            for f in reg.errors if not isinstance(f.error, DuplicateConnectorError)
         ],
         "skipped": [
             {"entry_point": p.entry_point, "distribution": p.distribution, "reason": reason}
@@ -64,10 +103,18 @@ def main(args: argparse.Namespace, registry: Any = None) -> int:
     if getattr(args, "json", False):
         out.write(json.dumps(data, indent=2) + "\n")
     else:
-        rows = [["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION"]]
+        rows = [["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION", "STATUS"]]
         rows += [[c["name"], ",".join(c["aliases"]) or "-", c["class"], c["distribution"] or "-",
-                  c["version"] or "-"] for c in data["connectors"]]
+                  c["version"] or "-", _status(c)] for c in data["connectors"]]
         out.write(_table(rows) + "\n" if data["connectors"] else "no connectors found\n")
+        if data["conflicts"]:
+            out.write("\nconflicts (these names do not resolve until one claimant is removed):\n")
+            for c in data["conflicts"]:
+                holder, claimant = c["holder"], c["claimant"]
+                other = (f"{claimant['entry_point']} ({claimant['distribution'] or 'unknown distribution'})"
+                         if claimant else "another class")
+                out.write(f"  {c['name']!r}: {holder['class']} from {holder['entry_point']} "
+                          f"({holder['distribution'] or 'unknown distribution'}) vs {other}: {c['error']}\n")
         if data["errors"]:
             out.write("\nfailed to load:\n")
             for e in data["errors"]:
@@ -76,4 +123,13 @@ def main(args: argparse.Namespace, registry: Any = None) -> int:
             out.write("\nskipped:\n")
             for s in data["skipped"]:
                 out.write(f"  {s['entry_point']} ({s['distribution'] or 'unknown distribution'}): {s['reason']}\n")
-    return 1 if getattr(args, "strict", False) and data["errors"] else 0
+    failed = data["errors"] or data["conflicts"]
+    return 1 if getattr(args, "strict", False) and failed else 0
+
+
+def _status(connector: dict[str, Any]) -> str:
+    if not connector["usable"]:
+        return "CONFLICT (unusable)"
+    if connector["conflicted_names"]:
+        return "ok; alias conflict: " + ",".join(connector["conflicted_names"])
+    return "ok"

@@ -82,6 +82,8 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "get_finished",
     "get_block_ids_with_load_errors",
     "get_kv_connector_stats",
+    "handle_preemptions",
+    "build_connector_worker_meta",
     "shutdown",
 )
 """Hooks with a no-op default; a wrapper such as MultiConnector forwards all of them."""
@@ -125,7 +127,8 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     ``save_kv_layer`` -> ``wait_for_save`` -> ``get_transfer_results`` (whose
     default wraps ``get_finished``) ->
     ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats`` ->
-    ``clear_connector_metadata``. ``register_kv_caches`` runs once, after the
+    ``build_connector_worker_meta`` -> ``clear_connector_metadata``;
+    ``handle_preemptions`` runs right after ``bind_connector_metadata``. ``register_kv_caches`` runs once, after the
     KV tensors are allocated; ``shutdown`` once at the end (both roles).
 
     **Capabilities** are the class attributes below; keep them truthful, the
@@ -261,6 +264,33 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             )
             raise InvariantError(msg)
         return self._connector_metadata
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Act on the step's preemptions before the forward (worker side, optional).
+
+        Called right after ``bind_connector_metadata`` and before
+        ``start_load_kv`` and the forward, every step with a plan. A request
+        preempted by the scheduler this step has already lost its GPU blocks,
+        which this step's forward may overwrite; a connector that still reads
+        them asynchronously (a pending save) must finish or submit those reads
+        here. The plan should name the preempted requests (the scheduler side
+        sees ``scheduler_output.preempted_req_ids``). Default: does nothing.
+
+        Args:
+            connector_metadata: the plan just bound (the same object).
+        """
+
+    def build_connector_worker_meta(self) -> Any:
+        """Return records for this connector's scheduler side (worker side, optional).
+
+        Called once per step after ``get_kv_connector_stats``; the result
+        travels as ``KVConnectorOutput.kv_connector_worker_meta`` to the
+        scheduler side's ``update_connector_output``. Use it for things the
+        scheduler side must act on (e.g. ids of finished transfer jobs), not
+        the stats, which wrappers aggregate and engines report. Prefer a
+        msgspec Struct. Default: None (nothing to report).
+        """
+        return None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Receive the paged KV tensors once they are allocated (worker side).

@@ -96,6 +96,12 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
             when it has nothing to report). Standard keys: ``bytes_loaded``,
             ``bytes_stored``, ``load_seconds``, ``store_seconds``.
         kv_cache_events: wire KV events emitted by the worker side.
+        kv_connector_worker_meta: the worker side's
+            ``build_connector_worker_meta()`` (None when it has nothing or does
+            not define the hook): per-connector records for its own scheduler
+            side, such as ids of finished transfer jobs. A typed channel, unlike
+            the stats, which a wrapper aggregates and an engine reports. A
+            MultiConnector carries one entry per child, by position.
     """
 
     finished_sending: set[str] = msgspec.field(default_factory=set)
@@ -104,6 +110,7 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
     kv_connector_stats: dict[str, Any] | None = None
     kv_cache_events: list[WireKVCacheEvent] = msgspec.field(default_factory=list)
+    kv_connector_worker_meta: Any = None
 
     def is_empty(self) -> bool:
         """Return True when the output carries nothing for the scheduler to act on."""
@@ -114,6 +121,7 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
             or self.invalid_block_ids
             or self.kv_connector_stats
             or self.kv_cache_events
+            or self.kv_connector_worker_meta is not None
         )
 
 

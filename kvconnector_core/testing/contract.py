@@ -30,6 +30,10 @@ from kvconnector_core.testing import factories
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+    from kvconnector_core.scheduler.output import SchedulerOutput
+
+MAX_DRAIN_STEPS = 16
+"""Empty steps a delayed free may take to be reported in ``finished_sending``."""
 
 __all__ = ["ConnectorContract"]
 
@@ -68,6 +72,37 @@ class ConnectorContract:
     def _pair(self) -> tuple[KVConnectorBase_V1, KVConnectorBase_V1, KVCacheConfig]:
         kvc = self.make_kv_cache_config()
         return self.make_connector(KVConnectorRole.SCHEDULER, kvc), self.make_connector(KVConnectorRole.WORKER, kvc), kvc
+
+    @staticmethod
+    def _step(sched: KVConnectorBase_V1, worker: KVConnectorBase_V1, so: SchedulerOutput) -> KVConnectorOutput:
+        """Run one step's connector hooks on both sides, as the engine does; return the output."""
+        meta = check_metadata_roundtrip(sched.build_connector_meta(so))
+        worker.bind_connector_metadata(meta)
+        worker.handle_preemptions(meta)
+        worker.start_load_kv()
+        worker.wait_for_save()
+        results = worker.get_transfer_results(set(so.finished_req_ids))
+        out = KVConnectorOutput(
+            finished_sending=set(results.finished_sending),
+            finished_recving=set(results.finished_recving),
+            failed_recving=set(results.failed_recving),
+            invalid_block_ids=set(worker.get_block_ids_with_load_errors()),
+            kv_connector_stats=worker.get_kv_connector_stats(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+        worker.clear_connector_metadata()
+        sched.update_connector_output(out)
+        return out
+
+    @staticmethod
+    def _admit(sched: KVConnectorBase_V1, manager: Any, request: Any) -> None:
+        """Admit ``request`` with no external tokens (its local prefix hit included)."""
+        computed, local = manager.get_computed_blocks(request)
+        sched.get_num_new_matched_tokens(request, local)
+        blocks = manager.allocate_slots(request, request.num_tokens - local, local, computed)
+        assert blocks is not None
+        request.num_computed_tokens = local
+        sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
 
     # ------------------------------------------------------------------- tests
 
@@ -190,6 +225,72 @@ class ConnectorContract:
         finally:
             sched.shutdown()
             worker.shutdown()
+
+    def test_delayed_free_is_eventually_reported(self) -> None:
+        """A request whose free ``request_finished`` delays shows up in ``finished_sending`` once.
+
+        The request is scheduled in full (so a saving connector plans its saves),
+        finishes, and empty steps follow until it is reported (at most
+        :data:`MAX_DRAIN_STEPS`).
+        """
+        sched, worker, kvc = self._pair()
+        try:
+            manager = factories.make_kv_cache_manager(kvc)
+            sched.bind_gpu_block_pool(manager.block_pool)
+            worker.register_kv_caches(factories.make_kv_caches(kvc))
+            request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
+            self._admit(sched, manager, request)
+            block_ids = manager.get_block_ids(request.request_id)
+            so = factories.scheduler_output_for([(request, block_ids, request.num_tokens)])
+            self._step(sched, worker, so)
+            request.num_computed_tokens = request.num_tokens
+            delay, _ = sched.request_finished(request, list(block_ids[0]))
+            reported = 0
+            finished = {request.request_id}
+            for _ in range(MAX_DRAIN_STEPS):
+                so = factories.empty_scheduler_output()
+                so.finished_req_ids = finished
+                finished = set()
+                out = self._step(sched, worker, so)
+                reported += request.request_id in out.finished_sending
+            if delay:
+                assert reported == 1, (
+                    f"request_finished delayed the free of {request.request_id!r}, which was reported "
+                    f"{reported} times in finished_sending over {MAX_DRAIN_STEPS} steps (want exactly once)"
+                )
+            else:
+                assert reported == 0, "a request whose free was not delayed must not be reported as sent"
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
+    def test_shutdown_releases_every_gpu_pin(self) -> None:
+        """After both requests finish and ``shutdown`` runs, the pool's free-block count is back to its start.
+
+        The second request hits the first one's prefix, so a pinning connector
+        pins something; shutdown must release it (no leaked ``touch``).
+        """
+        sched, worker, kvc = self._pair()
+        try:
+            manager = factories.make_kv_cache_manager(kvc)
+            pool = manager.block_pool
+            sched.bind_gpu_block_pool(pool)
+            start = pool.get_num_free_blocks()
+            prompt = list(range(3 * factories.BLOCK_SIZE + 1))
+            for _ in range(2):
+                request = factories.make_request(prompt_token_ids=prompt)
+                self._admit(sched, manager, request)
+                manager.cache_blocks(request, request.num_tokens)
+                request.num_computed_tokens = request.num_tokens
+                sched.request_finished(request, list(manager.get_block_ids(request.request_id)[0]))
+                manager.free(request)
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+        assert pool.get_num_free_blocks() == start, (
+            f"{pool.get_num_free_blocks()} free blocks after shutdown, {start} before: "
+            f"{start - pool.get_num_free_blocks()} GPU blocks are still pinned"
+        )
 
     def test_shutdown_is_idempotent(self) -> None:
         """``shutdown`` can be called twice on both sides."""

@@ -184,9 +184,9 @@ def test_bad_settings_are_rejected(extra):
 
 
 def test_budget_cannot_cover_the_whole_pool():
-    """A budget as large as the pool is refused at bind time."""
+    """A budget as large as the pool is refused at bind time (when no KV cache config told it earlier)."""
     conn = TTLPinConnector(KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 31}),
-                           KVConnectorRole.SCHEDULER, make_kv_cache_config())
+                           KVConnectorRole.SCHEDULER, None)
     with pytest.raises(ConfigError, match="starve"):
         conn.bind_gpu_block_pool(make_kv_cache_manager().block_pool)
 
@@ -203,3 +203,46 @@ def test_created_by_name_through_registry_and_inside_multi():
     manager = make_kv_cache_manager()
     multi.bind_gpu_block_pool(manager.block_pool)  # forwarded to the child
     assert multi.children[0]._pool is manager.block_pool
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"ttl_seconds": "x"}, r"ttl_seconds='x' is not valid; expected a number of seconds > 0"),
+    ({"min_hits": 1.5}, r"min_hits=1.5 is not valid; expected an integer >= 1"),
+    ({"max_pinned_blocks": "many"}, r"max_pinned_blocks='many' is not valid; expected an integer >= 0"),
+    ({"ttl_seconds": None}, r"ttl_seconds=None is not valid"),
+], ids=["ttl-str", "hits-float", "budget-str", "ttl-none"])
+def test_wrongly_typed_settings_name_key_value_and_valid(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        TTLPinConnector(KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER)
+
+
+def test_budget_is_checked_against_the_kv_cache_config_at_construction():
+    """max_pinned_blocks that would pin every usable block fails in __init__, naming the pool."""
+    kvc = make_kv_cache_config(num_blocks=8)  # 7 usable blocks
+    with pytest.raises(ConfigError, match=r"max_pinned_blocks=7 would pin the whole pool \(7 usable blocks\)"):
+        TTLPinConnector(KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 7}),
+                        KVConnectorRole.SCHEDULER, kvc)
+    ok = TTLPinConnector(KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 6}),
+                         KVConnectorRole.SCHEDULER, kvc)
+    assert ok.max_pinned_blocks == 6
+
+
+class _LeakyTTL(TTLPinConnector):
+    """A TTL connector whose shutdown forgets to release its pins."""
+
+    def shutdown(self):
+        pass
+
+
+def test_contract_catches_pins_leaked_at_shutdown():
+    """The kit's pin check fails for a connector that keeps GPU blocks pinned after shutdown."""
+
+    class Leaky(ConnectorContract):
+        connector_config = CONFIG
+
+        def make_connector(self, role, kv_cache_config):
+            return _LeakyTTL(CONFIG, role, kv_cache_config)
+
+    with pytest.raises(AssertionError, match="GPU blocks are still pinned"):
+        Leaky().test_shutdown_releases_every_gpu_pin()
+    TestTTLContract().test_shutdown_releases_every_gpu_pin()  # the real one passes

@@ -45,6 +45,29 @@ class TTLMetadata(KVConnectorMetadata, kw_only=True):
     """Empty plan: the worker side has nothing to do."""
 
 
+def _number(extra: dict[str, Any], key: str, default: float, valid: str, *, integer: bool = False) -> float:
+    """Read a numeric setting; a value of the wrong type is a ConfigError naming it."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        ok = False
+    else:
+        try:
+            number = float(value)
+            ok = not integer or number.is_integer()
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ConfigError(f"TTLPinConnector {key}={value!r} is not valid; expected {valid}")
+    return int(number) if integer else number
+
+
+def _check_budget(max_pinned_blocks: int, usable: int) -> None:
+    if max_pinned_blocks >= usable:
+        msg = (f"TTLPinConnector max_pinned_blocks={max_pinned_blocks} would pin the whole pool "
+               f"({usable} usable blocks); use at most {max(usable - 1, 0)} so allocation cannot starve")
+        raise ConfigError(msg)
+
+
 @dataclass(slots=True)
 class _Pin:
     block: KVCacheBlock
@@ -76,20 +99,27 @@ class TTLPinConnector(KVConnectorBase_V1):
             clock: seconds source; default ``time.monotonic``.
 
         Raises:
-            ConfigError: a setting is out of range.
+            ConfigError: a setting has the wrong type or is out of range, or
+                ``max_pinned_blocks`` would pin the whole pool of ``kv_cache_config``.
         """
         super().__init__(config, role, kv_cache_config)
         extra = config.extra_config
-        self.ttl_seconds = float(extra.get("ttl_seconds", 60.0))
-        self.min_hits = int(extra.get("min_hits", 1))
+        self.ttl_seconds = _number(extra, "ttl_seconds", 60.0, "a number of seconds > 0")
+        self.min_hits = int(_number(extra, "min_hits", 1, "an integer >= 1", integer=True))
         budget = extra.get("max_pinned_blocks")
-        self.max_pinned_blocks: int | None = None if budget is None else int(budget)
+        self.max_pinned_blocks: int | None = (
+            None if budget is None else int(_number(extra, "max_pinned_blocks", 0, "an integer >= 0", integer=True)))
         if self.ttl_seconds <= 0:
             raise ConfigError(f"TTLPinConnector ttl_seconds={self.ttl_seconds!r}; must be > 0")
         if self.min_hits < 1:
             raise ConfigError(f"TTLPinConnector min_hits={self.min_hits!r}; must be >= 1")
         if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
             raise ConfigError(f"TTLPinConnector max_pinned_blocks={self.max_pinned_blocks!r}; must be >= 0")
+        num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        if self.max_pinned_blocks is not None and isinstance(num_blocks, int):
+            # Checked again against the pool in bind_gpu_block_pool; failing here
+            # reports a bad config when the engine is built, not mid-setup.
+            _check_budget(self.max_pinned_blocks, num_blocks - 1)
         self.clock: Callable[[], float] = clock or time.monotonic
         self._pool: GPUBlockPoolView | None = None
         # Ordered by expiry: every pin gets the same TTL, so the order of the
@@ -110,10 +140,7 @@ class TTLPinConnector(KVConnectorBase_V1):
         usable = gpu_block_pool.num_gpu_blocks - 1  # block 0 is the null block
         if self.max_pinned_blocks is None:
             self.max_pinned_blocks = usable // 4
-        if self.max_pinned_blocks >= usable:
-            msg = (f"TTLPinConnector max_pinned_blocks={self.max_pinned_blocks} would pin the whole pool "
-                   f"({usable} usable blocks); use fewer so allocation cannot starve")
-            raise ConfigError(msg)
+        _check_budget(self.max_pinned_blocks, usable)
         self._pool = gpu_block_pool
 
     @property
