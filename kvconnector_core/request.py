@@ -55,7 +55,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "max_tokens",
         "cache_salt", "lora_name", "hash_block_size", "arrival_time", "eos_token_id",
         "status", "num_computed_tokens", "num_preemptions", "block_hashes",
-        "num_external_computed_tokens", "num_cached_tokens", "kv_transfer_params",
+        "num_external_computed_tokens", "kv_transfer_params",
         "stop_reason",
     )
 
@@ -89,7 +89,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.num_external_computed_tokens = 0
-        self.num_cached_tokens = -1
         self.kv_transfer_params: dict | None = None
         self.stop_reason: str | None = None
         self.block_hashes: list[BlockHash] = []

@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from kvconnector_core.errors import InvariantError, NoFreeBlocksError
+from kvconnector_core.errors import ConfigError, InvariantError, NoFreeBlocksError
 from kvconnector_core.kv_cache.hashing import (
     BlockHash,
     BlockHashWithGroupId,
     generate_block_extra_keys,
     get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 from kvconnector_core.kv_events import (
@@ -91,7 +92,8 @@ class FreeKVCacheBlockQueue:
 
     Not a ``deque``: a cache hit must pull a block out of the *middle* of the
     queue in O(1), which needs the intrusive links on :class:`KVCacheBlock`.
-    Fake head and tail sentinels remove every empty-list branch.
+    Fake head and tail sentinels remove every empty-list branch: every block in
+    the queue has both links set, so the hot paths below never test for None.
     """
 
     __slots__ = ("num_free_blocks", "_head", "_tail")
@@ -123,13 +125,11 @@ class FreeKVCacheBlockQueue:
         out = []
         cur = self._head.next_free_block
         for _ in range(n):
-            assert cur is not None
             out.append(cur)
             nxt = cur.next_free_block
             cur.prev_free_block = cur.next_free_block = None
             cur = nxt
         self._head.next_free_block = cur
-        assert cur is not None
         cur.prev_free_block = self._head
         self.num_free_blocks -= n
         return out
@@ -150,7 +150,6 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the back (evicted last)."""
         last = self._tail.prev_free_block
-        assert last is not None
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self._tail
@@ -165,7 +164,6 @@ class FreeKVCacheBlockQueue:
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front, keeping their order (blocks[0] evicted first)."""
         nxt = self._head.next_free_block
-        assert nxt is not None
         prev = self._head
         for b in blocks:
             prev.next_free_block = b
@@ -308,8 +306,6 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         medium: str = MEDIUM_GPU,
     ) -> None:
-        from kvconnector_core.errors import ConfigError
-
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ConfigError(f"num_blocks={num_blocks!r}; need an int >= 2 (block 0 is the null block)")
         if hash_block_size < 1:
@@ -454,7 +450,7 @@ class BlockPool:
                 BlockRemoved(
                     block_hashes=[to_external_hash(get_block_hash(key))],
                     medium=self.medium,
-                    group_idx=int.from_bytes(key[-4:], "big"),
+                    group_idx=get_group_id(key),
                 )
             )
         return True

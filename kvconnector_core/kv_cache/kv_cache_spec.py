@@ -180,7 +180,13 @@ class KVCacheConfig:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block id costs across all groups' layers."""
-        return sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in self.kv_cache_groups)
+        return _bytes_per_block(self.kv_cache_groups)
+
+
+def _bytes_per_block(groups: list[KVCacheGroupSpec]) -> int:
+    # Every group has storage for every block id (see KVCacheConfig), so one id
+    # costs the pages of all layers of all groups.
+    return sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
 
 
 def get_kv_cache_config(
@@ -214,7 +220,7 @@ def get_kv_cache_config(
     # Full attention first: the hybrid coordinator looks those up first.
     ordered = sorted(groups.items(), key=lambda kv: not isinstance(kv[0], FullAttentionSpec))
     group_specs = [KVCacheGroupSpec(names, spec) for spec, names in ordered]
-    bytes_per_block = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in group_specs)
+    bytes_per_block = _bytes_per_block(group_specs)
     num_blocks = available_memory // bytes_per_block
     needed_blocks = 1 + sum(
         g.kv_cache_spec.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
