@@ -18,7 +18,6 @@ __all__ = ["main"]
 _SUBCOMMANDS: dict[str, str] = {
     "run": "kvconnector_core.cli.run_cmd",
     "list": "kvconnector_core.cli.list_cmd",
-    "bench": "kvconnector_core.cli.bench_cmd",
 }
 
 
@@ -29,12 +28,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_path in _SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_path)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_path:
-                raise
-            continue  # subcommand not shipped in this build
+        module = importlib.import_module(module_path)
         sp = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(sp)
         sp.set_defaults(_handler=module.main)
