@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["HELP", "add_arguments", "main"]
 
-HELP = "run a workload through the engine with a connector and compare against no connector"
+HELP = "Run a workload through the engine with a connector and compare its outputs with a run without it."
 
 DEFAULT_WORKLOAD = "mixed"
 DEFAULT_CONNECTOR = "cpu_offload"
