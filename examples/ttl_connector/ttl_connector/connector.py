@@ -64,7 +64,7 @@ def _number(extra: dict[str, Any], key: str, default: float, valid: str, *, inte
 def _check_budget(max_pinned_blocks: int, usable: int) -> None:
     if max_pinned_blocks >= usable:
         msg = (f"TTLPinConnector max_pinned_blocks={max_pinned_blocks} would pin the whole pool "
-               f"({usable} usable blocks); use at most {max(usable - 1, 0)} so allocation cannot starve")
+               f"({usable} usable blocks); use at most {max(usable - 1, 0)}")
         raise ConfigError(msg)
 
 
@@ -127,7 +127,7 @@ class TTLPinConnector(KVConnectorBase_V1):
         self._pins: OrderedDict[bytes, _Pin] = OrderedDict()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
         self._lookups: dict[str, int] = {}
-        self._stats = {"pins": 0, "refreshes": 0, "expiries": 0, "pins_refused": 0}
+        self._stats = {"pins": 0, "refreshes": 0, "expiries": 0, "pins_refused": 0, "starvation_releases": 0}
 
     # -------------------------------------------------------- scheduler side
 
@@ -202,8 +202,19 @@ class TTLPinConnector(KVConnectorBase_V1):
             self._stats["expiries"] += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TTLMetadata:
-        """Release expired pins; the worker gets an empty plan."""
+        """Release expired pins, and pins that starve admission; the worker gets an empty plan.
+
+        Starvation guard: a step that schedules nothing while pins are held may mean
+        a waiting request needs blocks that pins hold (the budget only bounds pins,
+        it cannot know the longest request). Each such step releases the older half
+        of the pins, so admission is never blocked for more than a few steps. Pins are
+        an optimisation; dropping some early never affects correctness.
+        """
         self._expire(self.clock())
+        if self._pins and scheduler_output is not None and scheduler_output.total_num_scheduled_tokens == 0:
+            for block_hash in list(self._pins)[: max(1, len(self._pins) // 2)]:
+                self._unpin(block_hash)
+                self._stats["starvation_releases"] += 1
         return TTLMetadata()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -221,7 +232,8 @@ class TTLPinConnector(KVConnectorBase_V1):
         return bytes(block_hash) in self._pins
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """``pinned_blocks``, ``pins``, ``refreshes``, ``expiries``, ``pins_refused`` (scheduler side)."""
+        """``pinned_blocks``, ``pins``, ``refreshes``, ``expiries``, ``pins_refused``,
+        ``starvation_releases`` (scheduler side)."""
         if self._role is not KVConnectorRole.SCHEDULER:
             return None
         return {"pinned_blocks": len(self._pins), **self._stats}
