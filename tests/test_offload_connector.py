@@ -419,3 +419,26 @@ class TestOffloadingChunkedContract(ConnectorContract):
 
     connector_config = KVConnectorConfig(name="cpu_offload",
                                          extra_config={"num_cpu_blocks": 8, "blocks_per_chunk": 2})
+
+
+def test_transfer_method_is_validated_with_the_config():
+    """A bad transfer_method is a ConfigError naming the valid methods when the connector is built."""
+    from connectors.offload import connector as offload_connector
+
+    assert offload_connector.TRANSFER_METHODS == tr.METHODS
+    with pytest.raises(ConfigError, match="transfer_method='xx'.*auto, coalesced, per_block, gather"):
+        make({"num_cpu_blocks": 8, "transfer_method": "xx"})
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_role_limits_the_connector_to_its_direction(role):
+    """A kv_producer never loads and a kv_consumer never stores."""
+    from kvconnector_core.engine.workloads import get_workload
+
+    trace = get_workload("documents")
+    cfg = {"name": "cpu_offload", "role": role, "extra_config": {"num_cpu_blocks": 256}}
+    m = Engine(EngineConfig(connector=cfg)).run(trace).metrics
+    if role == "kv_producer":
+        assert m.bytes_stored > 0 and m.bytes_loaded == 0 and m.connector_hit_tokens == 0
+    else:
+        assert m.bytes_stored == 0 and m.bytes_loaded == 0

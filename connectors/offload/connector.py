@@ -42,6 +42,10 @@ from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.kv_events import MEDIUM_CPU
 from kvconnector_core.scheduler.output import yield_req_data
 
+# transfer.METHODS, repeated so that validating a config does not import torch
+# (a test checks the two agree).
+TRANSFER_METHODS = ("auto", "coalesced", "per_block", "gather")
+
 if TYPE_CHECKING:
     import torch
 
@@ -171,11 +175,16 @@ class OffloadConfig:
             msg = (f"the CPU tier must hold at least one offloaded block of {chunk_bytes} "
                    f"bytes; extra_config gives {num}")
             raise ConfigError(msg)
+        method = _str_key(extra, "transfer_method", "auto", "'auto', 'coalesced', 'per_block' or 'gather'")
+        if method not in TRANSFER_METHODS:
+            # Checked here, with the rest of the config, not when the worker registers.
+            msg = (f"OffloadingConnector transfer_method={method!r} is not valid; expected one of "
+                   f"{', '.join(TRANSFER_METHODS)}")
+            raise ConfigError(msg)
         return cls(gpu_bs, factor, num,
                    _str_key(extra, "cache_policy", "lru", "a cache policy name such as 'lru' or 'arc'"),
                    _bool_key(extra, "enable_events", True),
-                   _str_key(extra, "transfer_method", "auto",
-                            "'auto', 'coalesced', 'per_block' or 'gather'"))
+                   method)
 
 
 def _int_key(extra: dict[str, Any], key: str, valid: str, default: int | None = None) -> int:
@@ -316,6 +325,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         short of the last prompt token, which the engine always computes. No state is
         changed.
         """
+        if not self.config.is_kv_consumer:  # role kv_producer: only stores
+            return 0, False
         cfg = self.offload_config
         keys = self._chunk_keys(request)
         start = num_computed_tokens // cfg.chunk_tokens
@@ -398,6 +409,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_store(self, state: _ReqState, num_done_tokens: int) -> TransferJobSpec | None:
+        if not self.config.is_kv_producer:  # role kv_consumer: only loads
+            return None
         cfg, f = self.offload_config, self.offload_config.blocks_per_chunk
         request = state.request
         keys = self._chunk_keys(request)
