@@ -181,3 +181,28 @@ def test_cuda_store_waits_for_compute_stream() -> None:
     assert mover.get_finished()[0].success
     expected = torch.full_like(base[0], 3.0).cpu().view(torch.uint8).flatten()
     assert all(torch.equal(mover.cpu_planes[0][i], expected) for i in range(64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("raw", [True, False], ids=["cudaMemcpyAsync", "Tensor.copy_"])
+def test_both_copy_primitives_are_byte_exact_on_cuda(raw: bool) -> None:
+    """The ctypes cudaMemcpyAsync path and the Tensor.copy_ fallback move identical bytes."""
+    base, views = cross_layer_cache("cuda")
+    mover = KVBlockMover(views, num_cpu_blocks=4, method="coalesced", raw_memcpy=raw)
+    assert (mover._memcpy is not None) is raw
+    original = base.clone()
+    mover.submit_store(1, [7, 2, 3, 4], [0, 1, 2, 3])
+    mover.wait()  # the store stream reads what fill_ below would overwrite
+    base.fill_(-7.0)
+    mover.submit_load(2, [0, 1, 2, 3], [5, 6, 8, 1])
+    mover.wait()
+    assert all(r.success for r in mover.get_finished())
+    for s, d in zip([7, 2, 3, 4], [5, 6, 8, 1], strict=True):
+        assert torch.equal(base[d].view(torch.int16), original[s].view(torch.int16))
+
+
+def test_raw_memcpy_requires_a_cuda_cache() -> None:
+    """Asking for the CUDA runtime copy path on a CPU cache is a clear error."""
+    _, views = cross_layer_cache("cpu")
+    with pytest.raises(ValueError, match="needs a CUDA KV cache"):
+        KVBlockMover(views, num_cpu_blocks=4, raw_memcpy=True)

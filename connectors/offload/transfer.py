@@ -18,8 +18,9 @@ recovers that chunk from the views. Other layouts fall back to one plane per lay
 
 CUDA path. Each direction has its own stream; a job first waits for the compute stream
 (the data it reads was produced there, the blocks it writes may still be read there),
-then issues its copies with ``non_blocking=True`` and records an end event; completion
-is polled with ``event.query()``. Copies go through the DMA copy engines so they do not
+then issues its copies (``cudaMemcpyAsync`` through ctypes when the CUDA runtime loads,
+``Tensor.copy_(non_blocking=True)`` otherwise: ~3 vs ~26 us of host time per copy) and
+records an end event; completion is polled with ``event.query()``. Copies go through the DMA copy engines so they do not
 take SMs from the model. Methods (``KVBlockMover(method=...)``):
 
     ``coalesced``  runs of consecutive source AND destination ids in one copy (default)
@@ -38,9 +39,14 @@ is logged and reported through :meth:`KVBlockMover.get_finished` with
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import glob
 import logging
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +64,37 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 METHODS = ("auto", "coalesced", "per_block", "gather")
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) pointers
+
+
+@functools.cache
+def _raw_memcpy_async() -> Callable[[int, int, int, int], int] | None:
+    """``cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)`` through ctypes, or None.
+
+    Why: ``Tensor.copy_`` costs about 26 us of host time per call (two slice views
+    plus the dispatcher); a scattered batch of 256 blocks then spends ~7 ms of the
+    engine's step just *issuing* copies, before the forward. The runtime call
+    itself costs ~3 us (measured on an H200: 0.7 ms for 256). It uses the same
+    primary context and streams as torch. Looked up in the CUDA runtime that torch
+    ships (``nvidia/*/lib``) first, then the system's; None if none loads, and the
+    mover falls back to ``Tensor.copy_``.
+    """
+    torch_dir = os.path.dirname(torch.__file__)
+    candidates = sorted(glob.glob(os.path.join(torch_dir, "lib", "libcudart.so*")))
+    candidates += sorted(glob.glob(os.path.join(os.path.dirname(torch_dir), "nvidia", "*", "lib",
+                                                "libcudart.so*")), reverse=True)
+    found = ctypes.util.find_library("cudart")
+    if found:
+        candidates.append(found)
+    for path in candidates:
+        try:
+            fn = ctypes.CDLL(path).cudaMemcpyAsync
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        return lambda dst, src, nbytes, stream: fn(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
+    return None
 _SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
 
 
@@ -256,6 +293,9 @@ class KVBlockMover:
         num_cpu_blocks: number of CPU sub-blocks (one GPU block each) to allocate.
         pin_memory: pin the CPU buffer; defaults to True when the cache is on CUDA.
         method: one of ``auto``, ``coalesced``, ``per_block``, ``gather``.
+        raw_memcpy: issue DMA copies with ``cudaMemcpyAsync`` through ctypes instead of
+            ``Tensor.copy_`` (about 10x less host time per copy). None (default): when
+            the CUDA runtime library loads; False: never; True: required.
 
     Attributes:
         layout: the device KV cache as byte planes.
@@ -269,7 +309,7 @@ class KVBlockMover:
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
                  num_cpu_blocks: int, *, pin_memory: bool | None = None,
-                 method: str = "auto") -> None:
+                 method: str = "auto", raw_memcpy: bool | None = None) -> None:
         if method not in METHODS:
             msg = f"unknown transfer method {method!r}; valid: {', '.join(METHODS)}"
             raise ValueError(msg)
@@ -302,6 +342,13 @@ class KVBlockMover:
             self._streams = {True: torch.cuda.Stream(self.device),
                              False: torch.cuda.Stream(self.device)}
         self._jobs: list[_Job] = []
+        # Issue DMA copies through the CUDA runtime directly (None: when available).
+        memcpy = _raw_memcpy_async() if self.is_cuda and raw_memcpy is not False else None
+        if raw_memcpy and memcpy is None:
+            msg = ("raw_memcpy=True needs a CUDA KV cache" if not self.is_cuda
+                   else "raw_memcpy=True but no CUDA runtime library could be loaded")
+            raise ValueError(msg)
+        self._memcpy = memcpy
 
     # ------------------------------------------------------------------ submission
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int],
@@ -370,11 +417,30 @@ class KVBlockMover:
                 plane_runs = [(g, c, 1) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
             else:
                 plane_runs = runs
+            if self._memcpy is not None:
+                self._copy_raw(self._memcpy, is_store, gpu_plane, cpu_plane, plane_runs)
+                continue
             for g, c, n in plane_runs:
                 if is_store:
                     cpu_plane[c:c + n].copy_(gpu_plane[g:g + n], non_blocking=True)
                 else:
                     gpu_plane[g:g + n].copy_(cpu_plane[c:c + n], non_blocking=True)
+
+    def _copy_raw(self, memcpy: Callable[[int, int, int, int], int], is_store: bool,
+                  gpu_plane: torch.Tensor, cpu_plane: torch.Tensor,
+                  runs: list[tuple[int, int, int]]) -> None:
+        # Each run is contiguous on both sides: whole rows of a dense plane, or a single
+        # row (n == 1) of a plane with gaps. uint8 planes: strides are in bytes.
+        row = gpu_plane.shape[1]
+        g_base, g_stride = gpu_plane.data_ptr(), gpu_plane.stride(0)
+        c_base, c_stride = cpu_plane.data_ptr(), cpu_plane.stride(0)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for g, c, n in runs:
+            g_ptr, c_ptr, nbytes = g_base + g * g_stride, c_base + c * c_stride, n * row
+            rc = memcpy(c_ptr, g_ptr, nbytes, stream) if is_store else memcpy(g_ptr, c_ptr, nbytes, stream)
+            if rc != 0:
+                msg = f"cudaMemcpyAsync returned CUDA error {rc}"
+                raise RuntimeError(msg)
 
     def _copy_gather(self, job: _Job, is_store: bool, gpu_plane: torch.Tensor,
                      cpu_plane: torch.Tensor, gpu_ids: list[int], cpu_ids: list[int]) -> None:
