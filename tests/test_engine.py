@@ -194,3 +194,14 @@ def test_auto_ids_never_collide_with_explicit_ids():
                                 request_id="req-1")]
     with pytest.raises(ConfigError, match=r"duplicate request_id 'req-1'.*#2 and #3"):
         Engine(EngineConfig(**SMALL)).run(dup)
+
+
+def test_scheduler_side_connector_stats_are_reported():
+    """Stats that only the scheduler-side connector keeps (TTL pins) reach the run metrics."""
+    from kvconnector_core.engine.workloads import get_workload
+
+    ttl = {"name": "ttl", "extra_config": {"max_pinned_blocks": 8}}
+    result = Engine(EngineConfig(connector=ttl)).run(get_workload("chat"))
+    stats = result.metrics.connector_stats
+    assert stats["scheduler.pins"] > 0
+    assert 0 < stats["scheduler.pinned_blocks"] <= 8

@@ -12,6 +12,7 @@ Primitives: :class:`EngineConfig`, :class:`Engine`, :class:`RequestOutput`,
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ __all__ = [
     "RunMetrics",
     "RunResult",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda")
 """Valid values of :attr:`EngineConfig.device`."""
@@ -438,6 +441,18 @@ class Engine:
         wall = time.perf_counter() - start
         return self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
 
+    def _scheduler_connector_stats(self) -> dict[str, float]:
+        connector = self.scheduler.connector
+        if connector is None:
+            return {}
+        try:
+            stats = connector.get_kv_connector_stats() or {}
+        except Exception:  # noqa: BLE001 - stats are informational; never fail a run for them
+            logger.exception("scheduler-side get_kv_connector_stats raised")
+            return {}
+        return {k: v for k, v in stats.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}
+
     def _async_loading_ids(self) -> set[str]:
         from kvconnector_core.request import RequestStatus
 
@@ -452,6 +467,9 @@ class Engine:
         num_prompt = stats.num_prompt_tokens
         cstats = dict(self.connector_stats)
         std = {k: cstats.pop(k, 0) for k in STANDARD_STATS_KEYS}
+        # Scheduler-side stats (e.g. the TTL connector's pins) are a snapshot at the end.
+        for key, value in self._scheduler_connector_stats().items():
+            cstats[f"scheduler.{key}"] = value
         finished_ok = {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"}
         gpu_rate = stats.num_gpu_cache_hit_tokens / num_prompt if num_prompt else 0.0
         conn_rate = stats.num_connector_hit_tokens / num_prompt if num_prompt else 0.0
