@@ -198,8 +198,6 @@ def test_auto_ids_never_collide_with_explicit_ids():
 
 def test_scheduler_side_connector_stats_are_reported():
     """Stats that only the scheduler-side connector keeps (TTL pins) reach the run metrics."""
-    from kvconnector_core.engine.workloads import get_workload
-
     ttl = {"name": "ttl", "extra_config": {"max_pinned_blocks": 8}}
     result = Engine(EngineConfig(connector=ttl)).run(get_workload("chat"))
     stats = result.metrics.connector_stats
