@@ -99,8 +99,15 @@ def run_to_completion(sched: Scheduler, max_steps: int = 500,
                       kv_for_step: Callable[[int, SchedulerOutput], dict] | None = None) -> list[Request]:
     finished: list[Request] = []
     step = 0
+    # Steps a test ran by hand before calling this helper: take the scheduler's word for those.
+    seen_by_worker: set[str] = set(sched._sent_to_worker)
     while sched.has_unfinished_requests():
         out = sched.schedule()
+        # A worker only knows requests sent to it as new (resumed ones included).
+        seen_by_worker.update(r.req_id for r in out.scheduled_new_reqs)
+        unknown = set(out.scheduled_cached_reqs.req_ids) - seen_by_worker
+        assert not unknown, f"cached/resumed before ever sent as new: {unknown}"
+        seen_by_worker -= out.finished_req_ids
         kv = kv_for_step(step, out) if kv_for_step else {}
         finished += sched.update_from_output(out, fake_model_output(sched, out, **kv))
         step += 1
@@ -500,3 +507,24 @@ def test_prompt_tokens_counted_once_even_with_prefix_hits():
     st = s.stats
     assert st.num_prompt_tokens == 40
     assert st.num_prefill_tokens_computed + st.num_gpu_cache_hit_tokens + st.num_connector_hit_tokens == 40
+
+
+def test_request_released_after_its_load_is_new_to_the_worker():
+    """A loaded request released before it ever ran is sent as new, never as resumed (fuzz case 1009609)."""
+    import json
+    from pathlib import Path
+
+    from kvconnector_core.engine.engine import Engine, EngineConfig
+    from kvconnector_core.engine.workloads import TraceRequest
+    from kvconnector_core.worker.model import ModelConfig
+
+    case = json.loads((Path(__file__).parent / "data" / "fuzz_1009609.json").read_text())
+    model = ModelConfig(**{**case["model"], "layer_types": tuple(case["model"]["layer_types"])})
+    trace = [TraceRequest(arrival=r["arrival"], prompt_token_ids=r["prompt"], max_new_tokens=r["max_new"],
+                          cache_salt=r["salt"], request_id=f"r{i}") for i, r in enumerate(case["requests"])]
+    baseline_cfg = {**case["cfg"], "enable_prefix_caching": False, "num_gpu_blocks": 2000}
+    baseline = Engine(EngineConfig(model=model, **baseline_cfg)).run(trace)
+    eng = Engine(EngineConfig(model=model, **case["cfg"], connector=case["connector"]))
+    result = eng.run(trace)  # used to raise: "cached request ... was never sent as a new request"
+    assert result.outputs == baseline.outputs
+    assert eng.scheduler.stats.num_preemptions > 0

@@ -160,6 +160,8 @@ class Scheduler:
         self._recompute_only: set[str] = set()
         # Per request, prompt tokens already attributed in the stats (see _account).
         self._prompt_progress: dict[str, int] = {}
+        # Requests the worker has been sent as NewRequestData (and not yet finished).
+        self._sent_to_worker: set[str] = set()
         # Requests aborted while loading whose connector also asked to delay the free.
         self._delay_free_after_load: set[str] = set()
         self.stats = SchedulerStats()
@@ -404,7 +406,9 @@ class Scheduler:
                 req.num_external_computed_tokens = num_external
                 has_sync_loads = True
 
-            was_preempted = req.num_preemptions > 0 and req.status == RequestStatus.PREEMPTED
+            # "Resumed" means the worker already knows the request; one preempted
+            # before it ever ran (e.g. after an async load) is new to the worker.
+            was_preempted = req.request_id in self._sent_to_worker
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             self.running.append(req)
@@ -444,6 +448,7 @@ class Scheduler:
                      new_blocks_of: dict[str, KVCacheBlocks], num_scheduled: dict[str, int],
                      preempted: list[Request], has_sync_loads: bool) -> SchedulerOutput:
         kvm = self.kv_cache_manager
+        self._sent_to_worker.update(r.request_id for r in new)
         new_data = [
             NewRequestData(r.request_id, list(r.prompt_token_ids), kvm.get_block_ids(r.request_id),
                            r.num_computed_tokens)
@@ -666,6 +671,7 @@ class Scheduler:
         self.finished_req_ids.add(rid)
         self._recompute_only.discard(rid)
         self._prompt_progress.pop(rid, None)
+        self._sent_to_worker.discard(rid)
         if keep_blocks:
             if delay:
                 self._delay_free_after_load.add(rid)
