@@ -233,7 +233,7 @@ def test_fault_injection_rate_zero_passes_through_and_is_seeded():
 
 
 def test_fault_injection_raises_and_fails_stores():
-    """raise_in hooks raise InjectedFault; store failures skip the inner save and raise in wait_for_save."""
+    """raise_in hooks raise InjectedFault; a store failure raises from wait_for_save after the inner ran."""
     cfg = KVConnectorConfig(name="RecordingConnector")
     sched = FaultInjectingConnector(RecordingConnector(cfg, KVConnectorRole.SCHEDULER),
                                     raise_in={"get_num_new_matched_tokens"}, store_failure_rate=1.0)
@@ -245,7 +245,8 @@ def test_fault_injection_raises_and_fails_stores():
     worker.save_kv_layer("layer.0", None)
     with pytest.raises(InjectedFault, match="store"):
         worker.wait_for_save()
-    assert "save_kv_layer" not in inner_worker.hooks_called()
+    # The inner bookkeeping still runs (skipping it leaked delayed frees); the hook then raises.
+    assert {"save_kv_layer", "wait_for_save"} <= set(inner_worker.hooks_called())
     assert worker.get_kv_connector_stats()["injected_faults"]["stores"] == 1
     with pytest.raises(ConfigError, match="unknown hooks"):
         FaultInjectingConnector(inner_worker, raise_in={"nope"})

@@ -11,12 +11,14 @@ from connectors.offload import transfer as tr
 from connectors.offload.connector import OffloadingConnector, OffloadingConnectorMetadata
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.connector.metadata import check_metadata_roundtrip
+from kvconnector_core.connector.metadata import check_metadata_roundtrip, encode_metadata
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvconnector_core.kv_events import BlockRemoved, BlockStored, to_external_hash
+from kvconnector_core.testing import FaultInjectingConnector
+from kvconnector_core.testing.faults import FaultMetadata
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -442,3 +444,42 @@ def test_role_limits_the_connector_to_its_direction(role):
         assert m.bytes_stored > 0 and m.bytes_loaded == 0 and m.connector_hit_tokens == 0
     else:
         assert m.bytes_stored == 0 and m.bytes_loaded == 0
+
+
+def test_failed_start_load_unpins_the_cpu_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If start_load_kv raises before submitting, the failed receive still unpins the loaded chunks."""
+    calls = {"n": 0}
+    original = OffloadingConnector.start_load_kv
+
+    def flaky(self, forward_context=None):
+        if self._meta().loads and calls["n"] == 0:
+            calls["n"] += 1
+            raise RuntimeError("injected: start_load_kv failed")
+        return original(self, forward_context)
+
+    monkeypatch.setattr(OffloadingConnector, "start_load_kv", flaky)
+    prompt = list(range(1, 50))
+    trace = [TraceRequest(arrival=0, prompt_token_ids=prompt, max_new_tokens=2, request_id="a"),
+             TraceRequest(arrival=20, prompt_token_ids=prompt, max_new_tokens=2, request_id="b")]
+    cfg = {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 8}}
+    eng = Engine(EngineConfig(connector=cfg, num_gpu_blocks=64, max_model_len=256, enable_prefix_caching=False))
+    result = eng.run(trace)
+    assert calls["n"] == 1 and result.metrics.num_finished == 2
+    conn = eng.scheduler_connector
+    assert not conn._jobs  # every planned job completed, the failed load included
+    assert all(entry.ref_cnt == 0 for _, entry in conn.manager.policy)  # nothing left pinned
+
+
+def test_fault_wrapper_forwards_worker_metadata_and_preemptions() -> None:
+    """A FaultInjectingConnector with no faults passes job completions and preemption flushes through."""
+    worker = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 4}),
+                                 KVConnectorRole.WORKER, kv_config())
+    wrapped = FaultInjectingConnector(worker)
+    sentinel = object()
+    worker.build_connector_worker_meta = lambda: sentinel
+    seen = []
+    worker.handle_preemptions = seen.append
+    assert wrapped.build_connector_worker_meta() is sentinel
+    inner_meta = OffloadingConnectorMetadata()
+    wrapped.handle_preemptions(FaultMetadata(inner=encode_metadata(inner_meta)))
+    assert len(seen) == 1 and isinstance(seen[0], OffloadingConnectorMetadata)

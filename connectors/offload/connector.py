@@ -473,6 +473,13 @@ class OffloadingConnector(KVConnectorBase_V1):
                     state.store_jobs.discard(job_id)
             else:
                 self.manager.complete_load(record.keys)
+        if connector_output.failed_recving:
+            # A receive reported failed without its job (e.g. start_load_kv raised before
+            # submitting it) must still unpin its CPU entries, or they are never evictable.
+            for job_id, record in list(self._jobs.items()):
+                if not record.is_store and record.req_id in connector_output.failed_recving:
+                    del self._jobs[job_id]
+                    self.manager.complete_load(record.keys)
         self._translate_events()
         for rid in connector_output.finished_sending:
             state = self._reqs.get(rid)

@@ -232,18 +232,34 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self.inner.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
-        """Forward unless this step's stores fail (or raise)."""
+        """Forward (or raise)."""
         self._maybe_raise("save_kv_layer")
-        if not self._fail_stores:
-            self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata)
+        self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        """Forward; when this step's stores fail, raise InjectedFault instead."""
+        """Forward; when this step's stores fail, raise InjectedFault afterwards.
+
+        The inner connector still runs its bookkeeping (queued jobs, delayed frees):
+        skipping it would leave requests it holds blocks for unreleased forever. So an
+        injected store failure tests that the engine contains a raising save hook; it
+        cannot make an arbitrary connector forget a store it already made.
+        """
         self._maybe_raise("wait_for_save")
+        self.inner.wait_for_save()
         if self._fail_stores:
             msg = f"injected store failure in {self.inner.name} this step"
             raise InjectedFault(msg)
-        self.inner.wait_for_save()
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Forward the inner plan (or raise), so preempted requests' stores are flushed."""
+        self._maybe_raise("handle_preemptions")
+        if isinstance(connector_metadata, FaultMetadata):
+            self.inner.handle_preemptions(decode_metadata(connector_metadata.inner, self.inner.metadata_type))
+
+    def build_connector_worker_meta(self) -> Any:
+        """Forward (or raise): the inner connector's job completions travel here."""
+        self._maybe_raise("build_connector_worker_meta")
+        return self.inner.build_connector_worker_meta()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """The inner results, with failed loads reported as failed receives."""
