@@ -433,8 +433,12 @@ class Engine:
             # of them in a row mean a deadlock.
             idle = 0 if finished or self._last_num_scheduled else idle + 1
             if idle > _MAX_IDLE_STEPS:
+                sched = self.scheduler
                 msg = (f"no progress in {_MAX_IDLE_STEPS} steps with "
-                       f"{self.scheduler.get_num_unfinished_requests()} unfinished requests")
+                       f"{sched.get_num_unfinished_requests()} unfinished requests "
+                       f"(waiting: {[r.request_id for r in sched.waiting][:8]}, "
+                       f"blocks held for the connector: {sorted(sched.delayed_free)[:8]}); "
+                       f"free blocks: {sched.kv_cache_manager.block_pool.get_num_free_blocks()}")
                 raise InvariantError(msg)
             if progress is not None:
                 progress(len(finished))
