@@ -18,13 +18,14 @@ __all__ = ["main"]
 _SUBCOMMANDS: dict[str, str] = {
     "run": "kvconnector_core.cli.run_cmd",
     "list": "kvconnector_core.cli.list_cmd",
+    "events": "kvconnector_core.cli.events_cmd",
 }
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvconnector",
-        description="KV-cache connector framework: run a workload through the engine, list connectors.",
+        description="KV-cache connector framework: run a workload through the engine, list connectors, watch KV events.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_path in _SUBCOMMANDS.items():

@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None, metavar="N",
                         help=f"GPU block pool size (default {DEFAULT_NUM_GPU_BLOCKS}, or more "
                              "when the workload's longest request needs more)")
+    parser.add_argument("--publish-events", metavar="ENDPOINT", nargs="?", const="default",
+                        default=None,
+                        help="publish the connector run's KV events over ZeroMQ in vLLM's "
+                             "wire format (default endpoint tcp://127.0.0.1:5557, replay on "
+                             "the next port); read them with `kvconnector events`")
 
 
 def _fail(msg: str) -> int:
@@ -83,6 +88,19 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
         # The CPU tier needs a size: four times the GPU pool.
         extra = {"num_cpu_blocks": 4 * num_gpu_blocks}
     return KVConnectorConfig(name=name, extra_config=extra)
+
+
+def _publisher(args: argparse.Namespace) -> Any:
+    """The event publisher settings ``--publish-events`` asks for (None: no publishing)."""
+    if args.publish_events is None:
+        return None
+    from kvconnector_core.cli.events_cmd import default_replay_endpoint
+    from kvconnector_core.event_publisher import EventPublisherConfig
+
+    if args.publish_events == "default":
+        return EventPublisherConfig()
+    return EventPublisherConfig(endpoint=args.publish_events,
+                                replay_endpoint=default_replay_endpoint(args.publish_events))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -128,7 +146,8 @@ def main(args: argparse.Namespace) -> int:
         connector = _connector_config(args, num_gpu_blocks)
         base = dict(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                     max_num_seqs=MAX_NUM_SEQS, device=args.device, max_model_len=max_model_len)
-        runs = [("connector" if connector else "no connector", EngineConfig(**base, connector=connector))]
+        runs = [("connector" if connector else "no connector",
+                 EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args)))]
         if not args.no_baseline and connector is not None:
             runs.append(("baseline", EngineConfig(**base)))
         results = []

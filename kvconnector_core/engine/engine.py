@@ -24,6 +24,7 @@ import msgspec
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.workloads import Trace, TraceRequest
 from kvconnector_core.errors import ConfigError, InvariantError
+from kvconnector_core.event_publisher import EventPublisherConfig
 from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
 from kvconnector_core.request import Request
 from kvconnector_core.worker.model import ModelConfig
@@ -69,6 +70,8 @@ class EngineConfig:
         connector: the connector to create (both roles), or None.
         load_failure_policy: ``"recompute"`` or ``"fail"``; None takes the connector
             config's policy (``"recompute"`` without a connector).
+        kv_events_publisher: publish each step's KV events over ZeroMQ in vLLM's wire
+            format (see :mod:`kvconnector_core.event_publisher`); None publishes nothing.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -82,6 +85,7 @@ class EngineConfig:
     device: str = "cpu"
     connector: KVConnectorConfig | None = None
     load_failure_policy: str | None = None
+    kv_events_publisher: EventPublisherConfig | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -290,6 +294,11 @@ class Engine:
         self._reserved_ids: set[str] = set()
         self._last_num_scheduled = 0
         self._shut_down = False
+        self.event_publisher = None
+        if config.kv_events_publisher is not None:
+            from kvconnector_core.event_publisher import ZmqEventPublisher
+
+            self.event_publisher = ZmqEventPublisher(config.kv_events_publisher)
 
     # ---------------------------------------------------------------- requests
 
@@ -366,7 +375,12 @@ class Engine:
             for key, value in kv_out.kv_connector_stats.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.connector_stats[key] = self.connector_stats.get(key, 0) + value
-        for event in self.scheduler.take_events():
+        events = self.scheduler.take_events()
+        if self.event_publisher is not None and events:
+            from kvconnector_core.kv_events import KVEventBatch
+
+            self.event_publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+        for event in events:
             kind = type(event).__name__
             self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
             medium = getattr(event, "medium", None)
@@ -525,6 +539,9 @@ class Engine:
             return
         self._shut_down = True
         from kvconnector_core.errors import ShutdownError
+
+        if self.event_publisher is not None:
+            self.event_publisher.shutdown()
 
         failures: list[tuple[str, BaseException]] = []
         for conn in (self.scheduler_connector, self.worker_connector):

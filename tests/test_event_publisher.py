@@ -1,0 +1,219 @@
+"""The ZeroMQ KV event publisher: vLLM 0.33's wire format, replay, bounded buffers, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+zmq = pytest.importorskip("zmq", reason="pyzmq is missing: pip install -e '.[test]'")
+
+from kvconnector_core.errors import ConfigError  # noqa: E402
+from kvconnector_core.event_publisher import (  # noqa: E402
+    EventPublisherConfig,
+    EventSubscriber,
+    ZmqEventPublisher,
+)
+from kvconnector_core.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+
+ANY_PORT = EventPublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+
+
+# vLLM 0.33's event structs (vllm/distributed/kv_events.py), written out here so that the
+# test decodes our bytes the way a vLLM consumer would, independent of our own structs.
+class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VBlockStored(VKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VKVEventBatch(VEventBatch):
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+
+
+VLLM_DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
+
+
+def _batch(k: int) -> KVEventBatch:
+    return KVEventBatch(ts=float(k), events=[
+        BlockStored(block_hashes=[1000 + k], parent_block_hash=None, token_ids=[k] * 4,
+                    block_size=4, lora_id=None, medium="DISK", lora_name=None, group_idx=0),
+        BlockRemoved(block_hashes=[2000 + k], medium="CPU"),
+    ])
+
+
+class _StalledPublisher(ZmqEventPublisher):
+    """A publisher whose thread waits for ``gate``: the queue fills as if the network stalled."""
+
+    def __init__(self, config: EventPublisherConfig, gate: threading.Event) -> None:
+        self.gate = gate
+        super().__init__(config)
+
+    def _run(self) -> None:
+        self.gate.wait()
+        super()._run()
+
+
+def test_default_endpoints_bind_loopback_only():
+    config = EventPublisherConfig()
+    assert config.endpoint.startswith("tcp://127.0.0.1:")
+    assert config.replay_endpoint is not None and config.replay_endpoint.startswith("tcp://127.0.0.1:")
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"endpoint": "127.0.0.1:5557"}, "not a ZeroMQ endpoint"),
+    ({"endpoint": "tcp://127.0.0.1:5", "replay_endpoint": "tcp://127.0.0.1:5"}, "must differ"),
+    ({"buffer_steps": 0}, "buffer_steps must be a positive int, got 0"),
+])
+def test_bad_config_names_the_value(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        EventPublisherConfig(**kwargs)
+
+
+def test_taken_port_is_a_config_error_naming_the_endpoint():
+    with ZmqEventPublisher(ANY_PORT) as first:
+        with pytest.raises(ConfigError, match="cannot bind KV event endpoint"):
+            ZmqEventPublisher(EventPublisherConfig(endpoint=first.endpoint, replay_endpoint=None))
+
+
+def test_subscriber_in_another_process_replays_the_gap_and_decodes_as_vllm():
+    with ZmqEventPublisher(ANY_PORT) as pub:
+        for k in range(5):  # published before anyone listens: the subscriber must replay them
+            pub.publish(_batch(k))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from kvconnector_core.cli import main; sys.exit(main())", "events", "--endpoint", pub.endpoint,
+             "--replay-endpoint", pub.replay_endpoint, "--from-seq", "0", "--count", "10",
+             "--json", "--raw", "--timeout", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        k = 5
+        # PUB/SUB has no join handshake: keep publishing until the subscriber has its 10.
+        while proc.poll() is None and k < 2000:
+            pub.publish(_batch(k))
+            k += 1
+            time.sleep(0.02)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["seq"] for line in lines] == list(range(10))
+    assert all(line["replayed"] for line in lines[:5])
+    for line in lines:
+        decoded = VLLM_DECODER.decode(bytes.fromhex(line["payload"]))
+        stored, removed = decoded.events
+        assert isinstance(stored, VBlockStored) and isinstance(removed, VBlockRemoved)
+        assert stored.block_hashes == [1000 + line["seq"]]
+        assert (stored.medium, stored.block_size, stored.group_idx) == ("DISK", 4, 0)
+        assert removed.block_hashes == [2000 + line["seq"]] and removed.medium == "CPU"
+        assert decoded.ts == float(line["seq"])
+
+
+def test_replay_is_bounded_by_buffer_steps_and_counts_what_is_lost():
+    config = msgspec.structs.replace(ANY_PORT, buffer_steps=3)
+    with ZmqEventPublisher(config) as pub:
+        for k in range(6):
+            pub.publish(_batch(k))
+        deadline = time.monotonic() + 30
+        while pub.sent < 6 and time.monotonic() < deadline:  # sent before anyone listens
+            time.sleep(0.01)
+        sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, from_seq=0)
+        got = []
+        k = 6
+        while not got and k < 2000:
+            pub.publish(_batch(k))
+            k += 1
+            got = list(sub.receive(timeout=0.05))
+        sub.close()
+    live = got[-1]
+    assert not live.replayed and live.decode().ts == float(live.seq)
+    # The buffer holds the last 3 batches, the live one included: only 2 before it replay,
+    # and everything older is counted as missed.
+    assert [b.seq for b in got[:-1]] == [live.seq - 2, live.seq - 1]
+    assert all(b.replayed for b in got[:-1])
+    assert sub.missed == live.seq - 2
+
+
+def test_publish_never_blocks_a_full_queue_drops_and_counts():
+    gate = threading.Event()
+    config = msgspec.structs.replace(ANY_PORT, max_queue_size=2)
+    pub = _StalledPublisher(config, gate)
+    try:
+        results = [pub.publish(_batch(k)) for k in range(5)]
+        assert results == [True, True, False, False, False]
+        assert pub.dropped == 3
+    finally:
+        gate.set()
+        pub.shutdown()
+    assert pub.sent == 2
+
+
+def test_publish_after_shutdown_is_an_error():
+    pub = ZmqEventPublisher(ANY_PORT)
+    pub.shutdown()
+    with pytest.raises(ConfigError, match="after shutdown"):
+        pub.publish(_batch(0))
+
+
+def test_engine_publishes_every_step_with_events():
+    from kvconnector_core.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(num_gpu_blocks=64, max_model_len=256, kv_events_publisher=ANY_PORT)
+    with Engine(config) as engine:
+        pub = engine.event_publisher
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, from_seq=0) as sub:
+            prompt = list(range(1, 40))
+            engine.add_request(prompt, 2)
+            while engine.has_unfinished_requests():
+                engine.step()
+            deadline = time.monotonic() + 30
+            while pub.sent == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            engine.add_request(prompt, 2)  # one more batch: the live one that reveals the gap
+            while engine.has_unfinished_requests():
+                engine.step()
+            received = []
+            while time.monotonic() < deadline and not any(not b.replayed for b in received):
+                received += sub.receive(timeout=0.1)
+    events = [e for b in received for e in b.decode().events]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored and all(e.medium == "GPU" and e.block_size == 16 for e in stored)
+    assert sum(len(e.block_hashes) for e in stored) >= 2  # the 39-token prompt fills 2 blocks
+    assert [b.seq for b in received] == list(range(len(received)))
