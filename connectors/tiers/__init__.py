@@ -1,0 +1,67 @@
+"""Secondary KV tiers behind the CPU tier: local disk and Redis.
+
+A tier stores block values (bytes copied out of the CPU tier) under
+:class:`TierKey` (block hash, KV cache group) and never touches GPU memory. Its methods
+never block the engine: lookups may answer None ("ask again"), stores are dropped and
+counted when the tier falls behind, loads are polled. See ``docs/tiers.md``.
+
+:func:`make_tier` builds one from a settings dict (``{"type": "disk" | "redis", ...}``).
+Names are imported lazily so that ``import connectors.tiers`` needs neither redis-py nor
+a file system.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from connectors.tiers._base import SecondaryTier, TierEvent, TierKey, TierLoad
+    from connectors.tiers.disk import DiskTier, DiskTierConfig
+    from connectors.tiers.redis_tier import RedisTier, RedisTierConfig
+
+_EXPORTS = {
+    "DiskTier": "disk",
+    "DiskTierConfig": "disk",
+    "RedisTier": "redis_tier",
+    "RedisTierConfig": "redis_tier",
+    "SecondaryTier": "_base",
+    "TierEvent": "_base",
+    "TierKey": "_base",
+    "TierLoad": "_base",
+}
+
+TIER_TYPES = {"disk": ("disk", "DiskTier"), "redis": ("redis_tier", "RedisTier")}
+"""Tier ``type`` -> (module, class) accepted by :func:`make_tier`."""
+
+__all__ = sorted([*_EXPORTS, "TIER_TYPES", "make_tier"])
+
+
+def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryTier:
+    """Create a tier from ``{"type": "disk" | "redis", <its config fields>}``.
+
+    Raises:
+        ConfigError: an unknown type, or a bad / unknown field of its config.
+    """
+    from kvconnector_core.errors import ConfigError
+
+    spec = dict(spec)
+    kind = spec.pop("type", None)
+    if kind not in TIER_TYPES:
+        msg = f"tier type {kind!r} is not known; valid types: {', '.join(TIER_TYPES)}"
+        raise ConfigError(msg)
+    module, cls_name = TIER_TYPES[kind]
+    cls = getattr(import_module(f"{__name__}.{module}"), cls_name)
+    return cls(spec, enable_events=enable_events)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    return getattr(import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return list(__all__)

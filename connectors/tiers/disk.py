@@ -1,0 +1,181 @@
+"""Local-disk secondary tier: one file per (block key, group) under a directory.
+
+Layout: ``<root>/<namespace>/<first 2 hex digits>/<hash hex>-g<group>.kvb``. A value is
+written to a temporary file in the same directory and renamed over the final name, so a
+reader sees a whole file or none, even if the writer dies mid-write (``fsync=True`` also
+survives a power loss, at a cost). Each file carries the checksum frame of
+:mod:`connectors.tiers._base`: a truncated or corrupted file is a failed load (and is
+deleted), never wrong data.
+
+The files outlive the process: a new :class:`DiskTier` on the same directory indexes
+what is there and serves it. Several processes may share one directory (two engines
+serving each other's prefixes); lookups and loads go to the file system, so they see
+each other's files. The size budget is enforced per process over the files it knows
+(its own writes plus what it found at start), evicting the least recently used first.
+
+Primitives: DiskTierConfig, DiskTier.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+
+from connectors.tiers._base import SecondaryTier, TierKey, settings
+from kvconnector_core.errors import ConfigError
+
+__all__ = ["DiskTier", "DiskTierConfig"]
+
+_SUFFIX = ".kvb"
+
+
+class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of a :class:`DiskTier` (``{"type": "disk", ...}`` in a tier list).
+
+    Attributes:
+        path: directory holding the files (created if missing).
+        capacity_bytes: size budget of the files; least recently used ones go first.
+        namespace: sub-directory separating models / layouts / tenants sharing ``path``.
+        fsync: fsync each file and its directory before it becomes visible.
+        max_pending_stores: store batches that may wait; more are dropped (back-pressure).
+        io_threads: threads doing file I/O.
+    """
+
+    path: str
+    capacity_bytes: int
+    namespace: str = "default"
+    fsync: bool = False
+    max_pending_stores: int = 64
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.capacity_bytes, bool) or self.capacity_bytes < 1:
+            msg = f"disk tier capacity_bytes must be a positive number of bytes, got {self.capacity_bytes!r}"
+            raise ConfigError(msg)
+        if not self.namespace or "/" in self.namespace or self.namespace in (".", ".."):
+            msg = f"disk tier namespace={self.namespace!r} must be a non-empty name without '/'"
+            raise ConfigError(msg)
+
+
+class DiskTier(SecondaryTier):
+    """A :class:`SecondaryTier` of files on a local (or shared) file system."""
+
+    medium: ClassVar[str] = "DISK"
+
+    def __init__(self, config: DiskTierConfig | dict[str, Any], *, enable_events: bool = True) -> None:
+        config = settings(config, DiskTierConfig, "disk tier")
+        super().__init__(max_pending_stores=config.max_pending_stores,
+                         io_threads=config.io_threads, enable_events=enable_events)
+        self.config = config
+        self.root = Path(config.path) / config.namespace
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            msg = f"disk tier path {str(self.root)!r} cannot be created: {exc}"
+            raise ConfigError(msg) from exc
+        # file name -> size, least recently used first; guarded by self._lock.
+        self._files: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._bytes = 0
+        self._scan()
+
+    def _path(self, key: TierKey) -> Path:
+        name = key.name
+        return self.root / name[:2] / (name + _SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the files a previous process left, oldest access first; drop stray temp files."""
+        found = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(_SUFFIX):
+                    st = entry.stat()
+                    found.append((st.st_atime, entry.name, st.st_size))
+                elif entry.name.startswith(".tmp-"):
+                    Path(entry.path).unlink(missing_ok=True)
+        for _, name, size in sorted(found):
+            self._files[name] = size
+            self._bytes += size
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the files this tier knows about."""
+        with self._lock:
+            return self._bytes
+
+    # ---------------------------------------------------------------- backend
+    def _held_prefix(self, keys: Sequence[TierKey]) -> int:
+        for i, key in enumerate(keys):
+            if not self._path(key).exists():
+                return i
+        return len(keys)
+
+    def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
+        for key, value in items:
+            path = self._path(key)
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(value)
+                    if self.config.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            if self.config.fsync:
+                dir_fd = os.open(path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            self._account(path.name, len(value))
+
+    def _account(self, name: str, size: int) -> None:
+        """Record a written file and evict least recently used files over the budget."""
+        victims = []
+        with self._lock:
+            self._bytes += size - self._files.pop(name, 0)
+            self._files[name] = size
+            while self._bytes > self.config.capacity_bytes and len(self._files) > 1:
+                victim, vsize = self._files.popitem(last=False)
+                self._bytes -= vsize
+                victims.append(victim)
+        removed = []
+        for victim in victims:
+            (self.root / victim[:2] / victim).unlink(missing_ok=True)
+            block_hex, _, group = victim[: -len(_SUFFIX)].rpartition("-g")
+            removed.append(TierKey(bytes.fromhex(block_hex), int(group)))
+        self._record_event(removed, removed=True)
+
+    def _get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
+        values: list[bytes | None] = []
+        for key in keys:
+            path = self._path(key)
+            try:
+                values.append(path.read_bytes())
+            except FileNotFoundError:
+                values.append(None)
+                continue
+            with self._lock:
+                if path.name in self._files:
+                    self._files.move_to_end(path.name)
+        return values
+
+    def _on_bad_values(self, keys: list[TierKey]) -> None:
+        # A damaged file would fail every later load too: remove it so the block is
+        # stored again the next time it is computed.
+        for key in keys:
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            with self._lock:
+                self._bytes -= self._files.pop(path.name, 0)
