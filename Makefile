@@ -27,6 +27,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvconnector run $(ARGS)
 
 test: $(STAMP)
+	@command -v redis-server >/dev/null || echo "note: redis-server is not installed, so the Redis tier tests will skip; install it with: apt-get install -y redis-server"
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)

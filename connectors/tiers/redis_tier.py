@@ -26,6 +26,7 @@ Primitives: RedisTierConfig, RedisTier.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,8 @@ from connectors.tiers._base import SecondaryTier, TierKey, settings
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["RedisTier", "RedisTierConfig"]
+
+logger = logging.getLogger(__name__)
 
 
 class RedisTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -150,16 +153,18 @@ def _client(config: RedisTierConfig) -> Any:
         # (the request is recomputed), not into seconds of waiting.
         "retry": Retry(NoBackoff(), 1),
     }
-    if config.tls or config.url.startswith("rediss://"):
-        kwargs.update(ssl=True, ssl_ca_certs=config.tls_ca_file, ssl_certfile=config.tls_cert_file,
+    url = config.url
+    if config.tls or url.startswith("rediss://"):
+        # The rediss:// scheme is what makes redis-py use TLS connections.
+        url = "rediss://" + url.removeprefix("redis://").removeprefix("rediss://")
+        kwargs.update(ssl_ca_certs=config.tls_ca_file, ssl_certfile=config.tls_cert_file,
                       ssl_keyfile=config.tls_key_file)
     if config.cluster:
         from redis.cluster import RedisCluster
 
         # Partial coverage: with one master down, keys on the others still work.
-        return RedisCluster.from_url(config.url, require_full_coverage=False,
-                                     cluster_error_retry_attempts=1, **kwargs)
-    return redis.Redis.from_url(config.url, **kwargs)
+        return RedisCluster.from_url(url, require_full_coverage=False, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
 
 
 class RedisTier(SecondaryTier):
@@ -172,6 +177,10 @@ class RedisTier(SecondaryTier):
     medium: ClassVar[str] = "REDIS"
 
     def __init__(self, config: RedisTierConfig | dict[str, Any], *, enable_events: bool = True) -> None:
+        if isinstance(config, dict) and "password" in config:
+            msg = ("the redis tier takes no 'password' setting: a config file is no place for a "
+                   "secret; name an environment variable (password_env) or a file (password_file)")
+            raise ConfigError(msg)
         config = settings(config, RedisTierConfig, "redis tier")
         super().__init__(max_pending_stores=config.max_pending_stores,
                          io_threads=config.io_threads, enable_events=enable_events)
@@ -190,34 +199,63 @@ class RedisTier(SecondaryTier):
         """The Redis key of ``key`` (namespaced by model, layout and tenant)."""
         return self._prefix + key.name
 
-    def _batches(self, seq: Sequence[Any]) -> list[Sequence[Any]]:
-        n = self.config.batch_size
-        return [seq[i:i + n] for i in range(0, len(seq), n)]
+    def _by_node(self, names: Sequence[str]) -> list[tuple[Any, list[int]]]:
+        """Split key positions by the client that serves them: one group on a single
+        node, one per master on a cluster (so a dead master fails only its own keys)."""
+        conn = self._conn()
+        if not self.config.cluster:
+            return [(conn, list(range(len(names))))]
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, name in enumerate(names):
+            node = conn.get_node_from_key(name)
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return [(conn.get_redis_connection(node), idx) for node, idx in groups.values()]
+
+    def _run(self, names: Sequence[str], add: Any, batch_size: int | None = None) -> list[Any]:
+        """One pipeline per node (``add(pipe, position)`` queues a command); the result of a
+        command whose node failed is the exception, so the other nodes' answers count."""
+        results: list[Any] = [None] * len(names)
+        for client, positions in self._by_node(names):
+            n = batch_size or len(positions)
+            for batch in (positions[i:i + n] for i in range(0, len(positions), n)):
+                pipe = client.pipeline(transaction=False)
+                for i in batch:
+                    add(pipe, i)
+                try:
+                    answers = pipe.execute(raise_on_error=False)
+                except Exception as exc:  # noqa: BLE001 - this node is down; others may not be
+                    answers = [exc] * len(batch)
+                for i, answer in zip(batch, answers, strict=True):
+                    results[i] = answer
+        return results
 
     def _held_prefix(self, keys: Sequence[TierKey]) -> int:
-        pipe = self._conn().pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.redis_key(key))
-        for i, found in enumerate(pipe.execute()):
-            if not found:
+        names = [self.redis_key(k) for k in keys]
+        # Unbatched: a chain's EXISTS go in one pipeline per node, one round trip each.
+        found = self._run(names, lambda pipe, i: pipe.exists(names[i]))  # no batch limit
+        for i, answer in enumerate(found):
+            if isinstance(answer, Exception):
+                raise answer  # counted as a failed lookup: a miss
+            if not answer:
                 return i
         return len(keys)
 
     def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
-        for batch in self._batches(items):
-            pipe = self._conn().pipeline(transaction=False)
-            for key, value in batch:
-                pipe.set(self.redis_key(key), value, ex=self.config.ttl_seconds)
-            pipe.execute()
+        names = [self.redis_key(k) for k, _ in items]
+        ttl = self.config.ttl_seconds
+        results = self._run(names, lambda pipe, i: pipe.set(names[i], items[i][1], ex=ttl),
+                            self.config.batch_size)
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]
 
     def _get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
-        values: list[bytes | None] = []
-        for batch in self._batches(keys):
-            pipe = self._conn().pipeline(transaction=False)
-            for key in batch:
-                pipe.get(self.redis_key(key))
-            values.extend(pipe.execute())
-        return values
+        names = [self.redis_key(k) for k in keys]
+        values = self._run(names, lambda pipe, i: pipe.get(names[i]), self.config.batch_size)
+        errors = [v for v in values if isinstance(v, Exception)]
+        if errors:
+            logger.warning("REDIS tier: %d of %d loads failed: %s", len(errors), len(values), errors[0])
+        return [None if isinstance(v, Exception) else v for v in values]
 
     def _on_bad_values(self, keys: list[TierKey]) -> None:
         # One DELETE per key: on a cluster, keys of one call must share a hash slot.
