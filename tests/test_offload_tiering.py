@@ -1,0 +1,95 @@
+"""The offload connector's tier cascade helpers: lookups across tiers, CPU buffer <-> tier."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from connectors.offload.tiering import TierLookups, TierRead, TierWrite, WorkerTiers, make_tiers
+from connectors.tiers import DiskTier, TierKey
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_events import BlockStored, to_external_hash
+
+
+def _disk(tmp_path, name):
+    return DiskTier({"path": str(tmp_path / name), "capacity_bytes": 1 << 20})
+
+
+def _keys(n):
+    return [bytes([i]) * 32 for i in range(n)]
+
+
+def _poll(fn, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while (out := fn()) is None or out == []:
+        assert time.monotonic() < deadline, "no answer"
+        time.sleep(0.001)
+    return out
+
+
+def test_lookups_chain_across_tiers_and_ask_again(tmp_path):
+    first, second = _disk(tmp_path, "a"), _disk(tmp_path, "b")
+    keys = _keys(6)
+    first.store([(TierKey(k), b"x") for k in keys[1:3]])
+    second.store([(TierKey(k), b"x") for k in keys[3:4]])
+    first.flush(30)
+    second.flush(30)
+    lookups = TierLookups([first, second])
+    assert lookups.lookup("r", keys, 1) is None  # the first tier's I/O is running
+    # tier 0 serves keys 1-2, tier 1 continues at key 3 and serves it, key 4 is nowhere
+    assert _poll(lambda: lookups.lookup("r", keys, 1)) == [2, 1]
+    assert lookups.lookup("r", keys, 1) == [2, 1]  # kept until forgotten
+    lookups.forget("r")
+    assert lookups.lookup("r", keys, 1) is None
+    lookups.close()
+
+
+def test_worker_moves_chunks_between_cpu_buffer_and_tier(tmp_path):
+    tier = _disk(tmp_path, "t")
+    planes = (torch.arange(8 * 4, dtype=torch.uint8).view(8, 4),
+              torch.arange(100, 100 + 8 * 3, dtype=torch.uint8).view(8, 3))
+    worker = WorkerTiers([tier], block_size=16)
+    worker.bind_buffer(planes)
+    key = _keys(1)[0]
+    chunk = [p[2:4].clone() for p in planes]
+    worker.write([TierWrite(key, [2, 3], [b"h" * 32, key], None)])
+    tier.flush(30)
+    for p in planes:
+        p.zero_()
+    worker.start_reads(7, [TierRead(0, key, [5, 6])])
+    assert _poll(worker.finished_reads) == [(7, True)]
+    assert all(torch.equal(p[5:7], c) for p, c in zip(planes, chunk, strict=True))
+    events = worker.take_events()
+    assert events == [BlockStored(block_hashes=[to_external_hash(b"h" * 32), to_external_hash(key)],
+                                  parent_block_hash=None, token_ids=[], block_size=16, lora_id=None,
+                                  medium="DISK", lora_name=None, group_idx=0)]
+    assert worker.stats()["disk_stores"] == 1
+    assert "disk_stores" not in worker.stats()  # deltas: nothing new since the last call
+    worker.close()
+
+
+def test_a_missing_or_damaged_chunk_fails_the_whole_read_job(tmp_path):
+    tier = _disk(tmp_path, "t")
+    plane = torch.zeros(4, 8, dtype=torch.uint8)
+    worker = WorkerTiers([tier])
+    worker.bind_buffer((plane,))
+    keys = _keys(2)
+    tier.store([(TierKey(keys[0]), bytes(8))])
+    tier.store([(TierKey(keys[1]), bytes(5))])  # another geometry: must not be copied
+    tier.flush(30)
+    worker.start_reads(1, [TierRead(0, keys[0], [0]), TierRead(0, b"\x09" * 32, [1])])
+    worker.start_reads(2, [TierRead(0, keys[1], [2])])
+    done = []
+    deadline = time.monotonic() + 30
+    while len(done) < 2 and time.monotonic() < deadline:
+        done += worker.finished_reads()
+    assert sorted(done) == [(1, False), (2, False)]
+    assert not plane[2].any()  # the 5-byte value was not copied into an 8-byte sub-block
+    worker.close()
+
+
+def test_bad_tier_list_is_a_config_error():
+    with pytest.raises(ConfigError, match="expected a list of tier settings"):
+        make_tiers({"type": "disk"}, layout="x", enable_events=False)
