@@ -13,9 +13,11 @@ own threads:
 - :meth:`SecondaryTier.load` returns a :class:`TierLoad`; each value is bytes, or None
   when it is missing, unreadable, or fails its checksum (the caller recomputes it).
 
-Values are framed with a magic, the payload length and a BLAKE2b digest over the key and
-the payload, so a truncated, corrupted or misplaced value is a failed load, never wrong
-data. Backends implement four blocking methods (``_held_prefix``, ``_put``, ``_get``,
+Values are framed with a magic, the payload length and a CRC-32 over the key and the
+payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
+(CRC-32 catches accidental damage, which is what it is for here; it runs at ~3 GB/s where
+BLAKE2b ran at 0.3 GB/s on the benchmark machine, and would have halved tier throughput.
+Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends implement four blocking methods (``_held_prefix``, ``_put``, ``_get``,
 ``_close``) and see only framed bytes.
 
 Primitives: TierKey, TierLoad, SecondaryTier, TierEvent, frame_value, unframe_value.
@@ -23,9 +25,9 @@ Primitives: TierKey, TierLoad, SecondaryTier, TierEvent, frame_value, unframe_va
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +52,7 @@ _S = TypeVar("_S")
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"KVT1"
-_DIGEST = 16
+_DIGEST = 4
 _HEADER = len(_MAGIC) + 8 + _DIGEST
 
 
@@ -95,11 +97,8 @@ class TierEvent(NamedTuple):
 
 
 def _digest(key: TierKey, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(digest_size=_DIGEST)
-    h.update(key.block_hash)
-    h.update(key.group.to_bytes(4, "big"))
-    h.update(payload)
-    return h.digest()
+    crc = zlib.crc32(key.group.to_bytes(4, "big"), zlib.crc32(key.block_hash))
+    return zlib.crc32(payload, crc).to_bytes(_DIGEST, "big")
 
 
 def frame_value(key: TierKey, payload: bytes | memoryview) -> bytes:
@@ -127,17 +126,17 @@ def unframe_value(key: TierKey, value: bytes | None) -> bytes | None:
 class TierLoad:
     """A load in flight: :meth:`done` polls, :meth:`values` gives one bytes-or-None per key."""
 
-    def __init__(self, keys: tuple[TierKey, ...], future: Future[list[bytes | None]]) -> None:
+    def __init__(self, keys: tuple[TierKey, ...], futures: list[Future[list[bytes | None]]]) -> None:
         self.keys = keys
-        self._future = future
+        self._futures = futures  # consecutive parts of ``keys``, read in parallel
 
     def done(self) -> bool:
         """True once every value is read (or failed)."""
-        return self._future.done()
+        return all(f.done() for f in self._futures)
 
     def values(self, timeout: float | None = None) -> list[bytes | None]:
         """The payloads in key order; None for each key that failed. Waits up to ``timeout``."""
-        return self._future.result(timeout)
+        return [v for f in self._futures for v in f.result(timeout)]
 
 
 class SecondaryTier(ABC):
@@ -159,6 +158,7 @@ class SecondaryTier(ABC):
                 msg = f"{type(self).__name__} {name} must be a positive int, got {value!r}"
                 raise ConfigError(msg)
         self._max_pending = max_pending_stores
+        self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-tier-{self.medium.lower()}")
         self._lock = threading.Lock()  # guards everything below; I/O threads update it
         self._idle = threading.Condition(self._lock)  # notified when a store batch ends
@@ -232,7 +232,10 @@ class SecondaryTier(ABC):
     def load(self, keys: Sequence[TierKey]) -> TierLoad:
         """Start reading ``keys``; poll the returned :class:`TierLoad`. Never blocks."""
         keys = tuple(keys)
-        return TierLoad(keys, self._pool.submit(self._load_io, keys))
+        # Split over the I/O threads: reads and checksums release the GIL.
+        n = max(1, -(-len(keys) // self._io_threads))
+        parts = [keys[i:i + n] for i in range(0, len(keys), n)] or [()]
+        return TierLoad(keys, [self._pool.submit(self._load_io, part) for part in parts])
 
     def take_events(self) -> list[TierEvent]:
         """Stored / removed keys since the last call."""

@@ -1,0 +1,217 @@
+"""Secondary tier throughput: each tier against its raw client moving the same bytes.
+
+Rows (GB/s = 1e9 bytes/s, median of ``--repeats``, sides alternating in each repeat):
+
+- ``disk``: :class:`DiskTier` store (queue + flush: framing, checksum, temp file + rename)
+  and load (read + checksum check) vs plain ``open().write()`` / ``read_bytes()`` of one
+  file per value in the same directory tree.
+- ``redis``: :class:`RedisTier` vs redis-py pipelines of ``SET`` / ``GET`` with the same
+  batch size, against the same server (a fresh ``redis-server`` on a loopback port unless
+  ``--redis-url`` names one).
+
+The harness checks both sides do the same work: same number of values and bytes, and
+every value read back equal to what was written, on both sides.
+
+    python benchmarks/bench_tiers.py [--count 256 --value-kib 256 --repeats 5] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from connectors.tiers import DiskTier, RedisTier, TierKey  # noqa: E402
+
+
+def _values(count: int, size: int) -> list[tuple[TierKey, bytes]]:
+    return [(TierKey(i.to_bytes(8, "big") * 4), os.urandom(16) * (size // 16)) for i in range(count)]
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _check(side: str, got: list[bytes | None], items: list[tuple[TierKey, bytes]]) -> None:
+    if got != [v for _, v in items]:
+        raise SystemExit(f"{side}: read back differs from what was written")
+
+
+def bench_disk(items, repeats: int, root: Path) -> dict:
+    total = sum(len(v) for _, v in items)
+    raw_s, raw_l, tier_s, tier_l = [], [], [], []
+    for r in range(repeats):
+        raw_dir, tier_dir = root / f"raw{r}", root / f"tier{r}"
+
+        def raw_store(raw_dir=raw_dir):
+            for key, value in items:
+                path = raw_dir / key.name[:2] / key.name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(value)
+
+        def raw_load(raw_dir=raw_dir):
+            return [(raw_dir / k.name[:2] / k.name).read_bytes() for k, _ in items]
+
+        tier = DiskTier({"path": str(tier_dir), "capacity_bytes": 4 * total})
+
+        def tier_store(tier=tier):
+            for i in range(0, len(items), 16):
+                while not tier.store(items[i:i + 16]):
+                    tier.flush()  # never drop here: both sides must write every value
+            tier.flush()
+
+        got = {}
+        sides = [("raw", raw_store, raw_load, raw_s, raw_l),
+                 ("tier", tier_store, lambda tier=tier: tier.load([k for k, _ in items]).values(),
+                  tier_s, tier_l)]
+        for name, store, load, s_out, l_out in (sides if r % 2 == 0 else sides[::-1]):
+            s_out.append(_timed(store))
+            l_out.append(_timed(lambda load=load, name=name: got.__setitem__(name, load())))
+            _check(f"disk {name}", got[name], items)
+        tier.close()
+        shutil.rmtree(raw_dir)
+        shutil.rmtree(tier_dir)
+    return _row("disk", total, raw_s, raw_l, tier_s, tier_l)
+
+
+def bench_redis(items, repeats: int, url: str, batch: int) -> dict:
+    import redis
+
+    total = sum(len(v) for _, v in items)
+    client = redis.Redis.from_url(url)
+    raw_s, raw_l, tier_s, tier_l = [], [], [], []
+    for r in range(repeats):
+        client.flushdb()
+        tier = RedisTier({"url": url, "model": "bench", "layout": "bench", "batch_size": batch,
+                          "tenant_salt": f"r{r}", "ttl_seconds": None})
+        names = [f"raw:{r}:{k.name}" for k, _ in items]
+
+        def raw_store(names=names):
+            for i in range(0, len(items), batch):
+                pipe = client.pipeline(transaction=False)
+                for name, (_, value) in zip(names[i:i + batch], items[i:i + batch], strict=True):
+                    pipe.set(name, value)
+                pipe.execute()
+
+        def raw_load(names=names):
+            out = []
+            for i in range(0, len(names), batch):
+                pipe = client.pipeline(transaction=False)
+                for name in names[i:i + batch]:
+                    pipe.get(name)
+                out += pipe.execute()
+            return out
+
+        def tier_store(tier=tier):
+            for i in range(0, len(items), batch):
+                while not tier.store(items[i:i + batch]):
+                    tier.flush()
+            tier.flush()
+
+        got = {}
+        sides = [("raw", raw_store, raw_load, raw_s, raw_l),
+                 ("tier", tier_store, lambda tier=tier: tier.load([k for k, _ in items]).values(),
+                  tier_s, tier_l)]
+        for name, store, load, s_out, l_out in (sides if r % 2 == 0 else sides[::-1]):
+            s_out.append(_timed(store))
+            l_out.append(_timed(lambda load=load, name=name: got.__setitem__(name, load())))
+            _check(f"redis {name}", got[name], items)
+        if tier.stats()["redis_store_failures"]:
+            raise SystemExit("redis tier: stores failed; the comparison is void")
+        tier.close()
+    client.close()
+    return _row("redis", total, raw_s, raw_l, tier_s, tier_l)
+
+
+def _row(name, total, raw_s, raw_l, tier_s, tier_l) -> dict:
+    def gbps(times):
+        return total / statistics.median(times) / 1e9
+
+    row = {"tier": name, "bytes": total,
+           "raw_store_gbps": gbps(raw_s), "tier_store_gbps": gbps(tier_s),
+           "raw_load_gbps": gbps(raw_l), "tier_load_gbps": gbps(tier_l)}
+    row["store_ratio"] = row["tier_store_gbps"] / row["raw_store_gbps"]
+    row["load_ratio"] = row["tier_load_gbps"] / row["raw_load_gbps"]
+    return row
+
+
+def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed: apt-get install -y redis-server "
+                         "(or pass --redis-url, or --skip-redis)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=256, help="values per run (default 256)")
+    parser.add_argument("--value-kib", type=int, default=256, help="value size (default 256 KiB)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16, help="Redis keys per pipeline (both sides)")
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    items = _values(args.count, args.value_kib * 1024)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp:
+        rows.append(bench_disk(items, args.repeats, Path(tmp)))
+        if not args.skip_redis:
+            proc = None
+            url = args.redis_url
+            if url is None:
+                proc, url = _start_redis(Path(tmp))
+            try:
+                rows.append(bench_redis(items, args.repeats, url, args.batch))
+            finally:
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(30)
+    machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    print(f"# {args.count} values x {args.value_kib} KiB, median of {args.repeats}; {machine}")
+    print("| tier | raw store GB/s | tier store GB/s | store ratio | raw load GB/s | tier load GB/s | load ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tier']} | {r['raw_store_gbps']:.2f} | {r['tier_store_gbps']:.2f} | "
+              f"{r['store_ratio']:.2f}x | {r['raw_load_gbps']:.2f} | {r['tier_load_gbps']:.2f} | "
+              f"{r['load_ratio']:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
