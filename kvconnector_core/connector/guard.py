@@ -85,7 +85,8 @@ class GuardedScheduler:
     def _failed(self, hook: str, consequence: str) -> None:
         count_error(self.errors, self.label, hook, consequence)
 
-    def _forget(self, request_ids: Iterable[str]) -> None:
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Detach the requests and tell the connector to forget them (contained)."""
         ids = set(request_ids) - self.detached
         if not ids:
             return
@@ -149,7 +150,7 @@ class GuardedScheduler:
             self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:  # noqa: BLE001 - contained by contract
             self._failed("update_state_after_alloc", "the request is forgotten; nothing is loaded")
-            self._forget((rid,))
+            self.forget_requests((rid,))
             return False
         return True
 
@@ -166,7 +167,7 @@ class GuardedScheduler:
         except Exception:  # noqa: BLE001 - contained by contract
             self._failed("build_connector_meta", "no plan this step; the step's requests are forgotten")
             cached = scheduler_output.scheduled_cached_reqs.req_ids
-            self._forget([*(r.req_id for r in scheduler_output.scheduled_new_reqs), *cached,
+            self.forget_requests([*(r.req_id for r in scheduler_output.scheduled_new_reqs), *cached,
                           *scheduler_output.preempted_req_ids])
             return None
 
@@ -235,13 +236,13 @@ class GuardedScheduler:
             answer = self.connector.request_finished(request, block_ids)
         except Exception:  # noqa: BLE001 - contained by contract
             self._failed("request_finished", "blocks freed now; its pending stores never become visible")
-            self._forget((rid,))
+            self.forget_requests((rid,))
             answer = (False, None)
         self.detached.discard(rid)
         if not (isinstance(answer, tuple) and len(answer) == 2):
             logger.error("connector %s: request_finished returned %r, not (bool, dict | None)",
                          self.label, answer)
-            self._forget((rid,))
+            self.forget_requests((rid,))
             self.detached.discard(rid)
             return False, None
         delay, params = answer
@@ -264,14 +265,27 @@ class GuardedScheduler:
                 self._resync_events = True
         try:
             list(self.connector.take_events())  # stale once the snapshot is taken
-            # getattr: the hook is optional and older connectors may not define it.
-            snapshot = getattr(self.connector, "get_event_snapshot", None)
-            events = list(snapshot()) if snapshot is not None else []
         except Exception:  # noqa: BLE001 - contained by contract
-            self._failed("get_event_snapshot", "no events until a resync succeeds")
+            self._failed("take_events", "no events until a resync succeeds")
+            return []
+        events = self._snapshot()
+        if events is None:
             return []
         self._resync_events = False
         return events
+
+    def get_event_snapshot(self) -> list[KVCacheEvent]:
+        """The connector's snapshot (see :meth:`take_events`); [] on a raise."""
+        return self._snapshot() or []
+
+    def _snapshot(self) -> list[KVCacheEvent] | None:
+        # getattr: the hook is optional and connectors older than it may not define it.
+        snapshot = getattr(self.connector, "get_event_snapshot", None)
+        try:
+            return list(snapshot()) if snapshot is not None else []
+        except Exception:  # noqa: BLE001 - contained by contract
+            self._failed("get_event_snapshot", "no events until a resync succeeds")
+            return None
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """The connector's scheduler-side stats; None on a raise."""
