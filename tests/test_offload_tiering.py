@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from connectors.offload.tiering import TierLookups, TierRead, TierWrite, WorkerTiers, make_tiers
+from connectors.offload.records import TierRead, TierWrite
+from connectors.offload.tiering import TierLookups, WorkerTiers, make_tiers
 from connectors.tiers import DiskTier, TierKey
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_events import BlockStored, to_external_hash
@@ -90,6 +91,21 @@ def test_a_missing_or_damaged_chunk_fails_the_whole_read_job(tmp_path):
     worker.close()
 
 
-def test_bad_tier_list_is_a_config_error():
+@pytest.mark.parametrize("tiers", [{"type": "disk"}, ["disk"]])
+def test_bad_tier_list_is_a_config_error(tiers):
+    from connectors.offload.config import OffloadConfig
+    from kvconnector_core.engine.engine import EngineConfig
+
+    kv_cache_config = EngineConfig(num_gpu_blocks=64, max_model_len=256).kv_cache_config()
     with pytest.raises(ConfigError, match="expected a list of tier settings"):
-        make_tiers({"type": "disk"}, layout="x", enable_events=False)
+        OffloadConfig.from_extra({"num_cpu_blocks": 4, "tiers": tiers}, kv_cache_config)
+
+
+def test_redis_tier_gets_the_connector_layout_unless_given(tmp_path):
+    tiers = make_tiers([{"type": "redis", "model": "m"}, {"type": "redis", "model": "m", "layout": "mine"}],
+                       layout="bs16x1-2048B", enable_events=False)
+    try:
+        assert [t.config.layout for t in tiers] == ["bs16x1-2048B", "mine"]
+    finally:
+        for t in tiers:
+            t.close()

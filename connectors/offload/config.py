@@ -33,6 +33,10 @@ class OffloadConfig:
         cache_policy: eviction policy name.
         enable_events: emit CPU-medium KV events.
         transfer_method: :class:`KVBlockMover` method.
+        tiers: settings of the secondary tiers behind the CPU tier, in order
+            (``docs/tiers.md``); empty for none.
+        layout: the chunk geometry (block size, chunk factor, bytes per block); shared
+            tiers put it in their key namespace so engines of other layouts never mix.
     """
 
     gpu_block_size: int
@@ -41,6 +45,8 @@ class OffloadConfig:
     cache_policy: str
     enable_events: bool
     transfer_method: str
+    tiers: tuple[dict[str, Any], ...] = ()
+    layout: str = ""
 
     @property
     def chunk_tokens(self) -> int:
@@ -88,10 +94,16 @@ class OffloadConfig:
             msg = (f"OffloadingConnector transfer_method={method!r} is not valid; expected one of "
                    f"{', '.join(TRANSFER_METHODS)}")
             raise ConfigError(msg)
+        tiers = extra.get("tiers") or []
+        if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+            msg = (f"OffloadingConnector extra_config tiers={tiers!r} is not valid; expected a list "
+                   'of tier settings such as [{"type": "disk", "path": ..., "capacity_bytes": ...}]')
+            raise ConfigError(msg)
         return cls(gpu_bs, factor, num,
                    _str_key(extra, "cache_policy", "lru", "a cache policy name such as 'lru' or 'arc'"),
                    _bool_key(extra, "enable_events", True),
-                   method)
+                   method, tuple(dict(t) for t in tiers),
+                   f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B")
 
 
 def _int_key(extra: dict[str, Any], key: str, valid: str, default: int | None = None) -> int:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorMetadata
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+    from kvconnector_core.kv_events import KVCacheEvent
 
 __all__ = [
     "TRANSFER_METHODS",
@@ -48,7 +49,8 @@ class OffloadingConnector(RoleSplitConnector):
     Args:
         config: connector config; ``extra_config`` keys are documented in
             ``docs/offload.md`` (``num_cpu_blocks`` / ``cpu_bytes``, ``block_size`` /
-            ``blocks_per_chunk``, ``cache_policy``, ``enable_events``, ``transfer_method``).
+            ``blocks_per_chunk``, ``cache_policy``, ``enable_events``, ``transfer_method``,
+            ``tiers``: secondary tiers behind the CPU tier, see ``docs/tiers.md``).
         role: scheduler or worker.
         kv_cache_config: the engine's KV cache layout (one group).
 
@@ -81,6 +83,12 @@ class OffloadingConnector(RoleSplitConnector):
         side = self.scheduler_side
         assert isinstance(side, OffloadSchedulerSide)  # noqa: S101 - built by make_scheduler_side
         return side.manager
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        """Worker role: the secondary tiers' stored / removed chunks (vLLM's optional hook)."""
+        side = self.worker_side
+        assert isinstance(side, OffloadWorkerSide)  # noqa: S101 - built by make_worker_side
+        return side.get_kv_connector_kv_cache_events()
 
     @property
     def mover(self) -> KVBlockMover | None:

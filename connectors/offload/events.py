@@ -93,6 +93,10 @@ class ChunkInfoTable:
     def __len__(self) -> int:
         return len(self._info)
 
+    def get(self, key: OffloadKey) -> ChunkInfo | None:
+        """Info of a stored or planned key, left in place (None if unknown)."""
+        return self._info.get(key)
+
     def stored(self, key: OffloadKey) -> ChunkInfo | None:
         """Info for a stored event; the token ids are released afterwards."""
         info = self._info.get(key)

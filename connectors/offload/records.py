@@ -1,7 +1,8 @@
 """Records the two sides of the CPU offloading connector exchange.
 
-Primitives: :class:`TransferJobSpec`, :class:`OffloadingConnectorMetadata` (scheduler ->
-worker), :class:`OffloadWorkerMetadata` (worker -> scheduler).
+Primitives: :class:`TransferJobSpec`, :class:`TierRead`, :class:`TierWrite`,
+:class:`TierWriteJob`, :class:`OffloadingConnectorMetadata` (scheduler -> worker),
+:class:`OffloadWorkerMetadata` (worker -> scheduler).
 """
 
 from __future__ import annotations
@@ -10,7 +11,51 @@ import msgspec
 
 from kvconnector_core.connector.metadata import KVConnectorMetadata
 
-__all__ = ["OffloadWorkerMetadata", "OffloadingConnectorMetadata", "TransferJobSpec"]
+__all__ = [
+    "OffloadWorkerMetadata",
+    "OffloadingConnectorMetadata",
+    "TierRead",
+    "TierWrite",
+    "TierWriteJob",
+    "TransferJobSpec",
+]
+
+
+class TierRead(msgspec.Struct, frozen=True, array_like=True):
+    """Read one chunk from a secondary tier into CPU sub-blocks (promotion).
+
+    Attributes:
+        tier: index of the tier in ``extra_config["tiers"]``.
+        key: the chunk key (chained hash of its last GPU block).
+        cpu_block_ids: the CPU sub-blocks it fills, in order.
+    """
+
+    tier: int
+    key: bytes
+    cpu_block_ids: list[int]
+
+
+class TierWrite(msgspec.Struct, frozen=True, array_like=True):
+    """Copy one chunk the CPU tier stored into every secondary tier (the cascade).
+
+    Attributes:
+        key: the chunk key.
+        cpu_block_ids: the CPU sub-blocks holding it.
+        block_hashes: hashes of its GPU blocks (for the tiers' stored events).
+        parent_block_hash: hash of the GPU block before it, or None.
+    """
+
+    key: bytes
+    cpu_block_ids: list[int]
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+
+
+class TierWriteJob(msgspec.Struct, frozen=True):
+    """Chunks to cascade into the tiers; their CPU slots stay pinned until it is reported."""
+
+    job_id: int
+    writes: list[TierWrite]
 
 
 class TransferJobSpec(msgspec.Struct, frozen=True):
@@ -21,12 +66,15 @@ class TransferJobSpec(msgspec.Struct, frozen=True):
         req_id: the request the blocks belong to.
         gpu_block_ids: device block ids, pairwise with ``cpu_block_ids``.
         cpu_block_ids: CPU sub-block ids (chunk ``k`` = sub-blocks ``k*f .. k*f+f-1``).
+        tier_reads: (loads) chunks to read from secondary tiers into their CPU sub-blocks
+            before the CPU -> GPU copy: hits promoted through the CPU tier.
     """
 
     job_id: int
     req_id: str
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
+    tier_reads: list[TierRead] = msgspec.field(default_factory=list)
 
 
 class OffloadingConnectorMetadata(KVConnectorMetadata, kw_only=True):
@@ -38,12 +86,14 @@ class OffloadingConnectorMetadata(KVConnectorMetadata, kw_only=True):
         preempted_req_ids: requests whose stores must be flushed before the forward.
         delayed_free_req_ids: finished requests whose blocks the scheduler keeps until
             they are reported in ``finished_sending``.
+        tier_writes: stored chunks to copy into the secondary tiers (before the forward).
     """
 
     loads: list[TransferJobSpec] = msgspec.field(default_factory=list)
     stores: list[TransferJobSpec] = msgspec.field(default_factory=list)
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     delayed_free_req_ids: list[str] = msgspec.field(default_factory=list)
+    tier_writes: list[TierWriteJob] = msgspec.field(default_factory=list)
 
 
 class OffloadWorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):

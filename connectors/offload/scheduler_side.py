@@ -7,6 +7,11 @@ chunks in ``build_connector_meta`` (``prepare_store``), and learns job completio
 succeeded; a failed store is dropped (``complete_store(success=False)``).
 ``request_finished`` delays the free of a request whose stores are still in flight.
 
+With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiering`):
+lookups continue in the tiers after the CPU hit (None = ask again while they look), a
+load may promote tier chunks into reserved CPU slots, and every successful CPU store is
+cascaded into the tiers (its slots pinned until the worker has copied them).
+
 Failure contract (``docs/failure-contract.md``): ``forget_requests`` drops a request's
 unsent loads and makes its stores in flight fail when they complete; ``plan_failed``
 releases a plan's loads or stores and re-sends its delayed frees.
@@ -23,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
 from connectors.offload.manager import CPUOffloadingManager
-from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
+from connectors.offload.records import (
+    OffloadingConnectorMetadata,
+    OffloadWorkerMetadata,
+    TierWriteJob,
+    TransferJobSpec,
+)
+from connectors.offload.tiering import SchedulerTiers, make_tiers
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 from kvconnector_core.errors import InvariantError
 from kvconnector_core.kv_events import MEDIUM_CPU
@@ -58,8 +69,9 @@ class _ReqState:
 @dataclass(frozen=True, slots=True)
 class _JobRecord:
     req_id: str
-    keys: tuple[bytes, ...]
+    keys: tuple[bytes, ...]  # stores: keys written; loads and tier writes: keys pinned
     is_store: bool
+    promoted: tuple[bytes, ...] = ()  # loads: tier chunks read into reserved CPU slots
 
 
 
@@ -89,6 +101,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self._delayed_free: list[str] = []
         # Store jobs whose data cannot be trusted (forgotten requests): failed on completion.
         self._poisoned: set[int] = set()
+        self.tiers = SchedulerTiers(make_tiers(cfg.tiers, layout=cfg.layout, enable_events=False),
+                                    self.manager, cfg.blocks_per_chunk) if cfg.tiers else None
+        self._pending_tier_writes: list[TierWriteJob] = []
 
     def _chunk_keys(self, request: Request) -> list[bytes]:
         f = self.offload_config.blocks_per_chunk
@@ -97,11 +112,12 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Tokens loadable from the CPU tier beyond the local hit (always async).
+        """Tokens loadable from the CPU tier, then the tiers behind it, beyond the local
+        hit (always async); None while a tier is still looking (ask again next step).
 
         Only whole leading chunks that are ready count; the end is capped one GPU block
-        short of the last prompt token, which the engine always computes. No state is
-        changed.
+        short of the last prompt token, which the engine always computes. The CPU tier
+        is not changed.
         """
         if not self.config.is_kv_consumer:  # role kv_producer: only stores
             return 0, False
@@ -111,6 +127,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if start >= len(keys):
             return 0, False
         hits = self.manager.lookup(keys[start:])
+        if self.tiers is not None and start + hits < len(keys):
+            more = self.tiers.extra_hits(request.request_id, keys, start + hits)
+            if more is None:
+                return None, False
+            hits += more
         last_loadable = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
         end = min((start + hits) * cfg.chunk_tokens, last_loadable)
         num = end - num_computed_tokens
@@ -148,13 +169,26 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             raise InvariantError(msg)
         first_chunk, end_chunk = local // f, -(-(local + num_gpu) // f)
         load_keys = keys[first_chunk:end_chunk]
-        spec = self.manager.prepare_load(load_keys)
-        subs = [c * f + j for c in spec.block_ids for j in range(f)]
+        num_cpu = self.manager.lookup(load_keys)
+        spec = self.manager.prepare_load(load_keys[:num_cpu])
+        slots, reads, promoted = list(spec.block_ids), [], []
+        if num_cpu < len(load_keys) and self.tiers is not None:
+            try:
+                promoted, reads = self.tiers.plan_promotion(rid, keys, first_chunk + num_cpu, end_chunk)
+            except InvariantError:
+                self.manager.complete_load(load_keys[:num_cpu])
+                raise
+            slots += [r.cpu_block_ids[0] // f for r in reads]
+            if cfg.enable_events:
+                for c, key in enumerate(promoted, first_chunk + num_cpu):
+                    self._chunk_info.add(key, self._describe(request, c))
+        subs = [c * f + j for c in slots for j in range(f)]
         skip = local - first_chunk * f
         job = TransferJobSpec(next(self._job_ids), rid,
                               [b.block_id for b in group[local:local + num_gpu]],
-                              subs[skip:skip + num_gpu])
-        self._jobs[job.job_id] = _JobRecord(rid, tuple(load_keys), is_store=False)
+                              subs[skip:skip + num_gpu], reads)
+        self._jobs[job.job_id] = _JobRecord(rid, tuple(load_keys[:num_cpu]), is_store=False,
+                                            promoted=tuple(promoted))
         self._pending_loads.append(job)
         state.next_chunk = max(state.next_chunk, end_chunk)
 
@@ -184,8 +218,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             self._reqs[rid].block_ids = []  # freed; a resumed request brings all its ids
         meta = OffloadingConnectorMetadata(loads=self._pending_loads, stores=stores,
                                            preempted_req_ids=preempted,
-                                           delayed_free_req_ids=self._delayed_free)
-        self._pending_loads, self._delayed_free = [], []
+                                           delayed_free_req_ids=self._delayed_free,
+                                           tier_writes=self._pending_tier_writes)
+        self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
         return meta
 
     def _plan_store(self, state: _ReqState, num_done_tokens: int) -> TransferJobSpec | None:
@@ -251,18 +286,20 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self.manager.complete_store(record.keys, success=success)
                 if not success:
                     self._chunk_info.discard(record.keys)
+                elif self.tiers is not None:
+                    self._plan_tier_writes(record.keys)
                 state = self._reqs.get(record.req_id)
                 if state is not None:
                     state.store_jobs.discard(job_id)
             else:
-                self.manager.complete_load(record.keys)
+                self._complete_load(record, success)
         if connector_output.failed_recving:
             # A receive reported failed without its job (e.g. start_load_kv raised before
             # submitting it) must still unpin its CPU entries, or they are never evictable.
             for job_id, record in list(self._jobs.items()):
                 if not record.is_store and record.req_id in connector_output.failed_recving:
                     del self._jobs[job_id]
-                    self.manager.complete_load(record.keys)
+                    self._complete_load(record, success=False)
         self._translate_events()
         for rid in connector_output.finished_sending:
             state = self._reqs.get(rid)
@@ -273,6 +310,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while stores read them; otherwise forget the request."""
         rid = request.request_id
+        if self.tiers is not None:
+            self.tiers.lookups.forget(rid)
         state = self._reqs.get(rid)
         if state is None or not state.store_jobs:
             self._reqs.pop(rid, None)
@@ -289,6 +328,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         for job in dropped:
             self._release_load(job.job_id)
         for rid in request_ids:
+            if self.tiers is not None:
+                self.tiers.lookups.forget(rid)
             state = self._reqs.get(rid)
             if state is not None:
                 state.forgotten = True
@@ -305,6 +346,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self._release_load(job.job_id)
         if not stores_failed:
             return
+        for write_job in plan.tier_writes:  # never copied: unpin their CPU slots
+            self._release_load(write_job.job_id)
         for job in plan.stores:
             record = self._jobs.pop(job.job_id, None)
             if record is not None:
@@ -321,7 +364,30 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
     def _release_load(self, job_id: int) -> None:
         record = self._jobs.pop(job_id, None)
         if record is not None and not record.is_store:
-            self.manager.complete_load(record.keys)
+            self._complete_load(record, success=False)
+
+    def _complete_load(self, record: _JobRecord, success: bool) -> None:
+        """Unpin a load's CPU chunks; its promoted chunks become visible only if it worked."""
+        self.manager.complete_load(record.keys)
+        if record.promoted:
+            self.manager.complete_store(record.promoted, success=success)
+            if not success:
+                self._chunk_info.discard(record.promoted)
+
+    def _plan_tier_writes(self, keys: tuple[bytes, ...]) -> None:
+        """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
+        assert self.tiers is not None  # noqa: S101 - only called with tiers
+        job_id = next(self._job_ids)
+
+        def describe(key: bytes) -> tuple[tuple[bytes, ...], bytes | None]:
+            info = self._chunk_info.get(key)
+            return (info.block_hashes, info.parent_block_hash) if info else ((key,), None)
+
+        planned = self.tiers.plan_writes(job_id, keys, describe)
+        if planned is not None:
+            job, pinned = planned
+            self._jobs[job_id] = _JobRecord("", pinned, is_store=False)
+            self._pending_tier_writes.append(job)
 
     def _fail_store(self, job_id: int, record: _JobRecord) -> None:
         self.manager.complete_store(record.keys, success=False)
@@ -348,3 +414,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self._translate_events()
         events, self._wire_events = self._wire_events, []
         return events
+
+    def shutdown(self) -> None:
+        """Close the tiers' connections (their lookups run on their own threads)."""
+        if self.tiers is not None:
+            self.tiers.close()

@@ -14,7 +14,8 @@ A tier never sees GPU memory:
   copy. If any value is missing or fails its checksum the whole job fails: its GPU blocks
   are recomputed and the reserved CPU slots are dropped, never made visible.
 
-Primitives: TierRead, TierWrite, TierLookups, WorkerTiers, make_tiers.
+Primitives: TierLookups, SchedulerTiers, WorkerTiers, make_tiers (the records TierRead,
+TierWrite and TierWriteJob are in :mod:`connectors.offload.records`).
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
+from connectors.offload.records import TierRead, TierWrite, TierWriteJob
 from connectors.tiers import SecondaryTier, TierKey, make_tier
-from kvconnector_core.errors import ConfigError
+from kvconnector_core.errors import InvariantError
 from kvconnector_core.kv_events import BlockRemoved, BlockStored, KVCacheEvent, to_external_hash
 
 if TYPE_CHECKING:
     import torch
 
+    from connectors.offload.manager import CPUOffloadingManager
     from connectors.tiers import TierLoad
 
-__all__ = ["TierLookups", "TierRead", "TierWrite", "WorkerTiers", "make_tiers"]
+__all__ = ["SchedulerTiers", "TierLookups", "WorkerTiers", "make_tiers"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,51 +47,16 @@ logger = logging.getLogger(__name__)
 _MAX_DESCRIBED = 100_000
 
 
-class TierRead(msgspec.Struct, frozen=True, array_like=True):
-    """Read one chunk from a tier into CPU sub-blocks (scheduler -> worker).
-
-    Attributes:
-        tier: index of the tier in ``extra_config["tiers"]``.
-        key: the chunk key (chained hash of its last GPU block).
-        cpu_block_ids: the CPU sub-blocks it fills, in order.
-    """
-
-    tier: int
-    key: bytes
-    cpu_block_ids: list[int]
-
-
-class TierWrite(msgspec.Struct, frozen=True, array_like=True):
-    """Copy one stored chunk out of its CPU sub-blocks into every tier (scheduler -> worker).
-
-    Attributes:
-        key: the chunk key.
-        cpu_block_ids: the CPU sub-blocks holding it.
-        block_hashes: hashes of its GPU blocks (for the tiers' stored events).
-        parent_block_hash: hash of the GPU block before it, or None.
-    """
-
-    key: bytes
-    cpu_block_ids: list[int]
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-
-
-def make_tiers(specs: Any, *, layout: str, enable_events: bool) -> list[SecondaryTier]:
-    """Create the tiers of ``extra_config["tiers"]`` (a list of tier settings dicts).
+def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: bool
+               ) -> list[SecondaryTier]:
+    """Create the tiers of ``extra_config["tiers"]`` (validated by ``OffloadConfig``).
 
     A Redis tier without a ``layout`` gets ``layout`` (the connector's chunk geometry), so
     engines whose KV bytes differ never share keys.
 
     Raises:
-        ConfigError: not a list of dicts, or a bad tier setting.
+        ConfigError: a bad tier setting.
     """
-    if specs is None:
-        return []
-    if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
-        msg = (f"OffloadingConnector extra_config tiers={specs!r} is not valid; expected a list "
-               "of tier settings such as [{\"type\": \"disk\", \"path\": ..., \"capacity_bytes\": ...}]")
-        raise ConfigError(msg)
     tiers: list[SecondaryTier] = []
     try:
         for spec in specs:
@@ -150,6 +116,80 @@ class TierLookups:
         """Close every tier."""
         for tier in self.tiers:
             tier.close()
+
+
+class SchedulerTiers:
+    """Scheduler side of the cascade over the CPU tier's manager: extra hits from the tiers,
+    CPU slots reserved for promotions, CPU slots pinned for write-through copies.
+
+    Args:
+        tiers: the tiers (this side only looks things up in them).
+        manager: the CPU tier's slots.
+        blocks_per_chunk: GPU blocks per chunk (CPU sub-blocks per slot).
+    """
+
+    def __init__(self, tiers: Sequence[SecondaryTier], manager: CPUOffloadingManager,
+                 blocks_per_chunk: int) -> None:
+        self.lookups = TierLookups(tiers)
+        self.manager = manager
+        self.f = blocks_per_chunk
+
+    def _subs(self, slot: int) -> list[int]:
+        return [slot * self.f + j for j in range(self.f)]
+
+    def extra_hits(self, req_id: str, keys: Sequence[bytes], first: int) -> int | None:
+        """Chunks from ``keys[first]`` on that the tiers serve; None: ask again next step."""
+        answers = self.lookups.lookup(req_id, keys, first)
+        return None if answers is None else sum(answers)
+
+    def plan_promotion(self, req_id: str, keys: Sequence[bytes], first: int, end: int
+                       ) -> tuple[list[bytes], list[TierRead]]:
+        """Reserve CPU slots for chunks ``first .. end-1`` and say which tier serves each.
+
+        The slots stay invisible to lookups until the load completes
+        (``complete_store(promoted, success)``). The request's lookup answer is used up.
+
+        Raises:
+            InvariantError: the tiers' answer no longer covers the chunks, or the CPU tier
+                cannot take them (the scheduler then recomputes the request).
+        """
+        answers = self.lookups.lookup(req_id, keys, first)
+        self.lookups.forget(req_id)
+        tier_of = [t for t, n in enumerate(answers or ()) for _ in range(n)]
+        wanted = list(keys[first:end])
+        if len(tier_of) < len(wanted):
+            msg = f"request {req_id}: chunks {first}..{end - 1} are no longer in the CPU tier or a tier"
+            raise InvariantError(msg)
+        out = self.manager.prepare_store(wanted)
+        if out is None or list(out.keys_to_store) != wanted:
+            if out is not None:
+                self.manager.complete_store(out.keys_to_store, success=False)
+            msg = f"request {req_id}: the CPU tier cannot take {len(wanted)} chunks promoted from a tier"
+            raise InvariantError(msg)
+        reads = [TierRead(tier_of[i], key, self._subs(slot))
+                 for i, (key, slot) in enumerate(zip(wanted, out.store_spec.block_ids, strict=True))]
+        return wanted, reads
+
+    def plan_writes(self, job_id: int, keys: Sequence[bytes],
+                    describe: Any) -> tuple[TierWriteJob, tuple[bytes, ...]] | None:
+        """Pin the chunks the CPU tier just stored and describe their copy into the tiers.
+
+        ``describe(key)`` gives (GPU block hashes, parent hash) for the tiers' events.
+        Returns the job and the pinned keys (unpin with ``complete_load`` when reported).
+        """
+        keys = tuple(keys[:self.manager.lookup(keys)])
+        if not keys:
+            return None
+        spec = self.manager.prepare_load(keys)
+        writes = []
+        for key, slot in zip(keys, spec.block_ids, strict=True):
+            hashes, parent = describe(key)
+            writes.append(TierWrite(key, self._subs(slot), list(hashes), parent))
+        return TierWriteJob(job_id, writes), keys
+
+    def close(self) -> None:
+        """Close the tiers."""
+        self.lookups.close()
 
 
 @dataclass(slots=True)

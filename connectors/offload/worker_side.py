@@ -7,16 +7,24 @@ are submitted in ``start_load_kv`` and are asynchronous. Preempted requests' sto
 waited for in ``handle_preemptions`` before their blocks can be overwritten. Job
 completions travel to the scheduler side as :class:`OffloadWorkerMetadata`.
 
+With secondary tiers (:class:`~connectors.offload.tiering.WorkerTiers`): a load with
+``tier_reads`` first reads those chunks from their tiers into the CPU slots (off the
+engine thread) and submits its CPU -> GPU copy only when all arrived; a missing or
+damaged chunk fails the load (recomputed). ``tier_writes`` are copied out of the CPU
+buffer into every tier when the plan is bound, and reported done at once.
+
 Primitives: :class:`OffloadWorkerSide`.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
+from connectors.offload.tiering import WorkerTiers, make_tiers
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.connector.roles import KVConnectorWorkerSide
 from kvconnector_core.errors import ConfigError, InvariantError
@@ -26,8 +34,11 @@ if TYPE_CHECKING:
 
     from connectors.offload.config import OffloadConfig
     from connectors.offload.transfer import KVBlockMover, TransferResult
+    from kvconnector_core.kv_events import KVCacheEvent
 
 __all__ = ["OffloadWorkerSide"]
+
+logger = logging.getLogger("connectors.offload.connector")
 
 
 @dataclass(slots=True)
@@ -60,6 +71,11 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         self._failed_jobs: list[int] = []
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
+        cfg = offload_config
+        self.tiers = WorkerTiers(make_tiers(cfg.tiers, layout=cfg.layout,
+                                            enable_events=cfg.enable_events),
+                                 block_size=cfg.gpu_block_size) if cfg.tiers else None
+        self._tier_waiting: dict[int, TransferJobSpec] = {}  # loads waiting for tier reads
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Allocate the (pinned on CUDA) CPU buffer next to the KV cache.
@@ -77,6 +93,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         except ValueError as exc:
             msg = f"OffloadingConnector cannot use this KV cache: {exc}"
             raise ConfigError(msg) from exc
+        if self.tiers is not None:
+            self.tiers.bind_buffer(self.mover.cpu_planes)
 
     def _mover(self) -> KVBlockMover:
         if self.mover is None:
@@ -112,6 +130,21 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         super().bind_connector_metadata(connector_metadata)
         if self.mover is not None:
             self._submit_stores()
+            self._write_tiers()
+
+    def _write_tiers(self) -> None:
+        """Copy the pinned chunks into the tiers (non-blocking) and report the jobs done.
+
+        A copy that fails is a failed tier store: never visible, and the CPU tier keeps
+        the chunk either way, so the job is reported done (its slots get unpinned).
+        """
+        for job in self._meta().tier_writes:
+            if self.tiers is not None:
+                try:
+                    self.tiers.write(job.writes)
+                except Exception:  # noqa: BLE001 - contained: a failed store, logged
+                    logger.exception("copying %d chunks into the tiers failed", len(job.writes))
+            self._done_jobs.append(job.job_id)
 
     def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
         """Finish preempted requests' stores before their blocks can be rewritten."""
@@ -128,7 +161,14 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         """Submit this step's loads (async); stores were submitted when the plan was bound."""
         self._submit_stores()  # no-op unless bind_connector_metadata could not submit
         for job in self._meta().loads:
-            self._submit(job, is_store=False)
+            if job.tier_reads and self.tiers is not None:
+                # Promotion: tier values go into the CPU slots first; the CPU -> GPU copy
+                # is submitted once all of them are there (see _poll).
+                self._worker_jobs[job.job_id] = _WorkerJob(job, is_store=False)
+                self._tier_waiting[job.job_id] = job
+                self.tiers.start_reads(job.job_id, job.tier_reads)
+            else:
+                self._submit(job, is_store=False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: loads complete before their request is scheduled."""
@@ -149,6 +189,15 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
             # A finished request waits on these stores: no later step is coming to
             # submit them for free, so submit now (after this step's forward).
             self._submit_stores(self._awaiting_send)
+        if self.tiers is not None:
+            from connectors.offload.transfer import TransferResult
+
+            for job_id, ok in self.tiers.finished_reads():
+                job = self._tier_waiting.pop(job_id)
+                if ok:
+                    self._submit(job, is_store=False)
+                else:  # a chunk was missing or damaged: the whole load fails, recomputed
+                    self._results.append(TransferResult(job_id, False, False, 0, None))
         if self.mover is not None:
             self._results.extend(self.mover.get_finished())
         while self._results:
@@ -199,9 +248,16 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         return ids
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Bytes and seconds moved since the last call (None when nothing moved)."""
+        """Bytes and seconds moved since the last call (None when nothing moved), plus
+        the tiers' counters (``disk_loads``, ``redis_stores_dropped``, ...)."""
         stats, self._stats = self._stats, {}
+        if self.tiers is not None:
+            stats.update(self.tiers.stats())
         return stats if any(stats.values()) else None
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        """What the secondary tiers stored and removed (medium ``DISK``, ``REDIS``)."""
+        return self.tiers.take_events() if self.tiers is not None else []
 
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         """The jobs finished since the last call, for the scheduler side (None if none)."""
@@ -216,3 +272,5 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         if self.mover is not None:
             self._submit_stores()
             self.mover.shutdown()
+        if self.tiers is not None:
+            self.tiers.close()

@@ -1,0 +1,176 @@
+"""Secondary tiers behind the CPU tier, end to end through the engine.
+
+The trace asks about documents that together need more chunks than the CPU tier holds, so
+later rounds must be served from the disk or Redis tier (promoted through the CPU tier),
+and every run's outputs are compared with a run without any connector.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from _redis_servers import RedisNode, require_redis_server
+from kvconnector_core.engine.engine import Engine, EngineConfig
+from kvconnector_core.engine.workloads import TraceRequest
+
+ENGINE = {"num_gpu_blocks": 12, "block_size": 16, "max_model_len": 128,
+          "max_num_batched_tokens": 128, "max_num_seqs": 2}
+NUM_CPU_CHUNKS = 6  # four 64-token documents are 16 blocks: the CPU tier cannot hold them
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def doc_trace(seed: int = 0, rounds: int = 2, tag: str = "r") -> list[TraceRequest]:
+    rng = random.Random(seed)
+    docs = [[rng.randrange(1000) for _ in range(64)] for _ in range(4)]
+    return [
+        TraceRequest(request_id=f"{tag}{r}-{d}", arrival=r * 40 + d * 2, max_new_tokens=4,
+                     prompt_token_ids=doc + [rng.randrange(1000) for _ in range(5)])
+        for r in range(rounds) for d, doc in enumerate(docs)
+    ]
+
+
+def offload(*tiers: dict) -> dict:
+    return {"name": "cpu_offload",
+            "extra_config": {"num_cpu_blocks": NUM_CPU_CHUNKS, "tiers": list(tiers)}}
+
+
+def run(connector: dict | None, trace: list[TraceRequest]):
+    with Engine(EngineConfig(connector=connector, **ENGINE)) as engine:
+        return engine.run(trace)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return run(None, doc_trace())
+
+
+def disk(path, **kw) -> dict:
+    return {"type": "disk", "path": str(path), "capacity_bytes": 1 << 26, **kw}
+
+
+def test_disk_tier_serves_what_the_cpu_tier_evicted(tmp_path, baseline):
+    cpu_only = run(offload(), doc_trace())
+    with_disk = run(offload(disk(tmp_path)), doc_trace())
+    assert cpu_only.outputs == baseline.outputs
+    assert with_disk.outputs == baseline.outputs
+    stats = with_disk.metrics.connector_stats
+    assert stats["disk_stores"] > 0 and stats["disk_loads"] > 0
+    assert stats.get("disk_load_failures", 0) == 0
+    assert with_disk.metrics.connector_hit_tokens > cpu_only.metrics.connector_hit_tokens
+    assert with_disk.metrics.events.get("BlockStored[DISK]", 0) > 0
+
+
+def test_second_engine_process_serves_the_first_ones_files(tmp_path, baseline):
+    """Item 4 via the disk tier, across a restart: engine A (another process) stores,
+    engine B, started afterwards, loads A's prefixes from the files."""
+    script = (
+        "import json, sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_tiers_engine import doc_trace, offload, disk, run\n"
+        f"r = run(offload(disk({str(tmp_path)!r})), doc_trace(rounds=1))\n"
+        "print(json.dumps(r.metrics.connector_stats))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                          text=True, timeout=600)
+    assert json.loads(done.stdout.splitlines()[-1])["disk_stores"] > 0
+    b = run(offload(disk(tmp_path)), doc_trace())
+    assert b.outputs == baseline.outputs
+    assert b.metrics.connector_stats["disk_loads"] > 0
+    # B's first round is already served from A's files (the CPU tier starts empty).
+    first_round = doc_trace(rounds=1)
+    b1 = run(offload(disk(tmp_path)), first_round)
+    assert b1.metrics.connector_hit_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def redis_node(tmp_path_factory):
+    require_redis_server()
+    node = RedisNode(tmp_path_factory.mktemp("redis-engine")).start()
+    yield node
+    node.executor.stop()
+
+
+def redis(url: str, salt: str, **kw) -> dict:
+    return {"type": "redis", "url": url, "model": "tiny", "tenant_salt": salt,
+            "socket_timeout": 0.5, **kw}
+
+
+@pytest.mark.redis
+def test_engine_b_serves_a_prefix_engine_a_stored_in_redis(redis_node, baseline, request):
+    salt = request.node.name
+    a = run(offload(redis(redis_node.url, salt)), doc_trace(rounds=1))
+    assert a.metrics.connector_stats["redis_stores"] > 0
+    b = run(offload(redis(redis_node.url, salt)), doc_trace())
+    assert b.outputs == baseline.outputs
+    assert b.metrics.connector_stats["redis_loads"] > 0
+    assert b.metrics.events.get("BlockStored[REDIS]", 0) > 0
+
+
+@pytest.mark.redis
+def test_two_tenants_never_read_each_others_blocks(redis_node, baseline):
+    run(offload(redis(redis_node.url, "tenant-a")), doc_trace(rounds=1))
+    b = run(offload(redis(redis_node.url, "tenant-b")), doc_trace(rounds=1))
+    assert b.metrics.connector_stats.get("redis_loads", 0) == 0
+    assert b.metrics.connector_hit_tokens == 0
+
+
+@pytest.mark.redis
+def test_corrupted_redis_values_are_failed_loads_recomputed(redis_node, baseline, request):
+    import redis as redis_py
+
+    salt = request.node.name
+    run(offload(redis(redis_node.url, salt)), doc_trace(rounds=1))
+    client = redis_py.Redis.from_url(redis_node.url)
+    tenant = hashlib.sha256(salt.encode()).hexdigest()[:16]  # this test's keys only
+    for name in client.scan_iter(f"kvc:tiny:*:{tenant}:*"):
+        value = client.get(name)
+        client.set(name, value[:-1] + bytes([value[-1] ^ 0xFF]))
+    client.close()
+    b = run(offload(redis(redis_node.url, salt)), doc_trace())
+    assert b.outputs == baseline.outputs
+    stats = b.metrics.connector_stats
+    assert stats["redis_load_failures"] > 0
+    assert b.metrics.num_failed_loads_recovered > 0
+
+
+@pytest.mark.redis
+def test_redis_node_killed_mid_run_recomputes_then_reconnects(tmp_path, baseline):
+    require_redis_server()
+    node = RedisNode(tmp_path).start()
+    trace = doc_trace()
+    expected = baseline.outputs
+    try:
+        config = EngineConfig(connector=offload(redis(node.url, "kill")), **ENGINE)
+        with Engine(config) as engine:
+            out = {}
+            for i, req in enumerate(trace):
+                if i == 2:
+                    node.kill()  # the rest of round 0 and half of round 1 run with Redis gone
+                if i == 6:
+                    node.start()  # back, empty; the tier reconnects by itself
+                rid = engine.add_request(req.prompt_token_ids, req.max_new_tokens,
+                                         request_id=req.request_id)
+                while engine.has_unfinished_requests():
+                    for o in engine.step():
+                        out[o.request_id] = o.output_token_ids
+                assert rid in out
+            stats = engine.connector_stats
+        assert out == expected
+        assert stats["redis_store_failures"] > 0 or stats["redis_lookup_failures"] > 0
+        assert stats["redis_stores"] > 0
+    finally:
+        node.executor.stop()
