@@ -174,3 +174,27 @@ def test_redis_node_killed_mid_run_recomputes_then_reconnects(tmp_path, baseline
         assert stats["redis_stores"] > 0
     finally:
         node.executor.stop()
+
+
+def test_run_cli_second_run_serves_the_first_ones_disk_tier(tmp_path, capsys):
+    """Item 4 as a `kvconnector run` mode: two runs (two engines) sharing one disk tier."""
+    from kvconnector_core.cli import main
+
+    args = ["run", "--tier", f"disk:{tmp_path}", "--cpu-blocks", "16", "--json"]
+    assert main([*args, "--no-baseline"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0  # exit 0: outputs identical to the run without a connector
+    second = json.loads(capsys.readouterr().out)
+    first_stats = first["metrics"]["connector_stats"]
+    second_stats = second["metrics"]["connector_stats"]
+    assert second["comparison"]["identical"]
+    assert first_stats["disk_stores"] > 0
+    assert second_stats["disk_loads"] > first_stats.get("disk_loads", 0)
+
+
+@pytest.mark.parametrize("argv", [["--tier", "tape:/x"], ["--connector", "none", "--tier", "disk:/x"]])
+def test_run_cli_rejects_bad_tier_flags(argv, capsys):
+    from kvconnector_core.cli import main
+
+    assert main(["run", *argv, "--no-baseline"]) == 2
+    assert "--tier" in capsys.readouterr().err

@@ -43,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None, metavar="N",
                         help=f"GPU block pool size (default {DEFAULT_NUM_GPU_BLOCKS}, or more "
                              "when the workload's longest request needs more)")
+    parser.add_argument("--tier", action="append", default=[], metavar="SPEC",
+                        help="with the default cpu_offload connector: a secondary tier behind "
+                             "the CPU tier, 'disk:PATH' or 'redis:URL' (repeat for more, in "
+                             "order). Two runs with the same tier share it: the second serves "
+                             "the first one's prefixes (see docs/tiers.md)")
+    parser.add_argument("--cpu-blocks", type=int, default=None, metavar="N",
+                        help="with the default cpu_offload connector: CPU tier size in chunks "
+                             "(default 4x the GPU pool)")
     parser.add_argument("--publish-events", metavar="ENDPOINT", nargs="?", const="default",
                         default=None,
                         help="publish the connector run's KV events over ZeroMQ in vLLM's "
@@ -59,8 +67,12 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     """The connector config the flags ask for (None for no connector)."""
     from kvconnector_core.connector.config import KVConnectorConfig, load_connector_config
     from kvconnector_core.connector.registry import get_registry
+    from kvconnector_core.errors import ConfigError
 
     if args.config:
+        if args.tier or args.cpu_blocks:
+            msg = "--tier and --cpu-blocks go with --connector; in a --config file use extra_config"
+            raise ConfigError(msg)
         return load_connector_config(args.config)
     registry = get_registry()
     name = args.connector
@@ -69,6 +81,9 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
             return None
         name = DEFAULT_CONNECTOR
     if name.lower() == "none":
+        if args.tier or args.cpu_blocks:
+            msg = f"--tier and --cpu-blocks need the {DEFAULT_CONNECTOR} connector, not 'none'"
+            raise ConfigError(msg)
         return None
     from kvconnector_core.errors import UnknownConnectorError
 
@@ -85,9 +100,32 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
         raise UnknownConnectorError(msg) from exc
     extra: dict[str, Any] = {}
     if DEFAULT_CONNECTOR in registry and cls is registry.get(DEFAULT_CONNECTOR):
-        # The CPU tier needs a size: four times the GPU pool.
-        extra = {"num_cpu_blocks": 4 * num_gpu_blocks}
+        # The CPU tier needs a size: four times the GPU pool unless told.
+        extra = {"num_cpu_blocks": args.cpu_blocks or 4 * num_gpu_blocks}
+        if args.tier:
+            extra["tiers"] = [_tier_spec(t) for t in args.tier]
+    elif args.tier or args.cpu_blocks:
+        msg = f"--tier and --cpu-blocks need the {DEFAULT_CONNECTOR} connector, not {name!r}"
+        raise ConfigError(msg)
     return KVConnectorConfig(name=name, extra_config=extra)
+
+
+# The tiny model of `kvconnector run`: the Redis key namespace names it.
+_RUN_MODEL = "kvconnector-run"
+_DISK_BYTES = 1 << 30
+
+
+def _tier_spec(text: str) -> dict[str, Any]:
+    """``disk:PATH`` or ``redis:URL`` as tier settings."""
+    from kvconnector_core.errors import ConfigError
+
+    kind, _, where = text.partition(":")
+    if kind == "disk" and where:
+        return {"type": "disk", "path": where, "capacity_bytes": _DISK_BYTES}
+    if kind == "redis" and where:
+        return {"type": "redis", "url": where, "model": _RUN_MODEL}
+    msg = f"--tier {text!r} is not valid; expected disk:PATH or redis:redis://HOST:PORT"
+    raise ConfigError(msg)
 
 
 def _publisher(args: argparse.Namespace) -> Any:
