@@ -12,6 +12,10 @@ Rows (GB/s = 1e9 bytes/s, median of ``--repeats``, sides alternating in each rep
 The harness checks both sides do the same work: same number of values and bytes, and
 every value read back equal to what was written, on both sides.
 
+``--engine``: the engine on a workload whose working set exceeds the CPU tier, with
+GPU only (no connector), GPU+CPU, GPU+CPU+disk and GPU+CPU+Redis: hit rates and prefill
+tokens computed / saved. Every run's outputs must equal the GPU-only run's.
+
     python benchmarks/bench_tiers.py [--count 256 --value-kib 256 --repeats 5] [--json F]
 """
 
@@ -148,6 +152,46 @@ def _row(name, total, raw_s, raw_l, tier_s, tier_l) -> dict:
     return row
 
 
+def bench_engine(workload: str, num_gpu_blocks: int, cpu_chunks: int, tmp: Path,
+                 redis_url: str | None) -> list[dict]:
+    from kvconnector_core.engine.engine import Engine, EngineConfig
+    from kvconnector_core.engine.workloads import get_workload
+
+    trace = get_workload(workload)
+    max_len = max(512, 16 + max(len(r.prompt_token_ids) + r.max_new_tokens for r in trace))
+    setups: list[tuple[str, dict | None]] = [("GPU only", None), ("GPU+CPU", {"tiers": []}),
+                                             ("GPU+CPU+disk", {"tiers": [
+                                                 {"type": "disk", "path": str(tmp / "disk"),
+                                                  "capacity_bytes": 1 << 32}]})]
+    if redis_url is not None:
+        setups.append(("GPU+CPU+Redis", {"tiers": [{"type": "redis", "url": redis_url,
+                                                    "model": "bench-engine", "ttl_seconds": None}]}))
+    rows, base = [], None
+    for label, extra in setups:
+        connector = None if extra is None else {
+            "name": "cpu_offload", "extra_config": {"num_cpu_blocks": cpu_chunks, **extra}}
+        config = EngineConfig(num_gpu_blocks=num_gpu_blocks, max_model_len=max_len,
+                              max_num_batched_tokens=256, max_num_seqs=8, connector=connector)
+        with Engine(config) as engine:
+            result = engine.run(trace)
+        if base is None:
+            base = result
+        elif result.outputs != base.outputs:
+            raise SystemExit(f"{label}: outputs differ from the GPU-only run; the comparison is void")
+        m = result.metrics
+        rows.append({"setup": label, "prompt_tokens": m.num_prompt_tokens,
+                     "gpu_hit_rate": m.gpu_hit_rate, "connector_hit_rate": m.connector_hit_rate,
+                     "total_hit_rate": m.total_hit_rate, "prefill_computed": m.prefill_tokens_computed,
+                     "recomputed": m.recomputed_tokens,
+                     "saved_vs_gpu_only": base.metrics.prefill_tokens_computed + base.metrics.recomputed_tokens
+                     - m.prefill_tokens_computed - m.recomputed_tokens,
+                     "tier_loads": sum(v for k, v in m.connector_stats.items() if k.endswith("_loads")),
+                     "tier_stores": sum(v for k, v in m.connector_stats.items() if k.endswith("_stores")),
+                     "tier_stores_dropped": sum(v for k, v in m.connector_stats.items()
+                                                if k.endswith("_stores_dropped"))})
+    return rows
+
+
 def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
     import socket
 
@@ -184,22 +228,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--skip-redis", action="store_true")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--engine", action="store_true", help="also run the engine-level rows")
+    parser.add_argument("--workload", default="documents")
+    parser.add_argument("--gpu-blocks", type=int, default=64)
+    parser.add_argument("--cpu-chunks", type=int, default=32)
     args = parser.parse_args(argv)
     items = _values(args.count, args.value_kib * 1024)
-    rows = []
+    rows, engine_rows = [], []
     with tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp:
         rows.append(bench_disk(items, args.repeats, Path(tmp)))
-        if not args.skip_redis:
-            proc = None
-            url = args.redis_url
-            if url is None:
-                proc, url = _start_redis(Path(tmp))
-            try:
+        proc = None
+        url = args.redis_url
+        try:
+            if not args.skip_redis:
+                if url is None:
+                    proc, url = _start_redis(Path(tmp))
                 rows.append(bench_redis(items, args.repeats, url, args.batch))
-            finally:
-                if proc is not None:
-                    proc.terminate()
-                    proc.wait(30)
+            if args.engine:
+                engine_rows = bench_engine(args.workload, args.gpu_blocks, args.cpu_chunks,
+                                           Path(tmp), None if args.skip_redis else url)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     print(f"# {args.count} values x {args.value_kib} KiB, median of {args.repeats}; {machine}")
     print("| tier | raw store GB/s | tier store GB/s | store ratio | raw load GB/s | tier load GB/s | load ratio |")
@@ -208,8 +259,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['tier']} | {r['raw_store_gbps']:.2f} | {r['tier_store_gbps']:.2f} | "
               f"{r['store_ratio']:.2f}x | {r['raw_load_gbps']:.2f} | {r['tier_load_gbps']:.2f} | "
               f"{r['load_ratio']:.2f}x |")
+    if engine_rows:
+        print(f"\n# engine: workload {args.workload!r}, {args.gpu_blocks} GPU blocks, "
+              f"{args.cpu_chunks} CPU chunks; outputs identical to GPU only in every row")
+        print("| setup | GPU hit rate | connector hit rate | total hit rate | prefill computed "
+              "(+recomputed) | saved vs GPU only | tier stores / dropped / loads |")
+        print("|---|---|---|---|---|---|---|")
+        for r in engine_rows:
+            print(f"| {r['setup']} | {r['gpu_hit_rate']:.1%} | {r['connector_hit_rate']:.1%} | "
+                  f"{r['total_hit_rate']:.1%} | {r['prefill_computed']} (+{r['recomputed']}) | "
+                  f"{r['saved_vs_gpu_only']} | {r['tier_stores']} / {r['tier_stores_dropped']} / "
+                  f"{r['tier_loads']} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows,
+                                               "engine_rows": engine_rows}, indent=2))
     return 0
 
 
