@@ -27,6 +27,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -174,6 +175,15 @@ class ZmqEventPublisher:
             return False
         return True
 
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every batch queued so far is sent; False if ``timeout`` ran out first."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Send what is queued (for at most ``timeout`` seconds), stop the thread, close."""
         if self._closed:
@@ -212,6 +222,7 @@ class ZmqEventPublisher:
                     return
                 continue
             if batch is None:
+                self._queue.task_done()
                 return
             seq = next(self._seq)
             payload = encoder.encode(batch)
@@ -222,6 +233,7 @@ class ZmqEventPublisher:
                 logger.exception("KV event publisher: sending batch %d failed", seq)
             self._buffer.append((seq, payload))
             self.sent += 1
+            self._queue.task_done()
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -308,12 +320,13 @@ class EventSubscriber:
         if self.next_seq is not None and seq < self.next_seq:
             return
         if self.next_seq is not None and seq > self.next_seq:
-            yield from self._replay(self.next_seq, seq)
+            yield from self.replay(self.next_seq, seq)
         self.next_seq = seq + 1
         yield ReceivedBatch(seq, payload, replayed=False)
 
-    def _replay(self, first: int, stop: int) -> Iterator[ReceivedBatch]:
-        """Yield batches ``first .. stop-1`` from the replay socket, counting those lost."""
+    def replay(self, first: int, stop: int) -> Iterator[ReceivedBatch]:
+        """Yield batches ``first .. stop-1`` from the replay socket (those still buffered),
+        counting the others in :attr:`missed`."""
         import zmq
 
         got = first

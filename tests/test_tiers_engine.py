@@ -201,3 +201,21 @@ def test_run_cli_rejects_bad_tier_flags(argv, capsys):
 
     assert main(["run", *argv, "--no-baseline"]) == 2
     assert "--tier" in capsys.readouterr().err
+
+
+def test_published_event_stream_covers_every_medium(tmp_path):
+    """The ZeroMQ stream carries GPU, CPU and tier (DISK) events, in vLLM's wire format."""
+    pytest.importorskip("zmq", reason="pyzmq is missing: pip install -e '.[test]'")
+    from kvconnector_core.event_publisher import EventPublisherConfig, EventSubscriber
+
+    any_port = EventPublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    config = EngineConfig(connector=offload(disk(tmp_path)), kv_events_publisher=any_port, **ENGINE)
+    with Engine(config) as engine:
+        pub = engine.event_publisher
+        engine.run(doc_trace(rounds=1))
+        assert pub.drain(60)
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+            batches = list(sub.replay(0, pub.sent))
+    assert [b.seq for b in batches] == list(range(pub.sent)) and sub.missed == 0
+    media = {getattr(e, "medium", None) for b in batches for e in b.decode().events}
+    assert {"GPU", "CPU", "DISK"} <= media
