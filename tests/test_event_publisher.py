@@ -27,6 +27,9 @@ ANY_PORT = EventPublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="t
 
 # vLLM 0.33's event structs (vllm/distributed/kv_events.py), written out here so that the
 # test decodes our bytes the way a vLLM consumer would, independent of our own structs.
+# (Module level on purpose: test_kv_events.vllm_033_batch_type() defines them inside a
+# function, where msgspec resolves the string annotation of ``events`` to the module's
+# imported kvconnector classes, so its decoder yields ours, not the replica.)
 class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]

@@ -128,7 +128,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             return 0, False
         hits = self.manager.lookup(keys[start:])
         if self.tiers is not None and start + hits < len(keys):
-            more = self.tiers.extra_hits(request.request_id, keys, start + hits)
+            more = self.tiers.extra_hits(request.request_id, keys, start + hits, hits)
             if more is None:
                 return None, False
             hits += more
@@ -378,12 +378,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
         assert self.tiers is not None  # noqa: S101 - only called with tiers
         job_id = next(self._job_ids)
-
-        def describe(key: bytes) -> tuple[tuple[bytes, ...], bytes | None]:
-            info = self._chunk_info.get(key)
-            return (info.block_hashes, info.parent_block_hash) if info else ((key,), None)
-
-        planned = self.tiers.plan_writes(job_id, keys, describe)
+        planned = self.tiers.plan_writes(job_id, keys, self._chunk_info)
         if planned is not None:
             job, pinned = planned
             self._jobs[job_id] = _JobRecord("", pinned, is_store=False)

@@ -35,6 +35,7 @@ from kvconnector_core.kv_events import BlockRemoved, BlockStored, KVCacheEvent, 
 if TYPE_CHECKING:
     import torch
 
+    from connectors.offload.events import ChunkInfoTable
     from connectors.offload.manager import CPUOffloadingManager
     from connectors.tiers import TierLoad
 
@@ -137,10 +138,15 @@ class SchedulerTiers:
     def _subs(self, slot: int) -> list[int]:
         return [slot * self.f + j for j in range(self.f)]
 
-    def extra_hits(self, req_id: str, keys: Sequence[bytes], first: int) -> int | None:
-        """Chunks from ``keys[first]`` on that the tiers serve; None: ask again next step."""
+    def extra_hits(self, req_id: str, keys: Sequence[bytes], first: int, cpu_hits: int) -> int | None:
+        """Chunks from ``keys[first]`` on that the tiers serve and the CPU tier has room to
+        promote now (besides the request's ``cpu_hits`` chunks, which its load pins);
+        None: ask again next step."""
         answers = self.lookups.lookup(req_id, keys, first)
-        return None if answers is None else sum(answers)
+        if answers is None:
+            return None
+        room = self.manager.num_free_blocks + self.manager.num_evictable_blocks - cpu_hits
+        return max(0, min(sum(answers), room))
 
     def plan_promotion(self, req_id: str, keys: Sequence[bytes], first: int, end: int
                        ) -> tuple[list[bytes], list[TierRead]]:
@@ -170,12 +176,13 @@ class SchedulerTiers:
                  for i, (key, slot) in enumerate(zip(wanted, out.store_spec.block_ids, strict=True))]
         return wanted, reads
 
-    def plan_writes(self, job_id: int, keys: Sequence[bytes],
-                    describe: Any) -> tuple[TierWriteJob, tuple[bytes, ...]] | None:
+    def plan_writes(self, job_id: int, keys: Sequence[bytes], chunk_info: ChunkInfoTable
+                    ) -> tuple[TierWriteJob, tuple[bytes, ...]] | None:
         """Pin the chunks the CPU tier just stored and describe their copy into the tiers.
 
-        ``describe(key)`` gives (GPU block hashes, parent hash) for the tiers' events.
-        Returns the job and the pinned keys (unpin with ``complete_load`` when reported).
+        ``chunk_info`` gives each chunk's GPU block hashes for the tiers' events (the key
+        alone where it has none, i.e. with events off). Returns the job and the pinned
+        keys (unpin them with ``complete_load`` once the job is reported).
         """
         keys = tuple(keys[:self.manager.lookup(keys)])
         if not keys:
@@ -183,7 +190,8 @@ class SchedulerTiers:
         spec = self.manager.prepare_load(keys)
         writes = []
         for key, slot in zip(keys, spec.block_ids, strict=True):
-            hashes, parent = describe(key)
+            info = chunk_info.get(key)
+            hashes, parent = (info.block_hashes, info.parent_block_hash) if info else ((key,), None)
             writes.append(TierWrite(key, self._subs(slot), list(hashes), parent))
         return TierWriteJob(job_id, writes), keys
 

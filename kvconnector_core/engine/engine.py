@@ -51,6 +51,10 @@ STANDARD_STATS_KEYS = ("bytes_loaded", "bytes_stored", "load_seconds", "store_se
 _MAX_MODEL_LEN_LIMIT = 2**20
 # Steps in a row with requests pending but nothing scheduled before the engine gives up.
 _MAX_IDLE_STEPS = 10_000
+# Pause after such a step: the engine is waiting on connector I/O (async loads, tier
+# lookups answering "ask again"), whose threads need the GIL that a tight loop would hold.
+# It also makes the give-up above take at least 10 s, longer than any sane I/O.
+_IDLE_SLEEP_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -434,6 +438,8 @@ class Engine:
             # Steps that compute nothing are normal while loads/saves are in flight; many
             # of them in a row mean a deadlock.
             idle = 0 if finished or self._last_num_scheduled else idle + 1
+            if idle:
+                time.sleep(_IDLE_SLEEP_S)
             if idle > _MAX_IDLE_STEPS:
                 sched = self.scheduler
                 msg = (f"no progress in {_MAX_IDLE_STEPS} steps with "
