@@ -132,3 +132,12 @@ def make_tls_files(directory: Path) -> dict[str, Path]:
         "-CAkey", str(files["ca.key"]), "-CAcreateserial", "-days", "1",
         "-extfile", str(files["ext.cnf"]), "-out", str(files["server.crt"]))
     return files
+
+
+@pytest.fixture(scope="module")
+def redis_single(tmp_path_factory):
+    """One redis-server for a test module (import this fixture into the module)."""
+    require_redis_server()
+    node = RedisNode(tmp_path_factory.mktemp("redis-single")).start()
+    yield node
+    node.executor.stop()

@@ -7,7 +7,14 @@ import time
 
 import pytest
 
-from _redis_servers import RedisCluster, RedisNode, free_port, make_tls_files, require_redis_server
+from _redis_servers import (  # redis_single is a fixture
+    RedisCluster,
+    RedisNode,
+    free_port,
+    make_tls_files,
+    redis_single,  # noqa: F401
+    require_redis_server,
+)
 from connectors.tiers import RedisTier, TierKey, make_tier
 from kvconnector_core.errors import ConfigError
 
@@ -29,11 +36,8 @@ def _answer(tier, keys, timeout: float = 30.0) -> int:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    require_redis_server()
-    node = RedisNode(tmp_path_factory.mktemp("redis-single")).start()
-    yield node
-    node.executor.stop()
+def single(redis_single):
+    return redis_single
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from _redis_servers import RedisNode, require_redis_server
+from _redis_servers import RedisNode, redis_single, require_redis_server  # noqa: F401 - a fixture
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 
@@ -95,11 +95,8 @@ def test_second_engine_process_serves_the_first_ones_files(tmp_path, baseline):
 
 
 @pytest.fixture(scope="module")
-def redis_node(tmp_path_factory):
-    require_redis_server()
-    node = RedisNode(tmp_path_factory.mktemp("redis-engine")).start()
-    yield node
-    node.executor.stop()
+def redis_node(redis_single):
+    return redis_single
 
 
 def redis(url: str, salt: str, **kw) -> dict:
