@@ -21,6 +21,7 @@ from connectors.multi_records import (
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
     aggregate_stats,
+    call_each,
 )
 from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import (
@@ -70,14 +71,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Give every child the KV tensors, then raise the first failure."""
-        first: ConnectorHookError | None = None
-        for guard in self.guards:
-            try:
-                guard.register_kv_caches(kv_caches)
-            except ConnectorHookError as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+        call_each(lambda g=g: g.register_kv_caches(kv_caches) for g in self.guards)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Decode and bind each child's plan; record this step's bookkeeping.
