@@ -77,6 +77,7 @@ def bound_plan(conn):
 
 
 def check_clean(eng: Engine) -> None:
+    eng.step()  # an empty step tells the worker side which requests finished last
     eng.shutdown()
     pool = eng.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
