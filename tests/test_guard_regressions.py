@@ -130,3 +130,14 @@ def test_a_raise_around_a_store_leaks_nothing(monkeypatch, connector, hook):
     eng, baseline, outputs = run(monkeypatch, connector, hook, when=when)
     assert outputs == baseline
     check_clean(eng)
+
+
+@pytest.mark.parametrize("connector", [OFFLOAD, MULTI], ids=["offload", "ttl+offload"])
+def test_a_failed_plan_in_the_step_a_load_is_planned_loads_nothing_stale(monkeypatch, connector):
+    """build_connector_meta raising in the step the second request's load was planned: alone,
+    the load goes out with the next plan; inside a MultiConnector the load fails at once,
+    so the child must drop it (a late load would write into blocks the request recomputes)."""
+    eng, baseline, outputs = run(monkeypatch, connector, "build_connector_meta",
+                                 when=lambda conn, so: bool(conn.scheduler_side._pending_loads))
+    assert outputs == baseline
+    check_clean(eng)
