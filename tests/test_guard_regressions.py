@@ -141,3 +141,15 @@ def test_a_failed_plan_in_the_step_a_load_is_planned_loads_nothing_stale(monkeyp
                                  when=lambda conn, so: bool(conn.scheduler_side._pending_loads))
     assert outputs == baseline
     check_clean(eng)
+
+
+def test_a_load_delayed_by_a_failed_plan_still_fails_cleanly_when_its_bind_fails(monkeypatch):
+    """The load goes out one plan late; if that plan's bind then fails, the scheduler must
+    still count the load as this plan's (else the request waits forever)."""
+    FlakyHook(monkeypatch, OffloadingConnector, "build_connector_meta",
+              when=lambda conn, so: bool(conn.scheduler_side._pending_loads))
+    eng, baseline, outputs = run(monkeypatch, OFFLOAD, "bind_connector_metadata",
+                                 when=lambda conn, plan: has_loads(plan))
+    assert outputs == baseline
+    assert eng.scheduler.stats.num_failed_loads_recovered == 1
+    check_clean(eng)
