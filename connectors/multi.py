@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.multi_records import (
     LOADER_POLICIES,
@@ -154,6 +154,12 @@ class MultiConnector(RoleSplitConnector):
     def make_worker_side(self) -> MultiWorkerSide:
         """The worker-side object (children behind their guards)."""
         return MultiWorkerSide(self._children, self.labels)
+
+    def get_kv_connector_kv_cache_events(self) -> list[Any]:
+        """Worker role: the children's worker-side events, in child order (vLLM's optional hook)."""
+        side = self.worker_side
+        assert isinstance(side, MultiWorkerSide)  # noqa: S101 - built by make_worker_side
+        return side.get_kv_connector_kv_cache_events()
 
     def num_request_states(self) -> int:
         """Requests this connector still keeps state for (0 once every request is done)."""

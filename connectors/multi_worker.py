@@ -209,6 +209,10 @@ class MultiWorkerSide(KVConnectorWorkerSide):
             return None
         return MultiKVConnectorWorkerMetadata(metas, loads_failed, stores_failed)
 
+    def get_kv_connector_kv_cache_events(self) -> list[Any]:
+        """Every child's worker-side events (e.g. an offload child's disk and Redis tiers)."""
+        return [e for g in self.guards for e in g.get_kv_connector_kv_cache_events()]
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""
         per_child = {g.label: s for g in self.guards if (s := g.get_kv_connector_stats())}

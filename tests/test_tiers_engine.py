@@ -216,3 +216,15 @@ def test_published_event_stream_covers_every_medium(tmp_path):
     assert [b.seq for b in batches] == list(range(pub.sent)) and sub.missed == 0
     media = {getattr(e, "medium", None) for b in batches for e in b.decode().events}
     assert {"GPU", "CPU", "DISK"} <= media
+
+
+def test_tiers_work_inside_a_multiconnector(tmp_path, baseline):
+    """TTL pinning next to an offload connector with a disk tier: the tier serves, and its
+    events come through the MultiConnector."""
+    ttl = {"name": "ttl", "extra_config": {"ttl_seconds": 1000, "max_pinned_blocks": 2}}
+    multi = {"name": "MultiConnector",
+             "extra_config": {"connectors": [ttl, offload(disk(tmp_path))]}}
+    result = run(multi, doc_trace())
+    assert result.outputs == baseline.outputs
+    assert result.metrics.events.get("BlockStored[DISK]", 0) > 0
+    assert result.metrics.connector_errors == {}
