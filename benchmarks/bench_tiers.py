@@ -53,6 +53,25 @@ def _check(side: str, got: list[bytes | None], items: list[tuple[TierKey, bytes]
         raise SystemExit(f"{side}: read back differs from what was written")
 
 
+def _run_sides(what: str, items, r: int, raw: tuple, tier, batch: int, tier_out: tuple) -> None:
+    """Time one repeat of both sides (raw first on even repeats), checking the read-back."""
+    def tier_store():
+        for i in range(0, len(items), batch):
+            while not tier.store(items[i:i + batch]):
+                tier.flush()  # never drop here: both sides must write every value
+        tier.flush()
+
+    def tier_load():
+        return tier.load([k for k, _ in items]).values()
+
+    sides = [("raw", *raw), ("tier", tier_store, tier_load, *tier_out)]
+    for name, store, load, s_out, l_out in (sides if r % 2 == 0 else sides[::-1]):
+        s_out.append(_timed(store))
+        got = []
+        l_out.append(_timed(lambda load=load, got=got: got.extend(load())))
+        _check(f"{what} {name}", got, items)
+
+
 def bench_disk(items, repeats: int, root: Path) -> dict:
     total = sum(len(v) for _, v in items)
     raw_s, raw_l, tier_s, tier_l = [], [], [], []
@@ -71,20 +90,7 @@ def bench_disk(items, repeats: int, root: Path) -> dict:
 
         tier = DiskTier({"path": str(tier_dir), "capacity_bytes": 4 * total})
 
-        def tier_store(tier=tier):
-            for i in range(0, len(items), 16):
-                while not tier.store(items[i:i + 16]):
-                    tier.flush()  # never drop here: both sides must write every value
-            tier.flush()
-
-        got = {}
-        sides = [("raw", raw_store, raw_load, raw_s, raw_l),
-                 ("tier", tier_store, lambda tier=tier: tier.load([k for k, _ in items]).values(),
-                  tier_s, tier_l)]
-        for name, store, load, s_out, l_out in (sides if r % 2 == 0 else sides[::-1]):
-            s_out.append(_timed(store))
-            l_out.append(_timed(lambda load=load, name=name: got.__setitem__(name, load())))
-            _check(f"disk {name}", got[name], items)
+        _run_sides("disk", items, r, (raw_store, raw_load, raw_s, raw_l), tier, 16, (tier_s, tier_l))
         tier.close()
         shutil.rmtree(raw_dir)
         shutil.rmtree(tier_dir)
@@ -119,20 +125,8 @@ def bench_redis(items, repeats: int, url: str, batch: int) -> dict:
                 out += pipe.execute()
             return out
 
-        def tier_store(tier=tier):
-            for i in range(0, len(items), batch):
-                while not tier.store(items[i:i + batch]):
-                    tier.flush()
-            tier.flush()
-
-        got = {}
-        sides = [("raw", raw_store, raw_load, raw_s, raw_l),
-                 ("tier", tier_store, lambda tier=tier: tier.load([k for k, _ in items]).values(),
-                  tier_s, tier_l)]
-        for name, store, load, s_out, l_out in (sides if r % 2 == 0 else sides[::-1]):
-            s_out.append(_timed(store))
-            l_out.append(_timed(lambda load=load, name=name: got.__setitem__(name, load())))
-            _check(f"redis {name}", got[name], items)
+        _run_sides("redis", items, r, (raw_store, raw_load, raw_s, raw_l), tier, batch,
+                   (tier_s, tier_l))
         if tier.stats()["redis_store_failures"]:
             raise SystemExit("redis tier: stores failed; the comparison is void")
         tier.close()

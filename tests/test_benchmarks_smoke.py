@@ -167,3 +167,17 @@ def test_compare_vllm_tiny_run_has_matching_semantics() -> None:
     assert rows
     assert checks["manager events off"]["same_semantics"]
     assert checks["manager events on"]["same_semantics"]
+
+
+def test_bench_tiers_disk_rows_run_and_check_the_read_back(tmp_path, capsys) -> None:
+    """bench_tiers.py's disk comparison runs end to end on tiny sizes (no Redis needed)."""
+    import json
+
+    import bench_tiers
+
+    out = tmp_path / "tiers.json"
+    assert bench_tiers.main(["--count", "4", "--value-kib", "4", "--repeats", "2", "--skip-redis",
+                             "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tier"] == "disk" and row["bytes"] == 4 * 4096
+    assert row["store_ratio"] > 0 and row["load_ratio"] > 0
