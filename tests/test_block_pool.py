@@ -514,7 +514,7 @@ def test_reset_prefix_cache_clears_and_emits():
     assert list(pool.iter_cached_blocks()) == []
     assert all(b.block_hash is None for b in pool.blocks)
     assert pool.get_cached_block(req.block_hashes[0], [0]) is None
-    assert pool.take_events() == [AllBlocksCleared()]
+    assert pool.take_events() == [AllBlocksCleared(medium="GPU")]
     assert pool.get_num_free_blocks() == 10
 
 
