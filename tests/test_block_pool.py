@@ -326,7 +326,7 @@ def test_cache_full_blocks_salt_in_first_block_extra_keys():
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
     (ev,) = pool.take_events()
-    assert ev.extra_keys == [("s1",), None]
+    assert ev.extra_keys == [(None, "s1"), None]
 
 
 def test_cache_full_blocks_group_idx_and_medium():
