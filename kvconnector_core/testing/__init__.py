@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from kvconnector_core.testing.contract import ConnectorContract
+from kvconnector_core.testing.contract import WORKER_STEP_HOOKS, ConnectorContract, check_hook_order
 from kvconnector_core.testing.factories import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -30,12 +30,14 @@ from kvconnector_core.testing.recording import RecordingConnector, RecordingMeta
 __all__ = [
     "BLOCK_SIZE",
     "NUM_BLOCKS",
+    "WORKER_STEP_HOOKS",
     "ConnectorContract",
     "FaultInjectingConnector",
     "FaultMetadata",
     "InjectedFault",
     "RecordingConnector",
     "RecordingMetadata",
+    "check_hook_order",
     "empty_scheduler_output",
     "make_block_pool",
     "make_connector_pair",

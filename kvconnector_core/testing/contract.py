@@ -14,12 +14,14 @@ resolve the name in a registry of your own (default: the installed plugins).
 The tests drive real core objects (block pool, KV cache manager, requests) and
 never need a GPU.
 
-Primitives: :class:`ConnectorContract`.
+Primitives: :class:`ConnectorContract`, :data:`WORKER_STEP_HOOKS`, :func:`check_hook_order`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvconnector_core.connector.base import ABSTRACT_HOOKS, KVConnectorBase_V1, KVConnectorRole
@@ -35,7 +37,60 @@ if TYPE_CHECKING:
 MAX_DRAIN_STEPS = 16
 """Empty steps a delayed free may take to be reported in ``finished_sending``."""
 
-__all__ = ["ConnectorContract"]
+__all__ = ["WORKER_STEP_HOOKS", "ConnectorContract", "check_hook_order"]
+
+WORKER_STEP_HOOKS: tuple[str, ...] = (
+    "bind_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_save",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+)
+"""The worker hooks of one step without a forward, in the reference order (KVConnectorBase_V1)."""
+
+
+def check_hook_order(calls: Sequence[str], expected: Sequence[str]) -> None:
+    """Assert that ``calls`` is exactly ``expected``, naming the first hook out of place.
+
+    Raises:
+        AssertionError: the sequences differ.
+    """
+    for i, (got, want) in enumerate(zip(calls, expected)):
+        assert got == want, (
+            f"hook order violated at call {i}: got {got!r}, the reference order wants {want!r} "
+            f"(calls: {list(calls)})")
+    assert len(calls) == len(expected), (
+        f"{len(calls)} hook calls where the reference order has {len(expected)}: {list(calls)}")
+
+
+def _record_calls(conn: KVConnectorBase_V1, hooks: Sequence[str]) -> list[str]:
+    """Record the outermost calls of ``hooks`` on ``conn`` (instance attributes shadow its methods).
+
+    Calls a hook makes to another recorded hook of its own (the default
+    ``get_transfer_results`` calls ``get_finished``) are not recorded: only the
+    order the caller used matters.
+    """
+    calls: list[str] = []
+    depth = [0]
+    for hook in hooks:
+        original = getattr(conn, hook)
+
+        @functools.wraps(original)
+        def recorded(*args: Any, _hook: str = hook, _original: Any = original, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                calls.append(_hook)
+            depth[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(conn, hook, recorded)
+    return calls
 
 
 def _is_pair_of_sets(value: Any) -> bool:
@@ -191,15 +246,21 @@ class ConnectorContract:
             worker.shutdown()
 
     def test_worker_hooks_in_reference_order_on_empty_step(self) -> None:
-        """The worker hooks run without error, in the reference order, on an empty step."""
+        """The worker hooks run without error, in the reference order, on two empty steps.
+
+        The calls the connector receives are recorded and checked against
+        :data:`WORKER_STEP_HOOKS`, so the test cannot drift from the order it promises.
+        """
         sched, worker, kvc = self._pair()
         try:
             sched.bind_gpu_block_pool(factories.make_block_pool(kvc.num_blocks))
             worker.register_kv_caches(factories.make_kv_caches(kvc))
+            calls = _record_calls(worker, WORKER_STEP_HOOKS)
             for _ in range(2):  # two steps: state must reset between them
                 meta = check_metadata_roundtrip(sched.build_connector_meta(factories.empty_scheduler_output()))
                 worker.bind_connector_metadata(meta)
                 assert worker.has_connector_metadata()
+                worker.handle_preemptions(meta)
                 worker.start_load_kv()
                 worker.wait_for_save()
                 results = worker.get_transfer_results(set())
@@ -208,8 +269,10 @@ class ConnectorContract:
                 assert isinstance(errors, set)
                 stats = worker.get_kv_connector_stats()
                 assert stats is None or isinstance(stats, dict)
+                worker.build_connector_worker_meta()
                 worker.clear_connector_metadata()
                 assert not worker.has_connector_metadata()
+            check_hook_order(calls, WORKER_STEP_HOOKS * 2)
         finally:
             sched.shutdown()
             worker.shutdown()
@@ -293,11 +356,37 @@ class ConnectorContract:
         )
 
     def test_shutdown_is_idempotent(self) -> None:
-        """``shutdown`` can be called twice on both sides."""
-        sched, worker, _ = self._pair()
-        for conn in (sched, worker):
-            conn.shutdown()
-            conn.shutdown()
+        """``shutdown`` can be called twice on both sides, after real work; the second call
+        changes nothing (no block released twice, no pin left)."""
+        sched, worker, kvc = self._pair()
+        manager = factories.make_kv_cache_manager(kvc)
+        pool = manager.block_pool
+        sched.bind_gpu_block_pool(pool)
+        worker.register_kv_caches(factories.make_kv_caches(kvc))
+        start = pool.get_num_free_blocks()
+        prompt = list(range(3 * factories.BLOCK_SIZE + 1))
+        for _ in range(2):  # the second request hits the first one's prefix
+            request = factories.make_request(prompt_token_ids=prompt)
+            self._admit(sched, manager, request)
+            manager.cache_blocks(request, request.num_tokens)
+            self._step(sched, worker, factories.scheduler_output_for(
+                [(request, manager.get_block_ids(request.request_id), request.num_tokens)]))
+            request.num_computed_tokens = request.num_tokens
+            sched.request_finished(request, list(manager.get_block_ids(request.request_id)[0]))
+            manager.free(request)
+        after: list[tuple[int, list[int]]] = []
+        for call in ("first", "second"):
+            try:
+                sched.shutdown()
+                worker.shutdown()
+            except Exception as exc:  # e.g. the pool refusing a block released twice
+                msg = f"the {call} shutdown raised {type(exc).__name__}: {exc}"
+                raise AssertionError(msg) from exc
+            after.append((pool.get_num_free_blocks(), [b.ref_cnt for b in pool.blocks[1:]]))
+        assert after[0] == after[1], "the second shutdown changed the block pool"
+        free, ref_counts = after[1]
+        assert free == start and all(r == 0 for r in ref_counts), (
+            f"after two shutdowns: {free} free blocks (want {start}), ref counts {sorted(set(ref_counts))}")
 
     def test_bind_gpu_block_pool_accepts_real_pool(self) -> None:
         """``bind_gpu_block_pool`` accepts the real BlockPool (which satisfies GPUBlockPoolView)."""
