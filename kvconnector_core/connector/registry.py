@@ -42,7 +42,6 @@ import inspect
 import logging
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -53,6 +52,13 @@ from kvconnector_core.connector._plugin_policy import (
     ENV_PLUGINS_DENY,
     PluginPolicy,
     run_contained,
+)
+from kvconnector_core.connector._records import (
+    DIRECT,
+    ConnectorEntry,
+    PluginFailure,
+    PluginRecord,
+    plugin_record,
 )
 from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
@@ -92,92 +98,6 @@ BUILTIN_PLUGIN_NAME = "builtin"
 BUILTIN_PLUGIN_MODULE = "connectors._plugin"
 """Module of the built-in connectors' plugin."""
 _BUILTIN_DISTRIBUTION = "kvconnector"
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorEntry:
-    """One registered connector class.
-
-    Attributes:
-        name: the connector's registered name.
-        cls: the connector class.
-        aliases: other names that resolve to it.
-        distribution: installed distribution that provided it (None when added directly).
-        version: that distribution's version, if known.
-        source: entry-point name of the plugin that added it, or ``"direct"``.
-    """
-
-    name: str
-    cls: type[KVConnectorBase_V1]
-    aliases: tuple[str, ...] = ()
-    distribution: str | None = None
-    version: str | None = None
-    source: str = "direct"
-
-    @property
-    def class_path(self) -> str:
-        """``module.QualName`` of the class."""
-        return f"{self.cls.__module__}.{self.cls.__qualname__}"
-
-
-@dataclass(frozen=True, slots=True)
-class PluginRecord:
-    """Where a plugin came from (an entry point, or a direct registration).
-
-    Attributes:
-        entry_point: entry-point name (``"direct"`` for classes added by code).
-        distribution: distribution declaring the entry point, if known.
-        version: that distribution's version, if known.
-        value: the entry point's target (``module:attr``), if any.
-    """
-
-    entry_point: str
-    distribution: str | None = None
-    version: str | None = None
-    value: str | None = None
-
-    def describe(self) -> str:
-        """Human description, e.g. ``entry point 'ttl' (distribution kvconnector-ttl 0.1.0)``."""
-        if self.entry_point == "direct":
-            return "direct registration"
-        dist = self.distribution or "unknown distribution"
-        if self.version:
-            dist = f"{dist} {self.version}"
-        return f"entry point {self.entry_point!r} (distribution {dist})"
-
-
-_DIRECT = PluginRecord("direct")
-
-
-@dataclass(frozen=True, slots=True)
-class PluginFailure:
-    """A plugin problem found while loading; the other plugins still loaded.
-
-    Attributes:
-        plugin: the plugin at fault.
-        error: the error (a :class:`RegistryError` subclass; the original
-            exception, if any, is its ``__cause__``).
-    """
-
-    plugin: PluginRecord
-    error: RegistryError
-
-    @property
-    def message(self) -> str:
-        """The error message."""
-        return str(self.error)
-
-
-def _plugin_record(ep: importlib.metadata.EntryPoint) -> PluginRecord:
-    dist = getattr(ep, "dist", None)
-    dist_name = version = None
-    if dist is not None:
-        try:
-            dist_name = dist.name
-            version = dist.version
-        except Exception:  # a broken METADATA file must not stop the listing
-            dist_name = None
-    return PluginRecord(ep.name, dist_name, version, ep.value)
 
 
 class ConnectorRegistry:
@@ -225,7 +145,7 @@ class ConnectorRegistry:
             error is recorded in :attr:`errors` instead and the plugin's other
             classes still register.
         """
-        plugin = self._current or _DIRECT
+        plugin = self._current or DIRECT
         try:
             self._add(cls, tuple(aliases), plugin)
         except RegistryError as exc:
@@ -337,7 +257,7 @@ class ConnectorRegistry:
             if not self._excluded(record, True, policy):
                 self._load_one(record, lambda: importlib.import_module(BUILTIN_PLUGIN_MODULE))
         for ep in eps:
-            record = _plugin_record(ep)
+            record = plugin_record(ep)
             is_builtin = ep.value.split(":")[0] == BUILTIN_PLUGIN_MODULE
             if not self._excluded(record, is_builtin, policy):
                 self._load_one(record, ep.load)
