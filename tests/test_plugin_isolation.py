@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 import types
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
+from _plugin_helpers import ep, plugin
 from kvconnector_core.cli import list_cmd
 from kvconnector_core.cli import main as cli_main
 from kvconnector_core.connector import ConnectorRegistry, KVConnectorConfig, hookimpl
@@ -24,42 +23,6 @@ class Second(RecordingConnector):
     """A valid connector of another plugin."""
 
     name = "Second"
-
-
-@dataclass
-class FakeDist:
-    name: str
-    version: str = "1.0"
-
-
-@dataclass
-class FakeEntryPoint:
-    """Quacks like importlib.metadata.EntryPoint; ``target`` may be a callable raising at load."""
-
-    name: str
-    value: str
-    target: Any
-    dist: FakeDist | None = None
-    group: str = "kvconnector"
-
-    def load(self) -> Any:
-        return self.target() if callable(self.target) and not isinstance(self.target, type) else self.target
-
-
-def plugin(*classes: type, aliases: tuple[str, ...] = ()) -> types.ModuleType:
-    mod = types.ModuleType("fake_plugin")
-
-    @hookimpl
-    def kvconnector_register_connectors(registry):
-        for cls in classes:
-            registry.add(cls, aliases=aliases)
-
-    mod.kvconnector_register_connectors = kvconnector_register_connectors
-    return mod
-
-
-def ep(name: str, target: Any, dist: str) -> FakeEntryPoint:
-    return FakeEntryPoint(name, f"{name}_mod", target, FakeDist(dist))
 
 
 def list_output(reg: ConnectorRegistry, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
