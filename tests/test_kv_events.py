@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -230,3 +232,26 @@ def test_cleared_medium_round_trips_and_vllm_clears_read_as_every_medium():
     assert decode_event_batch(encode_event_batch(batch)).events == [AllBlocksCleared(medium="STORAGE")]
     back = decode_event_batch(msgspec.msgpack.encode(VBatch(ts=1.0, events=[VCleared()])))
     assert back.events == [AllBlocksCleared(medium=None)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="needs vLLM 0.33, installed only in its own venv (make vllm-venv)")
+def test_real_vllm_decoder_reads_a_resync_batch():
+    """Where vLLM 0.33 is installed, its own structs have the replica's layout and decode a
+    batch with per-medium clears, every existing field intact."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vLLM's import-time warnings are not ours
+        from vllm.distributed import kv_events as vk
+    assert [f.name for f in msgspec.structs.fields(vk.BlockStored)] == STORED_FIELDS
+    assert [f.name for f in msgspec.structs.fields(vk.BlockRemoved)] == REMOVED_FIELDS
+    ours = KVEventBatch(ts=5.0, events=[
+        AllBlocksCleared(medium="CPU"), stored(medium="CPU", group_idx=0),
+        BlockRemoved(block_hashes=[3], medium="GPU"), AllBlocksCleared()], data_parallel_rank=0)
+    theirs = msgspec.msgpack.Decoder(vk.KVEventBatch).decode(encode_event_batch(ours))
+    assert [type(e) for e in theirs.events] == [vk.AllBlocksCleared, vk.BlockStored, vk.BlockRemoved,
+                                                vk.AllBlocksCleared]
+    for name in STORED_FIELDS:
+        assert getattr(theirs.events[1], name) == getattr(ours.events[1], name), name
+    assert theirs.events[2].block_hashes == [3] and theirs.events[2].medium == "GPU"
