@@ -202,3 +202,23 @@ def test_default_run_with_a_claimed_default_name_fails_naming_both(impostor_regi
     assert "'cpu_offload' is claimed by two classes" in err
     assert "entry point 'builtin'" in err and "entry point 'impostor'" in err
     assert "Traceback" not in err
+
+
+def test_installed_plugin_calling_sys_exit_leaves_kvconnector_list_working(tmp_path):
+    """End to end: an installed distribution whose plugin calls sys.exit() at import; the real
+    `kvconnector list` still exits 0, lists the built-ins and names the broken plugin."""
+    import os
+    import subprocess
+
+    dist = tmp_path / "kv_evil-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kv-evil\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[kvconnector]\nevil = evil_plugin\n")
+    (tmp_path / "evil_plugin.py").write_text("import sys\nsys.exit('evil plugin says bye')\n")
+    code = "import sys; from kvconnector_core.cli import main; sys.exit(main(['list']))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "OffloadingConnector" in proc.stdout and "MultiConnector" in proc.stdout
+    failed = proc.stdout.split("failed to load:")[1]
+    assert "evil (kv-evil)" in failed and "SystemExit: evil plugin says bye" in failed
