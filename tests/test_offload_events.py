@@ -59,7 +59,7 @@ def expected(manager: CPUOffloadingManager, infos: dict[bytes, ChunkInfo]) -> se
 @pytest.mark.parametrize("seed", range(4))
 def test_replica_is_exact_after_every_resync(policy: str, seed: int) -> None:
     """Random stores, failures, loads and evictions; a third of the takes lose their events
-    and are answered with a snapshot instead. After every take the replica equals the tier,
+    (translated or not yet) and are answered with a snapshot instead. After every take the replica equals the tier,
     while a consumer that just missed the lost events goes wrong (so losses matter here)."""
     rng = random.Random(seed)
     manager = CPUOffloadingManager(6, policy, enable_events=True)
@@ -95,9 +95,11 @@ def test_replica_is_exact_after_every_resync(policy: str, seed: int) -> None:
                 pinned.append(key)
         elif pinned:
             manager.complete_load([pinned.pop(rng.randrange(len(pinned)))])
-        # The connector translates as soon as events happen; a take may then be lost.
-        events = to_wire_events(manager.take_events(), table, BLOCK_SIZE)
-        if rng.random() < 0.3:
+        # A take may be lost after the manager's events were translated, or before.
+        lost = rng.random() < 0.3
+        if not (lost and rng.random() < 0.5):
+            events = to_wire_events(manager.take_events(), table, BLOCK_SIZE)
+        if lost:
             resyncs += 1
             events = snapshot_events(manager, table, BLOCK_SIZE)
             assert isinstance(events[0], AllBlocksCleared) and events[0].medium == "CPU"
@@ -150,6 +152,30 @@ def test_snapshot_keeps_info_of_stores_in_flight_and_drops_lost_removals() -> No
     manager.complete_store([new])
     (stored,) = to_wire_events(manager.take_events(), table, BLOCK_SIZE)
     assert stored.block_hashes == [to_external_hash(new)] and stored.token_ids == [2] * BLOCK_SIZE
+
+
+def test_key_stored_again_after_a_lost_removal_keeps_its_info_through_a_snapshot() -> None:
+    """Evicted (removal lost), stored again and still in flight at the snapshot: its stored
+    event later still carries its GPU blocks and tokens."""
+    manager = CPUOffloadingManager(1, enable_events=True)
+    table = ChunkInfoTable()
+    key, other = b"\x01" * 32, b"\x02" * 32
+    table.add(key, ChunkInfo((b"\x09" * 32, key), None, [1] * 2 * BLOCK_SIZE))
+    manager.prepare_store([key])
+    manager.complete_store([key])
+    to_wire_events(manager.take_events(), table, BLOCK_SIZE)  # key announced
+    table.add(other, ChunkInfo((b"\x08" * 32, other), None, [2] * 2 * BLOCK_SIZE))
+    manager.prepare_store([other])  # evicts key
+    manager.complete_store([other])
+    manager.take_events()  # lost: key's removal and other's store
+    table.add(key, ChunkInfo((b"\x09" * 32, key), None, [3] * 2 * BLOCK_SIZE))
+    manager.prepare_store([key])  # evicts other (lost too); key is in flight at the snapshot
+    manager.take_events()
+    assert snapshot_events(manager, table, BLOCK_SIZE) == [AllBlocksCleared(medium="CPU")]
+    manager.complete_store([key])
+    (stored,) = to_wire_events(manager.take_events(), table, BLOCK_SIZE)
+    assert stored.block_hashes == [to_external_hash(b"\x09" * 32), to_external_hash(key)]
+    assert stored.token_ids == [3] * 2 * BLOCK_SIZE
 
 
 def test_snapshot_of_a_manager_without_ready_keys_changes_nothing() -> None:

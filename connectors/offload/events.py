@@ -106,6 +106,8 @@ class ChunkInfoTable:
         if info.token_ids is not None and not isinstance(info.token_ids, array):
             info.token_ids = array("q", info.token_ids)
         self._info[key] = info
+        # A store of a key that still counts as announced means its removal event was lost.
+        self._announced.discard(key)
 
     def discard(self, keys: Iterable[OffloadKey]) -> None:
         """Forget keys whose store failed (they never appeared on the wire)."""
