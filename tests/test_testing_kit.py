@@ -11,9 +11,12 @@ import pytest
 
 from kvconnector_core.connector import ConnectorRegistry, KVConnectorConfig, KVConnectorRole
 from kvconnector_core.errors import InvariantError
+from kvconnector_core.kv_events import AllBlocksCleared, BlockStored
 from kvconnector_core.testing import (
     WORKER_STEP_HOOKS,
     ConnectorContract,
+    FaultInjectingConnector,
+    InjectedFault,
     RecordingConnector,
     check_hook_order,
 )
@@ -84,6 +87,52 @@ def test_idempotent_shutdown_check_catches_a_double_release():
     with pytest.raises(AssertionError, match="the second shutdown raised InvariantError: freeing") as info:
         Broken().test_shutdown_is_idempotent()
     assert isinstance(info.value.__cause__, InvariantError)
+
+
+# -- fault injection of the snapshot hook ----------------------------------------------------------
+
+
+class Snapshotting(RecordingConnector):
+    """Reports one medium and holds one block in it."""
+
+    name = "Snapshotting"
+
+    def get_event_snapshot(self):
+        return [AllBlocksCleared(medium="CPU"), BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[],
+                                                            block_size=4, lora_id=None, medium="CPU", lora_name=None)]
+
+
+def test_fault_injection_forwards_and_raises_in_get_event_snapshot():
+    """The wrapper forwards the inner snapshot, and raise_in={"get_event_snapshot"} raises there."""
+    inner = Snapshotting(KVConnectorConfig(name="Snapshotting"), KVConnectorRole.SCHEDULER)
+    assert list(FaultInjectingConnector(inner).get_event_snapshot()) == list(inner.get_event_snapshot())
+    with pytest.raises(InjectedFault):
+        FaultInjectingConnector(inner, raise_in={"get_event_snapshot"}).get_event_snapshot()
+
+
+def test_contract_checks_the_snapshot_shape():
+    """The kit's snapshot check fails for a snapshot whose blocks come before their medium's clear."""
+
+    class Unordered(Snapshotting):
+        name = "Unordered"
+
+        def get_event_snapshot(self):
+            return list(reversed(super().get_event_snapshot()))
+
+    registry = ConnectorRegistry()
+    registry.add(Snapshotting)
+    registry.add(Unordered)
+
+    class Good(ConnectorContract):
+        connector_config = KVConnectorConfig(name="Snapshotting")
+
+    class Bad(ConnectorContract):
+        connector_config = KVConnectorConfig(name="Unordered")
+
+    Good.registry = Bad.registry = registry
+    Good().test_event_snapshot_is_well_formed()
+    with pytest.raises(AssertionError, match="BlockStored for medium 'CPU' before AllBlocksCleared"):
+        Bad().test_event_snapshot_is_well_formed()
 
 
 # -- the pytest plugin's fixtures -------------------------------------------------------------------

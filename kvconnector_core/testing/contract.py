@@ -245,6 +245,34 @@ class ConnectorContract:
             sched.shutdown()
             worker.shutdown()
 
+    def test_event_snapshot_is_well_formed(self) -> None:
+        """``get_event_snapshot`` after real work: KV events only, and per medium an
+        ``AllBlocksCleared(medium=M)`` before any ``BlockStored`` of ``M`` (no removals)."""
+        from kvconnector_core.kv_events import AllBlocksCleared, BlockStored
+
+        sched, worker, kvc = self._pair()
+        try:
+            manager = factories.make_kv_cache_manager(kvc)
+            sched.bind_gpu_block_pool(manager.block_pool)
+            worker.register_kv_caches(factories.make_kv_caches(kvc))
+            request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
+            self._admit(sched, manager, request)
+            self._step(sched, worker, factories.scheduler_output_for(
+                [(request, manager.get_block_ids(request.request_id), request.num_tokens)]))
+            list(sched.take_events())
+            cleared: set[str | None] = set()
+            for event in sched.get_event_snapshot():
+                if isinstance(event, AllBlocksCleared):
+                    assert event.medium is not None, "a snapshot clears one medium, not every medium"
+                    cleared.add(event.medium)
+                else:
+                    assert isinstance(event, BlockStored), f"a snapshot holds clears and stores only: {event!r}"
+                    assert event.medium in cleared, (
+                        f"BlockStored for medium {event.medium!r} before AllBlocksCleared(medium={event.medium!r})")
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
     def test_worker_hooks_in_reference_order_on_empty_step(self) -> None:
         """The worker hooks run without error, in the reference order, on two empty steps.
 
