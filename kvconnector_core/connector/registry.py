@@ -114,8 +114,7 @@ class ConnectorRegistry:
         self._lookup: dict[str, str] = {}  # name or alias -> canonical name
         self._conflicts: dict[str, DuplicateConnectorError] = {}
         self._current: PluginRecord | None = None  # plugin whose hook is running
-        self.policy: PluginPolicy | None = None
-        """The allow/deny lists of the last :meth:`load_plugins` (None: read the environment)."""
+        self._policy: PluginPolicy | None = None  # the last load_plugins' lists (None: the environment's)
         self.errors: list[PluginFailure] = []
         """Plugin problems recorded while loading (see :class:`PluginFailure`)."""
         self.skipped: list[tuple[PluginRecord, str]] = []
@@ -236,13 +235,14 @@ class ConnectorRegistry:
                 distribution names); default: ``$KVCONNECTOR_PLUGINS_ALLOW``,
                 or all when unset.
             deny: plugins that must not load (``builtin`` included); default:
-                ``$KVCONNECTOR_PLUGINS_DENY``.
+                ``$KVCONNECTOR_PLUGINS_DENY``. Both lists also apply to the
+                ``module_path`` of configs resolved through this registry.
             builtin_fallback: load ``connectors._plugin`` directly when no
                 entry point targets it.
         """
         if entry_points is None:
             entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        self.policy = policy = PluginPolicy.resolve(allow, deny)
+        self._policy = policy = PluginPolicy.resolve(allow, deny)
         seen: set[tuple[str, str]] = set()
         eps: list[importlib.metadata.EntryPoint] = []
         for ep in entry_points:
@@ -346,12 +346,12 @@ class ConnectorRegistry:
         """
         return self._conflicts.get(name)
 
-    def module_path_policy(self) -> PluginPolicy:
+    def _module_path_policy(self) -> PluginPolicy:
         """The allow/deny lists a connector ``module_path`` is checked against.
 
         Those of the last :meth:`load_plugins`, or the environment's when none ran.
         """
-        return self.policy if self.policy is not None else PluginPolicy.resolve()
+        return self._policy if self._policy is not None else PluginPolicy.resolve()
 
     def get_entry(self, name: str) -> ConnectorEntry:
         """Return the :class:`ConnectorEntry` for ``name`` or an alias (same errors as :meth:`get`)."""
@@ -425,7 +425,7 @@ def get_connector_class(
         InvalidConnectorError: ``module_path``'s attribute is not a connector class.
     """
     if config.module_path:
-        policy = registry.module_path_policy() if registry is not None else PluginPolicy.resolve()
+        policy = registry._module_path_policy() if registry is not None else PluginPolicy.resolve()
         policy.check_module_path(config.module_path)
         module = run_contained(
             lambda: importlib.import_module(config.module_path),
