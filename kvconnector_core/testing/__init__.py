@@ -3,6 +3,7 @@
 - :class:`ConnectorContract`: subclass it with ``connector_config = ...``.
 - :class:`FaultInjectingConnector`: make loads or stores fail, or hooks raise.
 - :class:`RecordingConnector`: a scriptable test double that records hook calls.
+- :data:`WORKER_STEP_HOOKS` / :func:`check_hook_order`: the reference worker hook order.
 - factories (also fixtures through the pytest plugin ``kvconnector_core.testing.plugin``):
   :func:`make_kv_cache_config`, :func:`make_block_pool`, :func:`make_kv_cache_manager`,
   :func:`make_request`, :func:`make_connector_pair`, :func:`make_kv_caches`,
@@ -11,7 +12,7 @@
 
 from __future__ import annotations
 
-from kvconnector_core.testing.contract import WORKER_STEP_HOOKS, ConnectorContract, check_hook_order
+from kvconnector_core.testing.contract import ConnectorContract
 from kvconnector_core.testing.factories import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -25,6 +26,7 @@ from kvconnector_core.testing.factories import (
     scheduler_output_for,
 )
 from kvconnector_core.testing.faults import FaultInjectingConnector, FaultMetadata, InjectedFault
+from kvconnector_core.testing.hook_order import WORKER_STEP_HOOKS, check_hook_order
 from kvconnector_core.testing.recording import RecordingConnector, RecordingMetadata
 
 __all__ = [

@@ -14,14 +14,12 @@ resolve the name in a registry of your own (default: the installed plugins).
 The tests drive real core objects (block pool, KV cache manager, requests) and
 never need a GPU.
 
-Primitives: :class:`ConnectorContract`, :data:`WORKER_STEP_HOOKS`, :func:`check_hook_order`.
+Primitives: :class:`ConnectorContract`.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvconnector_core.connector.base import ABSTRACT_HOOKS, KVConnectorBase_V1, KVConnectorRole
@@ -29,6 +27,7 @@ from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput, check_metadata_roundtrip
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.testing import factories
+from kvconnector_core.testing.hook_order import WORKER_STEP_HOOKS, check_hook_order, record_calls
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -37,61 +36,7 @@ if TYPE_CHECKING:
 MAX_DRAIN_STEPS = 16
 """Empty steps a delayed free may take to be reported in ``finished_sending``."""
 
-__all__ = ["WORKER_STEP_HOOKS", "ConnectorContract", "check_hook_order"]
-
-WORKER_STEP_HOOKS: tuple[str, ...] = (
-    "bind_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_save",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "get_kv_connector_stats",
-    "build_connector_worker_meta",
-    "clear_connector_metadata",
-)
-"""The worker hooks of one step without a forward, in the reference order (KVConnectorBase_V1)."""
-
-
-def check_hook_order(calls: Sequence[str], expected: Sequence[str]) -> None:
-    """Assert that ``calls`` is exactly ``expected``, naming the first hook out of place.
-
-    Raises:
-        AssertionError: the sequences differ.
-    """
-    for i, (got, want) in enumerate(zip(calls, expected)):
-        assert got == want, (
-            f"hook order violated at call {i}: got {got!r}, the reference order wants {want!r} "
-            f"(calls: {list(calls)})")
-    assert len(calls) == len(expected), (
-        f"{len(calls)} hook calls where the reference order has {len(expected)}: {list(calls)}")
-
-
-def _record_calls(conn: KVConnectorBase_V1, hooks: Sequence[str]) -> list[str]:
-    """Record the outermost calls of ``hooks`` on ``conn`` (instance attributes shadow its methods).
-
-    Calls a hook makes to another recorded hook of its own (the default
-    ``get_transfer_results`` calls ``get_finished``) are not recorded: only the
-    order the caller used matters.
-    """
-    calls: list[str] = []
-    depth = [0]
-    for hook in hooks:
-        original = getattr(conn, hook)
-
-        @functools.wraps(original)
-        def recorded(*args: Any, _hook: str = hook, _original: Any = original, **kwargs: Any) -> Any:
-            if depth[0] == 0:
-                calls.append(_hook)
-            depth[0] += 1
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        setattr(conn, hook, recorded)
-    return calls
-
+__all__ = ["ConnectorContract"]
 
 def _is_pair_of_sets(value: Any) -> bool:
     return (
@@ -158,6 +103,22 @@ class ConnectorContract:
         assert blocks is not None
         request.num_computed_tokens = local
         sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
+
+    def _schedule_one_request(self, sched: KVConnectorBase_V1, worker: KVConnectorBase_V1,
+                              kvc: KVCacheConfig) -> tuple[Any, Any, Any]:
+        """Bind a real pool and KV caches, admit a 4-block request and run its full step.
+
+        Returns:
+            ``(kv_cache_manager, request, block_ids)``.
+        """
+        manager = factories.make_kv_cache_manager(kvc)
+        sched.bind_gpu_block_pool(manager.block_pool)
+        worker.register_kv_caches(factories.make_kv_caches(kvc))
+        request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
+        self._admit(sched, manager, request)
+        block_ids = manager.get_block_ids(request.request_id)
+        self._step(sched, worker, factories.scheduler_output_for([(request, block_ids, request.num_tokens)]))
+        return manager, request, block_ids
 
     # ------------------------------------------------------------------- tests
 
@@ -252,13 +213,7 @@ class ConnectorContract:
 
         sched, worker, kvc = self._pair()
         try:
-            manager = factories.make_kv_cache_manager(kvc)
-            sched.bind_gpu_block_pool(manager.block_pool)
-            worker.register_kv_caches(factories.make_kv_caches(kvc))
-            request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
-            self._admit(sched, manager, request)
-            self._step(sched, worker, factories.scheduler_output_for(
-                [(request, manager.get_block_ids(request.request_id), request.num_tokens)]))
+            self._schedule_one_request(sched, worker, kvc)
             list(sched.take_events())
             cleared: set[str | None] = set()
             for event in sched.get_event_snapshot():
@@ -283,7 +238,7 @@ class ConnectorContract:
         try:
             sched.bind_gpu_block_pool(factories.make_block_pool(kvc.num_blocks))
             worker.register_kv_caches(factories.make_kv_caches(kvc))
-            calls = _record_calls(worker, WORKER_STEP_HOOKS)
+            calls = record_calls(worker, WORKER_STEP_HOOKS)
             for _ in range(2):  # two steps: state must reset between them
                 meta = check_metadata_roundtrip(sched.build_connector_meta(factories.empty_scheduler_output()))
                 worker.bind_connector_metadata(meta)
@@ -326,14 +281,7 @@ class ConnectorContract:
         """
         sched, worker, kvc = self._pair()
         try:
-            manager = factories.make_kv_cache_manager(kvc)
-            sched.bind_gpu_block_pool(manager.block_pool)
-            worker.register_kv_caches(factories.make_kv_caches(kvc))
-            request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
-            self._admit(sched, manager, request)
-            block_ids = manager.get_block_ids(request.request_id)
-            so = factories.scheduler_output_for([(request, block_ids, request.num_tokens)])
-            self._step(sched, worker, so)
+            _, request, block_ids = self._schedule_one_request(sched, worker, kvc)
             request.num_computed_tokens = request.num_tokens
             delay, _ = sched.request_finished(request, list(block_ids[0]))
             reported = 0
