@@ -7,7 +7,7 @@ twice, once per role, as ``cls(config, role, kv_cache_config)``:
 - the **scheduler** side (:attr:`KVConnectorRole.SCHEDULER`) decides what to
   load and save: ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
   ``build_connector_meta``, ``update_connector_output``, ``request_finished``,
-  ``take_events``, ``bind_gpu_block_pool``;
+  ``take_events``, ``get_event_snapshot``, ``bind_gpu_block_pool``;
 - the **worker** side (:attr:`KVConnectorRole.WORKER`) moves the bytes:
   ``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``,
   ``save_kv_layer``, ``wait_for_save``, ``get_finished``,
@@ -78,6 +78,7 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "request_finished",
     "get_transfer_results",
     "take_events",
+    "get_event_snapshot",
     "register_kv_caches",
     "get_finished",
     "get_block_ids_with_load_errors",
@@ -120,7 +121,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     5. ``update_connector_output(output)`` with the worker's report of the step.
     6. ``request_finished(request, block_ids)`` exactly once per request,
        before its blocks are freed.
-    7. ``take_events()`` whenever the engine publishes KV events.
+    7. ``take_events()`` whenever the engine publishes KV events;
+       ``get_event_snapshot()`` instead, when ``take_events`` raised (the events
+       it drained are lost, so consumers are resynced from a snapshot).
 
     **Worker-side hooks, per step, in this order** (the same order runs with no
     forward on an empty step): ``bind_connector_metadata`` -> ``start_load_kv``
@@ -532,6 +535,27 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """Return the KV cache events produced since the last call (scheduler side).
 
         Default: no events.
+        """
+        return ()
+
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Describe everything the connector holds now, to resync event consumers (scheduler side).
+
+        The engine calls it in place of :meth:`take_events` after ``take_events``
+        raised: the events it had drained are lost, so a consumer replaying the
+        stream would stay wrong. The snapshot replaces them: for every medium the
+        connector reports events for, an ``AllBlocksCleared(medium=M)`` followed by
+        ``BlockStored`` events for every block it holds in ``M`` now, with the same
+        self-describing fields as its normal events. Events the connector produced
+        before the snapshot and has not returned yet must be dropped (the snapshot
+        already covers them), and the next :meth:`take_events` continues from the
+        snapshot's state. A consumer that applies the snapshot is then exact again.
+
+        If this raises too, the engine retries it at every later event take and
+        publishes nothing from the connector meanwhile: a gap a consumer cannot see
+        until the snapshot comes.
+
+        Default: no events (a connector that reports no events has nothing to resync).
         """
         return ()
 
