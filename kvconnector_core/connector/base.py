@@ -436,7 +436,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``(num_tokens, load_async)``: tokens loadable beyond
             ``num_computed_tokens`` (count only blocks available now; None =
             undecided, ask again next step), and whether the load is
-            asynchronous (False when the count is 0).
+            asynchronous (False when the count is 0). The count may cover
+            the whole prompt: see the full-prompt-hit rule in
+            :meth:`update_state_after_alloc`.
         """
 
     @abc.abstractmethod
@@ -447,6 +449,20 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         tokens too (a connector may still plan to save the request). May be
         called a second time for a request with an asynchronous load. Decide
         what to do from ``num_external_tokens``, not from ``blocks``.
+
+        **Full-prompt-hit rule.** ``num_external_tokens`` is this connector's own
+        answer, clamped to the prompt: load tokens ``[n, n + num_external_tokens)``
+        where ``n`` is the ``num_computed_tokens`` it was asked with, i.e. every
+        block that range touches, including a block it ends in part-way
+        (``cdiv(n + num_external_tokens, block_size)`` blocks in all). A claim may
+        cover the whole prompt: the engine still computes the last prompt token
+        (it needs its logits) after the load, rewriting that token's slot with
+        the same values. A claim that leaves nothing but the last token to load
+        counts as no load (``num_external_tokens=0``). vLLM 0.33 does the same
+        for asynchronous loads; its scheduler rejects a synchronous claim of the
+        whole prompt, so a connector meant for both engines claims at most
+        ``request.num_tokens - 1 - n`` tokens for synchronous loads (and still
+        loads the block the claim ends in).
 
         Args:
             request: the admitted request.

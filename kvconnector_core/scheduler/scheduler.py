@@ -81,6 +81,20 @@ class SchedulerStats:
     connector_errors: dict[str, int] = field(default_factory=dict)
 
 
+def _clamp_external(claimed: int, num_tokens: int, num_local: int) -> tuple[int, int]:
+    """``(tokens the connector loads, tokens counted as computed by that load)``.
+
+    The full-prompt-hit rule (vLLM 0.33 does the same after an async load): a hit may
+    cover the whole prompt; the connector is told its own answer (clamped to the prompt)
+    and loads every block it claimed, while the engine still computes the last prompt
+    token, whose logits it needs, rewriting that token's slot with the same values. A hit
+    that would leave nothing but that last token to load is no load at all.
+    """
+    claimed = max(0, min(claimed, num_tokens - num_local))
+    counted = min(claimed, num_tokens - 1 - num_local)
+    return (claimed, counted) if counted > 0 else (0, 0)
+
+
 class Scheduler:
     """Plans engine steps and keeps requests, blocks and the connector in sync.
 
@@ -336,7 +350,7 @@ class Scheduler:
 
             computed_blocks = None
             num_local = 0
-            num_external = 0
+            num_external = num_claimed = 0
             load_async = False
             fresh = req.num_computed_tokens == 0
             if fresh:
@@ -346,8 +360,7 @@ class Scheduler:
                     if ext is None:  # the connector has not decided yet: ask next step
                         skipped.append(self.waiting.popleft())
                         continue
-                    # At least the last token is always computed (its logits are needed).
-                    num_external = max(0, min(int(ext), req.num_tokens - 1 - num_local))
+                    num_claimed, num_external = _clamp_external(int(ext), req.num_tokens, num_local)
                     load_async = bool(load_async) and num_external > 0
             num_computed = (num_local + num_external) if fresh else req.num_computed_tokens
             num_new = 0 if load_async else min(req.num_tokens - num_computed, budget)
@@ -358,7 +371,8 @@ class Scheduler:
                 num_new,
                 num_new_computed_tokens=num_local,
                 new_computed_blocks=computed_blocks,
-                num_external_computed_tokens=num_external,
+                # An async load fills every block it claimed before the request runs.
+                num_external_computed_tokens=num_claimed if load_async else num_external,
                 delay_cache_blocks=num_external > 0,
                 full_sequence_must_fit=fresh,
                 reserved_blocks=max(0, reserved - own_need),
@@ -380,7 +394,7 @@ class Scheduler:
             reserved -= own_need
 
             if self.connector is not None and fresh:
-                ok = self._call_update_state(req, num_external)
+                ok = self._call_update_state(req, num_claimed)
                 if not ok and num_external > 0:
                     # The connector never planned the load: start over next step
                     # and compute those tokens instead.
