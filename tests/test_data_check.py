@@ -75,3 +75,31 @@ def test_workloads_exercise_the_connector() -> None:
             assert metrics.num_preemptions > 0
         if name == "repeated_prefixes":
             assert metrics.gpu_prefix_hit_tokens > 0
+
+
+class TestCPUOffloadData(DataCheck):
+    """The built-in CPU offload connector moves the right data (asynchronous loads)."""
+
+    connector_config = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64})
+
+
+class TestMultiConnectorData(DataCheck):
+    """A MultiConnector over the reference connector and the CPU offload connector."""
+
+    connector_config = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [
+        {"name": "ReferenceConnector", "module_path": "_reference_connector"},
+        {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "blocks_per_chunk": 2}},
+    ]})
+
+
+def test_cpu_offload_scheduler_side_stats_do_not_raise() -> None:
+    """Regression: the scheduler-side CPU offload connector raised AttributeError in
+    ``get_kv_connector_stats`` (its stats live on the worker side), which the engine logged
+    with a traceback at the end of every run."""
+    from kvconnector_core.connector.base import KVConnectorRole
+    from kvconnector_core.connector.registry import create_connector
+    from kvconnector_core.testing import make_kv_cache_config
+
+    config = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8})
+    connector = create_connector(config, KVConnectorRole.SCHEDULER, make_kv_cache_config())
+    assert connector.get_kv_connector_stats() is None

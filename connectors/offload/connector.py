@@ -677,7 +677,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         return ids
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Bytes and seconds moved since the last call (None when nothing moved)."""
+        """Bytes and seconds moved since the last call (None when nothing moved; the
+        scheduler side moves nothing)."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            return None
         stats, self._stats = self._stats, {}
         return stats if any(stats.values()) else None
 

@@ -346,6 +346,9 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload) ->
         checked = engine.run(trace)
     report = DataCheckReport(workload.name, baseline=baseline, checked=checked)
     report.problems = checker.problems + _outputs_problems(baseline, checked)
+    if checked.metrics.connector_errors:
+        report.problems.append(f"the connector raised (contained by the engine) in: "
+                               f"{checked.metrics.connector_errors}")
     return report
 
 
