@@ -72,7 +72,20 @@ from kvconnector_core.connector.metadata import (
     encode_metadata,
 )
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
-from kvconnector_core.errors import ConfigError, ConnectorHookError, InvariantError, ShutdownError
+from kvconnector_core.errors import (
+    ConfigError,
+    ConnectorHookError,
+    DuplicateConnectorError,
+    InvalidConnectorError,
+    InvariantError,
+    PluginLoadError,
+    ShutdownError,
+    UnknownConnectorError,
+)
+
+# Errors whose constructor takes one message: a child's is re-raised prefixed with its index.
+_RELABELLED_ERRORS = (ConfigError, UnknownConnectorError, DuplicateConnectorError,
+                      InvalidConnectorError, PluginLoadError)
 
 if TYPE_CHECKING:
     import torch
@@ -292,11 +305,23 @@ class MultiConnector(KVConnectorBase_V1):
             except ConfigError as exc:
                 msg = f"MultiConnector extra_config['connectors'][{i}]: {exc}"
                 raise ConfigError(msg) from exc
+        for i, cfg in enumerate(configs):
+            first = configs.index(cfg)
+            if first < i:  # every child stores every block: a repeated child stores it twice
+                msg = (f"MultiConnector extra_config['connectors'][{i}] repeats child {first} "
+                       f"({cfg.name!r} with the same settings); remove one of them")
+                raise ConfigError(msg)
         return configs
 
     def _create_child(self, index: int, cfg: KVConnectorConfig, registry: ConnectorRegistry | None) -> KVConnectorBase_V1:
         try:
             return create_connector(cfg, self._role, self._kv_cache_config, registry=registry)
+        except _RELABELLED_ERRORS as exc:
+            if type(exc) not in _RELABELLED_ERRORS:
+                raise
+            # The same message as for a top-level connector, prefixed with where it is.
+            msg = f"MultiConnector extra_config['connectors'][{index}]: {exc}"
+            raise type(exc)(msg) from exc
         except Exception as exc:
             exc.add_note(f"while creating MultiConnector child {index} ({cfg.name!r})")
             raise
