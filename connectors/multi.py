@@ -714,7 +714,8 @@ class MultiConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------- both sides
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""
+        """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``
+        (``{"<child label>.<hook>": count}`` since the last call, like every other stat)."""
         per_child: dict[str, Any] = {}
         for i, child in enumerate(self._children):
             stats = self._contained(i, "get_kv_connector_stats", child.get_kv_connector_stats, None)
@@ -729,6 +730,7 @@ class MultiConnector(KVConnectorBase_V1):
                 out[key] = sum(values)
         if self._hook_errors:
             out["hook_errors"] = dict(self._hook_errors)
+            self._hook_errors.clear()
         return out
 
     def shutdown(self) -> None:

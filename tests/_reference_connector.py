@@ -10,6 +10,10 @@ extra_config:
         the whole prompt (the engine still computes the last token). Default: claim at
         most ``num_tokens - 1`` (what vLLM 0.33 needs for synchronous loads), so the claim
         ends inside the last block, which must then be loaded too.
+    fail_last_block (bool): every load reports its last block as failed (in
+        ``get_block_ids_with_load_errors``) instead of loading it: a partial failure the
+        engine must recover from by recomputing only that block.
+    raise_in_lookup (bool): ``get_num_new_matched_tokens`` raises (the engine contains it).
     bug (str | None): one of :data:`BUGS`.
 """
 
@@ -38,6 +42,7 @@ class ReferenceMetadata(KVConnectorMetadata, kw_only=True):
     loads: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
     stores: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
     async_reqs: list[str] = msgspec.field(default_factory=list)
+    failed: list[int] = msgspec.field(default_factory=list)
 
 
 class ReferenceConnector(KVConnectorBase_V1):
@@ -54,6 +59,8 @@ class ReferenceConnector(KVConnectorBase_V1):
         self.load_async = bool(extra.get("load_async", False))
         self.has_sync_kv_loads = not self.load_async
         self.claim_whole_prompt = bool(extra.get("claim_whole_prompt", False))
+        self.fail_last_block = bool(extra.get("fail_last_block", False))
+        self.raise_in_lookup = bool(extra.get("raise_in_lookup", False))
         self.bug = extra.get("bug")
         if self.bug is not None and self.bug not in BUGS:
             raise ValueError(f"bug={self.bug!r}; valid: {BUGS}")
@@ -67,11 +74,14 @@ class ReferenceConnector(KVConnectorBase_V1):
         self._view: torch.Tensor | None = None
         self._store: dict[bytes, torch.Tensor] = {}
         self._recving: set[str] = set()
+        self._errors: set[int] = set()
         self._stats: dict[str, float] = {}
 
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if self.raise_in_lookup:
+            raise RuntimeError("ReferenceConnector: raise_in_lookup is set")
         bs, hashes = self.block_size, request.block_hashes
         start = num_computed_tokens // bs
         n = 0
@@ -100,7 +110,10 @@ class ReferenceConnector(KVConnectorBase_V1):
         keys = [bytes(request.block_hashes[i]) for i in range(local // bs, last)]
         if self.bug == "wrong_block" and len(keys) > 1:
             keys = keys[1:] + keys[:1]
-        self._plan.loads += [(key, ids[i]) for i, key in zip(range(local // bs, last), keys)]
+        loads = [(key, ids[i]) for i, key in zip(range(local // bs, last), keys)]
+        if self.fail_last_block:
+            self._plan.failed.append(loads.pop()[1])
+        self._plan.loads += loads
         if self.load_async:
             self._plan.async_reqs.append(rid)
 
@@ -153,6 +166,11 @@ class ReferenceConnector(KVConnectorBase_V1):
             self._view[block_id].copy_(data)
             self._add("bytes_loaded", data.numel())
         self._recving.update(meta.async_reqs)
+        self._errors.update(meta.failed)
+
+    def get_block_ids_with_load_errors(self):
+        errors, self._errors = self._errors, set()
+        return errors
 
     def wait_for_layer_load(self, layer_name):
         pass

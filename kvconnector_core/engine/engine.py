@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,8 +177,10 @@ class RunMetrics(msgspec.Struct):
         store_seconds: time the connector reports for stores.
         load_gbps: ``bytes_loaded / load_seconds / 1e9`` (0 without time).
         store_gbps: ``bytes_stored / store_seconds / 1e9``.
-        connector_stats: every other connector stats key, summed over steps.
-        connector_errors: per hook name, how many times the connector raised (contained).
+        connector_stats: every other connector stats number, summed over steps; nested
+            dicts give dotted keys (a MultiConnector's ``children.<child>.<key>``).
+        connector_errors: per hook name, how many times the connector raised (contained);
+            a MultiConnector's children as ``<child>.<hook>``.
         events: KV events emitted, by ``<Type>`` and ``<Type>[<medium>]``.
         steps: engine steps executed.
         wall_seconds: wall time of the run.
@@ -229,6 +231,19 @@ class RunResult(msgspec.Struct):
     outputs: dict[str, list[int]]
     statuses: dict[str, str]
     metrics: RunMetrics
+
+
+_HOOK_ERRORS = "hook_errors."
+
+
+def _numeric_leaves(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in ``stats`` with its dotted path (nested dicts, e.g. a MultiConnector's
+    ``children``, are walked so per-child numbers are reported too)."""
+    for key, value in stats.items():
+        if isinstance(value, Mapping):
+            yield from _numeric_leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
 
 
 def _gbps(num_bytes: float, seconds: float) -> float:
@@ -363,9 +378,8 @@ class Engine:
         self.num_steps += 1
         kv_out = runner_output.kv_connector_output
         if kv_out is not None and kv_out.kv_connector_stats:
-            for key, value in kv_out.kv_connector_stats.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.connector_stats[key] = self.connector_stats.get(key, 0) + value
+            for key, value in _numeric_leaves(kv_out.kv_connector_stats):
+                self.connector_stats[key] = self.connector_stats.get(key, 0) + value
         for event in self.scheduler.take_events():
             kind = type(event).__name__
             self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
@@ -454,8 +468,7 @@ class Engine:
         except Exception:  # noqa: BLE001 - stats are informational; never fail a run for them
             logger.exception("scheduler-side get_kv_connector_stats raised")
             return {}
-        return {k: v for k, v in stats.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)}
+        return dict(_numeric_leaves(stats))
 
     def _async_loading_ids(self) -> set[str]:
         from kvconnector_core.request import RequestStatus
@@ -477,6 +490,11 @@ class Engine:
         finished_ok = {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"}
         gpu_rate = stats.num_gpu_cache_hit_tokens / num_prompt if num_prompt else 0.0
         conn_rate = stats.num_connector_hit_tokens / num_prompt if num_prompt else 0.0
+        errors = self._connector_errors()
+        for key in [k for k in cstats if _HOOK_ERRORS in k]:
+            # A wrapper's contained errors (MultiConnector: "<child>.<hook>") are errors.
+            hook = key.split(_HOOK_ERRORS, 1)[1]
+            errors[hook] = errors.get(hook, 0) + int(cstats.pop(key))
         metrics = RunMetrics(
             num_requests=len(requests),
             num_finished=sum(1 for o in results.values() if o.status in finished_ok),
@@ -496,7 +514,7 @@ class Engine:
             load_gbps=_gbps(std["bytes_loaded"], std["load_seconds"]),
             store_gbps=_gbps(std["bytes_stored"], std["store_seconds"]),
             connector_stats=cstats,
-            connector_errors=self._connector_errors(),
+            connector_errors=dict(sorted(errors.items())),
             events=dict(sorted(self.event_counts.items())), steps=steps, wall_seconds=wall,
         )
         return RunResult(

@@ -176,6 +176,8 @@ class Scheduler:
         self._prompt_progress: dict[str, int] = {}
         # Requests the worker has been sent as NewRequestData (and not yet finished).
         self._sent_to_worker: set[str] = set()
+        # Per request with an async load in flight, where the load starts (its local hit).
+        self._async_load_start: dict[str, int] = {}
         # Requests aborted while loading whose connector also asked to delay the free.
         self._delay_free_after_load: set[str] = set()
         self.stats = SchedulerStats()
@@ -412,6 +414,7 @@ class Scheduler:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = num_computed
                 req.num_external_computed_tokens = num_external
+                self._async_load_start[req.request_id] = num_local
                 reserved += self._remaining_need(req)
                 skipped.append(req)
                 continue
@@ -519,7 +522,12 @@ class Scheduler:
                 kvm.free(req)  # nothing valid: start over as a fresh request
             else:
                 req.num_computed_tokens = kvm.rollback(req, req.num_computed_tokens)
+            # The blocks before the first bad one were loaded and are used: only the rest
+            # is recomputed.
+            self._account(req, "connector", self._async_load_start.pop(rid, req.num_computed_tokens),
+                          req.num_computed_tokens)
         else:
+            self._async_load_start.pop(rid, None)
             self._account(req, "connector", req.num_computed_tokens - req.num_external_computed_tokens,
                           req.num_computed_tokens)
         kvm.cache_blocks(req, req.num_computed_tokens)
@@ -564,6 +572,11 @@ class Scheduler:
                 req.num_computed_tokens = valid
                 self.failed_recving_kv_req_ids.add(rid)
                 continue
+            if rid in self._sync_load_reqs:
+                # This step's load is good up to the first bad block: count that part as
+                # loaded (only the rest is recomputed).
+                before = req.num_computed_tokens - num_scheduled.get(rid, 0)
+                self._account(req, "connector", before - req.num_external_computed_tokens, valid)
             req.num_computed_tokens = kvm.rollback(req, valid)
             if self.recompute_on_failure:
                 self.stats.num_failed_loads_recovered += 1
@@ -684,6 +697,7 @@ class Scheduler:
             req.kv_transfer_params = params
         self.finished_req_ids.add(rid)
         self._recompute_only.discard(rid)
+        self._async_load_start.pop(rid, None)
         self._prompt_progress.pop(rid, None)
         self._sent_to_worker.discard(rid)
         if keep_blocks:
