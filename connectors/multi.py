@@ -72,6 +72,7 @@ from kvconnector_core.connector.metadata import (
     encode_metadata,
 )
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
+from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import (
     ConfigError,
     ConnectorHookError,
@@ -106,6 +107,7 @@ __all__ = [
     "MultiKVConnectorMetadata",
     "MultiKVConnectorWorkerMetadata",
     "MultiLoad",
+    "MultiSettings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -213,6 +215,18 @@ class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):
 # -------------------------------------------------------------------- connector
 
 
+class MultiSettings(ConnectorSettings):
+    """MultiConnector's ``extra_config``.
+
+    Attributes:
+        connectors: the children's configs, in priority order (checked when they are created).
+        loader_policy: a key of :data:`LOADER_POLICIES`.
+    """
+
+    connectors: list[Any] | None = None
+    loader_policy: str = "longest"
+
+
 class MultiConnector(KVConnectorBase_V1):
     """Composes child connectors; see the module docstring for the semantics.
 
@@ -224,6 +238,7 @@ class MultiConnector(KVConnectorBase_V1):
     metadata_type: ClassVar[type[KVConnectorMetadata]] = MultiKVConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = True
+    settings_type: ClassVar[type[Any] | None] = MultiSettings
 
     def __init__(
         self,

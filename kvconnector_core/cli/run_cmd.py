@@ -101,11 +101,8 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     except UnknownConnectorError as exc:
         # The registry's message (the same as in configs and MultiConnector children).
         raise UnknownConnectorError(f"--connector: {exc}; or 'none' for no connector") from exc
-    extra: dict[str, Any] = {}
-    if DEFAULT_CONNECTOR in registry and cls is registry.get(DEFAULT_CONNECTOR):
-        # The CPU tier needs a size: four times the GPU pool.
-        extra = {"num_cpu_blocks": 4 * num_gpu_blocks}
-    return KVConnectorConfig(name=name, extra_config=extra)
+    # The connector's own demo settings (e.g. a CPU tier sized against the GPU pool).
+    return KVConnectorConfig(name=name, extra_config=cls.demo_extra_config(num_gpu_blocks))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -150,6 +150,11 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         requires_block_pool: the connector does nothing useful without
             ``bind_gpu_block_pool`` (e.g. it pins GPU blocks); engines without a
             block pool must refuse it.
+        settings_type: the connector's settings, a
+            :class:`~kvconnector_core.connector.settings.ConnectorSettings` Struct;
+            ``extra_config`` is converted to it on creation (unknown keys and bad
+            values are ConfigErrors naming the connector and the key) and kept in
+            :attr:`settings`. None: ``extra_config`` is passed through unchecked.
     """
 
     name: ClassVar[str] = ""
@@ -158,6 +163,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     supports_async_load: ClassVar[bool] = False
     has_sync_kv_loads: ClassVar[bool] = False
     requires_block_pool: ClassVar[bool] = False
+    settings_type: ClassVar[type[Any] | None] = None
 
     def __init__(
         self,
@@ -174,8 +180,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
                 groups); None only in unit tests that do not need it.
 
         Raises:
-            ConfigError: ``config`` is not a :class:`KVConnectorConfig` or
-                ``role`` is not a :class:`KVConnectorRole`.
+            ConfigError: ``config`` is not a :class:`KVConnectorConfig`,
+                ``role`` is not a :class:`KVConnectorRole`, or ``extra_config``
+                does not convert to :attr:`settings_type`.
         """
         if not isinstance(config, KVConnectorConfig):
             msg = (
@@ -196,6 +203,24 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         self._kv_cache_config = kv_cache_config
         self._connector_metadata: KVConnectorMetadata | None = None
         self._kv_cache_manager: KVCacheManager | None = None
+        self._settings: Any = None
+        if self.settings_type is not None:
+            from kvconnector_core.connector.settings import convert_settings
+
+            self._settings = convert_settings(self.name or type(self).__name__, self.settings_type,
+                                              config.extra_config)
+
+    @classmethod
+    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
+        """Settings for a demo run (``kvconnector run --connector NAME``) with no config file.
+
+        Args:
+            num_gpu_blocks: the GPU pool size of the run, to size a tier against.
+
+        Returns:
+            An ``extra_config``. Default: ``{}`` (the connector's defaults).
+        """
+        return {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} role={self._role.name}>"
@@ -211,6 +236,11 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     def config(self) -> KVConnectorConfig:
         """The config this instance was created with."""
         return self._config
+
+    @property
+    def settings(self) -> Any:
+        """``extra_config`` converted to :attr:`settings_type` (None without one)."""
+        return self._settings
 
     @property
     def kv_cache_config(self) -> KVCacheConfig | None:
