@@ -156,3 +156,12 @@ def test_duplicate_multiconnector_children_are_rejected(tmp_path, capsys):
     code, err = run_cli(capsys, "--config", str(config), "--no-baseline")
     assert code == 2
     assert "extra_config['connectors'][1] repeats child 0 ('cpu_offload' with the same settings)" in err
+
+
+def test_huge_max_new_tokens_is_a_bound_error(tmp_path, capsys):
+    """A trace request longer than the engine supports: a bound error naming the request size."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"arrival": 0, "prompt_token_ids": [1, 2], "max_new_tokens": 10**9}) + "\n")
+    code, err = run_cli(capsys, "--trace", str(trace), "--connector", "none")
+    assert code == 2
+    assert "has 1000000002 tokens (prompt + max_new_tokens); the engine supports at most 1048560" in err

@@ -12,7 +12,7 @@ import pytest
 
 from kvconnector_core.cli import main, run_cmd
 from kvconnector_core.connector.base import KVConnectorRole
-from kvconnector_core.connector.config import KVConnectorConfig, load_connector_config
+from kvconnector_core.connector.config import load_connector_config
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.connector.settings import ConnectorSettings, convert_settings
 from kvconnector_core.engine.engine import RunMetrics, RunResult

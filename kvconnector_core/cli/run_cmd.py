@@ -25,6 +25,7 @@ MAX_NUM_BATCHED_TOKENS = 256
 MAX_NUM_SEQS = 8
 # Room past the longest request, so its last tokens never meet the max_model_len cap.
 _MODEL_LEN_HEADROOM = 16
+MAX_MODEL_LEN = 2**20  # EngineConfig's bound (the integer model is exact up to it)
 MAX_NUM_GPU_BLOCKS = 2**24
 """Largest ``--num-gpu-blocks`` (a bound, not a promise that memory suffices)."""
 
@@ -135,6 +136,10 @@ def main(args: argparse.Namespace) -> int:
             return _fail(f"trace {args.trace} has no requests (the file is empty or blank)")
         longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in trace)
         max_model_len = longest + _MODEL_LEN_HEADROOM
+        if max_model_len > MAX_MODEL_LEN:
+            return _fail(f"the longest request of {trace.name!r} has {longest} tokens (prompt + "
+                         f"max_new_tokens); the engine supports at most "
+                         f"{MAX_MODEL_LEN - _MODEL_LEN_HEADROOM}")
         sizing = EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                               max_model_len=max_model_len)
         min_blocks = sizing.min_num_gpu_blocks
