@@ -155,7 +155,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         self._view = cross_layer_block_view(group_layers_by_storage(kv_caches)[0])
 
     def start_load_kv(self, forward_context=None):
-        meta = self._get_connector_metadata()
+        meta = self.get_connector_metadata()
         for key, block_id in meta.loads:
             data = self._store.get(key)
             if data is None:
@@ -179,7 +179,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         pass
 
     def wait_for_save(self):
-        for key, block_id in self._get_connector_metadata().stores:
+        for key, block_id in self.get_connector_metadata().stores:
             self._store[key] = self._view[block_id].clone()
             self._add("bytes_stored", self._store[key].numel())
 

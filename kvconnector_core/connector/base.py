@@ -282,8 +282,17 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """Return True while a plan is bound."""
         return self._connector_metadata is not None
 
+    def get_connector_metadata(self) -> KVConnectorMetadata:
+        """Return this step's plan (worker side): what ``build_connector_meta`` returned.
+
+        Raises:
+            InvariantError: no plan is bound (called outside a step's
+                ``bind_connector_metadata`` / ``clear_connector_metadata``).
+        """
+        return self._get_connector_metadata()
+
     def _get_connector_metadata(self) -> KVConnectorMetadata:
-        """Return the bound plan.
+        """Return the bound plan (vLLM's name; :meth:`get_connector_metadata` is the public one).
 
         Raises:
             InvariantError: no plan is bound (the hook was called outside
