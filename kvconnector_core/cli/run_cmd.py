@@ -48,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "installed; 'none' for no connector)")
     conn.add_argument("--config", metavar="FILE", help="connector config JSON file")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as JSON (with a per-step timeline)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw per-step hit rate and bytes moved per tier (needs matplotlib: "
+                             "pip install 'kvconnector[plot]')")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the no-connector run and the output comparison")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -174,6 +178,15 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"--trace {args.trace}: {exc.strerror or exc}")
     result = results[0]
     baseline = results[1] if len(results) > 1 else None
+    if args.plot:
+        from kvconnector_core.engine.timeline import plot_timeline
+
+        try:
+            plot_timeline(result, args.plot)
+        except ImportError as exc:
+            return _fail(str(exc))
+        except OSError as exc:
+            return _fail(f"--plot {args.plot}: {exc.strerror or exc}")
     if args.json:
         import json
 

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.engine.timeline import StepRecord, Timeline
 from kvconnector_core.engine.workloads import Trace, TraceRequest
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
@@ -223,6 +224,7 @@ class RunResult(msgspec.Struct):
         outputs: request id -> generated tokens, in trace order.
         statuses: request id -> final status name.
         metrics: the run's metrics.
+        timeline: one record per step: token sources and bytes moved per tier.
     """
 
     workload: str
@@ -231,6 +233,7 @@ class RunResult(msgspec.Struct):
     outputs: dict[str, list[int]]
     statuses: dict[str, str]
     metrics: RunMetrics
+    timeline: list[StepRecord] = msgspec.field(default_factory=list)
 
 
 _HOOK_ERRORS = "hook_errors."
@@ -298,6 +301,7 @@ class Engine:
         self.num_steps = 0
         self.event_counts: dict[str, int] = {}
         self.connector_stats: dict[str, float] = {}
+        self.timeline = Timeline(config.connector.name if config.connector is not None else "none")
         self._next_id = 0
         # Every id this engine has used, and ids a running trace will use later: auto ids
         # skip both, so they never collide with explicit ones.
@@ -365,9 +369,11 @@ class Engine:
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         kv_out = runner_output.kv_connector_output
-        if kv_out is not None and kv_out.kv_connector_stats:
-            for key, value in _numeric_leaves(kv_out.kv_connector_stats):
-                self.connector_stats[key] = self.connector_stats.get(key, 0) + value
+        step_stats = dict(_numeric_leaves(kv_out.kv_connector_stats)) if (
+            kv_out is not None and kv_out.kv_connector_stats) else {}
+        for key, value in step_stats.items():
+            self.connector_stats[key] = self.connector_stats.get(key, 0) + value
+        self.timeline.record(self.num_steps, self.scheduler.stats, step_stats)
         for event in self.scheduler.take_events():
             kind = type(event).__name__
             self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
@@ -416,6 +422,7 @@ class Engine:
         requests = sorted(given, key=lambda r: r.arrival)
         start = time.perf_counter()
         start_steps = self.num_steps
+        start_records = len(self.timeline.records)
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         next_req, idle = 0, 0
@@ -445,7 +452,9 @@ class Engine:
             if progress is not None:
                 progress(len(finished))
         wall = time.perf_counter() - start
-        return self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
+        result = self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
+        result.timeline = self.timeline.records[start_records:]
+        return result
 
     def _scheduler_connector_stats(self) -> dict[str, float]:
         connector = self.scheduler.connector
