@@ -139,11 +139,11 @@ def test_out_of_range_pool_size_is_a_bound_error(capsys, blocks):
 def test_unallocatable_pool_is_a_config_error():
     """A pool the allocator refuses is a ConfigError that gives the size, not a torch traceback."""
     from kvconnector_core.errors import ConfigError
-    from kvconnector_core.worker.kv_cache import allocate_kv_caches
     from kvconnector_core.testing import make_kv_cache_config
+    from kvconnector_core.worker.kv_cache import allocate_kv_caches
 
     config = make_kv_cache_config(num_blocks=2**50)
-    with pytest.raises(ConfigError, match="cannot allocate the KV cache of group 0 on cpu: .* GiB"):
+    with pytest.raises(ConfigError, match=r"cannot allocate the KV cache of group 0 on cpu: .* GiB"):
         allocate_kv_caches(config)
 
 

@@ -42,8 +42,8 @@ S = TypeVar("S", bound=msgspec.Struct)
 _AT = re.compile(r"^(?P<reason>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
-class ConnectorSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Base class of a connector's settings (keyword-only, frozen, unknown keys rejected)."""
+class ConnectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base class of a connector's settings (keyword-only, unknown keys rejected)."""
 
 
 def _literal_choices(settings_type: type, key: str) -> tuple[Any, ...]:

@@ -78,7 +78,7 @@ class Timeline:
         """Append the step: token counters are the deltas of the scheduler's cumulative stats."""
         now = (stats.num_prefill_tokens_computed, stats.num_gpu_cache_hit_tokens,
                stats.num_connector_hit_tokens)
-        computed, gpu, conn = (a - b for a, b in zip(now, self._seen))
+        computed, gpu, conn = (a - b for a, b in zip(now, self._seen, strict=True))
         self._seen = now
         placed = computed + gpu + conn
         self.records.append(StepRecord(
@@ -94,10 +94,10 @@ def plot_timeline(result: RunResult, path: str) -> None:
         ImportError: matplotlib is not installed (the message gives the install command).
     """
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
         matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         msg = ("--plot needs matplotlib, an optional dependency: pip install 'kvconnector[plot]' "
                "(or pip install matplotlib)")

@@ -38,6 +38,7 @@ Primitives: :class:`DataCheck`, :class:`DataCheckWorkload`, :class:`DataCheckRep
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -98,7 +99,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(_VOCAB) for _ in range(n)]
 
 
-def _trace(items: list[tuple[float, list[int], int]]) -> tuple[TraceRequest, ...]:
+def _trace(items: Sequence[tuple[float, list[int], int]]) -> tuple[TraceRequest, ...]:
     return tuple(TraceRequest(arrival=a, prompt_token_ids=p, max_new_tokens=m, request_id=f"r{i}")
                  for i, (a, p, m) in enumerate(items))
 
@@ -212,7 +213,7 @@ def _observe(engine: Engine, observer: _Recorder | _Checker) -> None:
         observer.after(so, out)
         return out
 
-    runner.execute_model = execute_model  # type: ignore[method-assign]
+    runner.execute_model = execute_model  # type: ignore[method-assign,assignment]
 
 
 class _Recorder:

@@ -172,7 +172,9 @@ class DiskConnector(KVConnectorBase_V1):
         import torch
 
         assert self._view is not None  # noqa: S101 - register_kv_caches ran
-        for name, block_id in self.get_connector_metadata().loads:
+        plan = self.get_connector_metadata()
+        assert isinstance(plan, DiskMetadata)  # noqa: S101 - our scheduler side built it
+        for name, block_id in plan.loads:
             try:
                 data = (self.directory / name).read_bytes()
             except OSError:
@@ -192,7 +194,9 @@ class DiskConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Write this step's blocks: temporary file, optional fsync, then an atomic rename."""
         assert self._view is not None  # noqa: S101 - register_kv_caches ran
-        for name, block_id in self.get_connector_metadata().stores:
+        plan = self.get_connector_metadata()
+        assert isinstance(plan, DiskMetadata)  # noqa: S101 - our scheduler side built it
+        for name, block_id in plan.stores:
             data = bytes(self._view[block_id].clone().cpu().untyped_storage())
             tmp = self.directory / f".{name}.{os.getpid()}.{next(self._tmp_names)}.tmp"
             with open(tmp, "wb") as f:

@@ -7,12 +7,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from disk_connector import DiskConnector
 
 from kvconnector_core.connector import KVConnectorConfig
 from kvconnector_core.connector.registry import get_registry
-from kvconnector_core.testing import ConnectorContract, DataCheck, data_check_workloads, run_data_check
-
-from disk_connector import DiskConnector
+from kvconnector_core.testing import (
+    ConnectorContract,
+    DataCheck,
+    data_check_workloads,
+    run_data_check,
+)
 
 # The kit's classes take their config at class creation: one directory for this module.
 DIRECTORY = tempfile.mkdtemp(prefix="kvconnector-disk-test-")
