@@ -26,7 +26,7 @@ import torch
 
 from kvconnector_core.connector.base import KVConnectorBase_V1
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
-from kvconnector_core.scheduler.output import yield_req_data
+from kvconnector_core.connector.planning import StorePlanner
 
 __all__ = ["BUGS", "ReferenceConnector", "ReferenceMetadata"]
 
@@ -68,7 +68,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         # scheduler side
         self._stored: set[bytes] = set()
         self._matched: dict[str, int] = {}
-        self._reqs: dict[str, list[Any]] = {}  # rid -> [request, block ids, next block to store]
+        self._planner = StorePlanner(self.block_size)
         self._plan = ReferenceMetadata()
         # worker side
         self._view: torch.Tensor | None = None
@@ -104,7 +104,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         end = local + num_external_tokens
         # Every block the claim touches, the one it ends in included.
         last = end // bs if self.bug == "partial_last_block" else -(-end // bs)
-        self._reqs[rid] = [request, ids, last]
+        self._planner.admit(request, ids, first_block=last)
         if num_external_tokens <= 0:
             return
         keys = [bytes(request.block_hashes[i]) for i in range(local // bs, last)]
@@ -118,32 +118,16 @@ class ReferenceConnector(KVConnectorBase_V1):
             self._plan.async_reqs.append(rid)
 
     def build_connector_meta(self, scheduler_output):
-        so = scheduler_output
-        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-        computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
-        new_ids = {n.req_id for n in so.scheduled_new_reqs}
-        for rid, added, resumed in yield_req_data(so):
-            state = self._reqs.get(rid)
-            if state is None:
-                continue
-            if resumed or rid in new_ids:
-                state[1] = list(added[0])
-            elif added:
-                state[1].extend(added[0])
-            request, ids, first = state
-            done = computed[rid] + so.num_scheduled_tokens.get(rid, 0)
-            full = min(done // self.block_size, len(request.block_hashes))
-            for i in range(first, full):
-                key = bytes(request.block_hashes[i])
-                if key not in self._stored:
-                    self._stored.add(key)  # the worker copies it in this step's wait_for_save
-                    self._plan.stores.append((key, ids[i]))
-            state[2] = max(first, full)
+        for request, index, block_id in self._planner.newly_full(scheduler_output):
+            key = bytes(request.block_hashes[index])
+            if key not in self._stored:
+                self._stored.add(key)  # the worker copies it in this step's wait_for_save
+                self._plan.stores.append((key, block_id))
         plan, self._plan = self._plan, ReferenceMetadata()
         return plan
 
     def request_finished(self, request, block_ids):
-        self._reqs.pop(request.request_id, None)
+        self._planner.forget(request.request_id)
         self._matched.pop(request.request_id, None)
         return False, None
 

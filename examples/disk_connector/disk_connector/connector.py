@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorTransferResults
+from kvconnector_core.connector.planning import StorePlanner
 from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import ConfigError
-from kvconnector_core.scheduler.output import yield_req_data
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +81,7 @@ class DiskConnector(KVConnectorBase_V1):
         self.fsync = settings.fsync
         # scheduler side
         self._matched: dict[str, int] = {}
-        self._reqs: dict[str, list[Any]] = {}  # rid -> [request, block ids, next block to store]
+        self._planner = StorePlanner(self.block_size)
         self._planned: set[str] = set()  # stored this run (files appear at the step's end)
         self._plan = DiskMetadata()
         # worker side
@@ -118,41 +118,24 @@ class DiskConnector(KVConnectorBase_V1):
         ids = list(blocks.get_block_ids()[0])
         start = self._matched.pop(rid, 0)
         end_block = -(-(start + num_external_tokens) // bs)
-        self._reqs[rid] = [request, ids, end_block]
+        self._planner.admit(request, ids, first_block=end_block)
         if num_external_tokens > 0:
             self._plan.loads += [(bytes(request.block_hashes[i]).hex(), ids[i])
                                  for i in range(start // bs, end_block)]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DiskMetadata:
         """Plan stores of the blocks that are full after this step; hand over the plan."""
-        so = scheduler_output
-        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        new_ids = {n.req_id for n in so.scheduled_new_reqs}
-        for rid, added, resumed in yield_req_data(so):
-            state = self._reqs.get(rid)
-            if state is None:
-                continue
-            if resumed or rid in new_ids:
-                state[1] = list(added[0])
-            elif added:
-                state[1].extend(added[0])
-            request, ids, first = state
-            done = computed[rid] + so.num_scheduled_tokens.get(rid, 0)
-            full = min(done // self.block_size, len(request.block_hashes))
-            for i in range(first, full):
-                name = bytes(request.block_hashes[i]).hex()
-                if not self._has(name):
-                    self._planned.add(name)
-                    self._plan.stores.append((name, ids[i]))
-            state[2] = max(first, full)
+        for request, index, block_id in self._planner.newly_full(scheduler_output):
+            name = bytes(request.block_hashes[index]).hex()
+            if not self._has(name):
+                self._planned.add(name)
+                self._plan.stores.append((name, block_id))
         plan, self._plan = self._plan, DiskMetadata()
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """Stores are synchronous: nothing holds the blocks."""
-        self._reqs.pop(request.request_id, None)
+        self._planner.forget(request.request_id)
         self._matched.pop(request.request_id, None)
         return False, None
 
