@@ -236,7 +236,9 @@ def test_sync_load_failure_rolls_back_to_first_invalid_block():
     assert out.scheduled_cached_reqs.num_computed_tokens == [BS]
     s.update_from_output(out, fake_model_output(s, out))
     assert s.stats.num_failed_loads_recovered == 1
-    assert s.stats.num_connector_hit_tokens == 0  # the failed load served nothing
+    # Block 0 loaded fine and is used; only the tokens from the bad block on are recomputed.
+    assert s.stats.num_connector_hit_tokens == BS
+    assert s.stats.num_prefill_tokens_computed == 16
     run_to_completion(s)
 
 

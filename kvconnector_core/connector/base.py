@@ -153,6 +153,11 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         requires_block_pool: the connector does nothing useful without
             ``bind_gpu_block_pool`` (e.g. it pins GPU blocks); engines without a
             block pool must refuse it.
+        settings_type: the connector's settings, a
+            :class:`~kvconnector_core.connector.settings.ConnectorSettings` Struct;
+            ``extra_config`` is converted to it on creation (unknown keys and bad
+            values are ConfigErrors naming the connector and the key) and kept in
+            :attr:`settings`. None: ``extra_config`` is passed through unchecked.
     """
 
     name: ClassVar[str] = ""
@@ -161,6 +166,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     supports_async_load: ClassVar[bool] = False
     has_sync_kv_loads: ClassVar[bool] = False
     requires_block_pool: ClassVar[bool] = False
+    settings_type: ClassVar[type[Any] | None] = None
 
     def __init__(
         self,
@@ -177,8 +183,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
                 groups); None only in unit tests that do not need it.
 
         Raises:
-            ConfigError: ``config`` is not a :class:`KVConnectorConfig` or
-                ``role`` is not a :class:`KVConnectorRole`.
+            ConfigError: ``config`` is not a :class:`KVConnectorConfig`,
+                ``role`` is not a :class:`KVConnectorRole`, or ``extra_config``
+                does not convert to :attr:`settings_type`.
         """
         if not isinstance(config, KVConnectorConfig):
             msg = (
@@ -199,6 +206,24 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         self._kv_cache_config = kv_cache_config
         self._connector_metadata: KVConnectorMetadata | None = None
         self._kv_cache_manager: KVCacheManager | None = None
+        self._settings: Any = None
+        if self.settings_type is not None:
+            from kvconnector_core.connector.settings import convert_settings
+
+            self._settings = convert_settings(self.name or type(self).__name__, self.settings_type,
+                                              config.extra_config)
+
+    @classmethod
+    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
+        """Settings for a demo run (``kvconnector run --connector NAME``) with no config file.
+
+        Args:
+            num_gpu_blocks: the GPU pool size of the run, to size a tier against.
+
+        Returns:
+            An ``extra_config``. Default: ``{}`` (the connector's defaults).
+        """
+        return {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} role={self._role.name}>"
@@ -214,6 +239,11 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     def config(self) -> KVConnectorConfig:
         """The config this instance was created with."""
         return self._config
+
+    @property
+    def settings(self) -> Any:
+        """``extra_config`` converted to :attr:`settings_type` (None without one)."""
+        return self._settings
 
     @property
     def kv_cache_config(self) -> KVCacheConfig | None:
@@ -255,8 +285,17 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """Return True while a plan is bound."""
         return self._connector_metadata is not None
 
+    def get_connector_metadata(self) -> KVConnectorMetadata:
+        """Return this step's plan (worker side): what ``build_connector_meta`` returned.
+
+        Raises:
+            InvariantError: no plan is bound (called outside a step's
+                ``bind_connector_metadata`` / ``clear_connector_metadata``).
+        """
+        return self._get_connector_metadata()
+
     def _get_connector_metadata(self) -> KVConnectorMetadata:
-        """Return the bound plan.
+        """Return the bound plan (vLLM's name; :meth:`get_connector_metadata` is the public one).
 
         Raises:
             InvariantError: no plan is bound (the hook was called outside
@@ -441,7 +480,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``(num_tokens, load_async)``: tokens loadable beyond
             ``num_computed_tokens`` (count only blocks available now; None =
             undecided, ask again next step), and whether the load is
-            asynchronous (False when the count is 0).
+            asynchronous (False when the count is 0). The count may cover
+            the whole prompt: see the full-prompt-hit rule in
+            :meth:`update_state_after_alloc`.
         """
 
     @abc.abstractmethod
@@ -452,6 +493,20 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         tokens too (a connector may still plan to save the request). May be
         called a second time for a request with an asynchronous load. Decide
         what to do from ``num_external_tokens``, not from ``blocks``.
+
+        **Full-prompt-hit rule.** ``num_external_tokens`` is this connector's own
+        answer, clamped to the prompt: load tokens ``[n, n + num_external_tokens)``
+        where ``n`` is the ``num_computed_tokens`` it was asked with, i.e. every
+        block that range touches, including a block it ends in part-way
+        (``cdiv(n + num_external_tokens, block_size)`` blocks in all). A claim may
+        cover the whole prompt: the engine still computes the last prompt token
+        (it needs its logits) after the load, rewriting that token's slot with
+        the same values. A claim that leaves nothing but the last token to load
+        counts as no load (``num_external_tokens=0``). vLLM 0.33 does the same
+        for asynchronous loads; its scheduler rejects a synchronous claim of the
+        whole prompt, so a connector meant for both engines claims at most
+        ``request.num_tokens - 1 - n`` tokens for synchronous loads (and still
+        loads the block the claim ends in).
 
         Args:
             request: the admitted request.

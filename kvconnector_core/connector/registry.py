@@ -69,6 +69,7 @@ from kvconnector_core.errors import (
     RegistryError,
     UnknownConnectorError,
 )
+from kvconnector_core._suggest import did_you_mean
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -330,8 +331,13 @@ class ConnectorRegistry:
             raise self._conflicts[name]
         canonical = self._lookup.get(name)
         if canonical is None:
-            available = ", ".join(self.names()) or "none"
-            msg = f"unknown connector {name!r}; available connectors: {available}"
+            # One message for every place a name is resolved (CLI, configs, MultiConnector
+            # children), with aliases, since configs accept them.
+            available = ", ".join(
+                e.name + (f" (aliases: {', '.join(e.aliases)})" if e.aliases else "")
+                for e in self.entries()) or "none"
+            msg = (f"unknown connector {name!r}{did_you_mean(name, self._lookup)}; "
+                   f"available connectors: {available}")
             if self.errors:
                 failed = "; ".join(f.plugin.describe() for f in self.errors)
                 msg += f" (plugins with errors, see `kvconnector list`: {failed})"

@@ -72,8 +72,9 @@ def report_dict(result: RunResult, baseline: RunResult | None = None) -> dict[st
         baseline: the no-connector run of the same trace, if any.
 
     Returns:
-        ``{"workload", "connector", "device", "metrics", "baseline_metrics"?, "comparison"?}``
-        (outputs are left out; they are in the RunResult).
+        ``{"workload", "connector", "device", "metrics", "baseline_metrics"?, "comparison"?,
+        "timeline"}`` (outputs are left out; they are in the RunResult; ``timeline`` is one
+        record per step, see :class:`~kvconnector_core.engine.timeline.StepRecord`).
     """
     out: dict[str, Any] = {
         "workload": result.workload,
@@ -84,6 +85,7 @@ def report_dict(result: RunResult, baseline: RunResult | None = None) -> dict[st
     if baseline is not None:
         out["baseline_metrics"] = msgspec.to_builtins(baseline.metrics)
         out["comparison"] = msgspec.to_builtins(compare_outputs(result, baseline))
+    out["timeline"] = msgspec.to_builtins(result.timeline)
     return out
 
 

@@ -1,6 +1,9 @@
 """The connector test kit: fixtures, a contract every connector must pass, fault injection.
 
 - :class:`ConnectorContract`: subclass it with ``connector_config = ...``.
+- :class:`DataCheck`: subclass it the same way; runs the engine with and without the
+  connector on small workloads and compares outputs and KV data block by block
+  (:func:`run_data_check`, :func:`data_check_workloads` without pytest).
 - :class:`FaultInjectingConnector`: make loads or stores fail, or hooks raise.
 - :class:`RecordingConnector`: a scriptable test double that records hook calls.
 - :data:`WORKER_STEP_HOOKS` / :func:`check_hook_order`: the reference worker hook order.
@@ -13,6 +16,13 @@
 from __future__ import annotations
 
 from kvconnector_core.testing.contract import ConnectorContract
+from kvconnector_core.testing.data_check import (
+    DataCheck,
+    DataCheckReport,
+    DataCheckWorkload,
+    data_check_workloads,
+    run_data_check,
+)
 from kvconnector_core.testing.factories import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -34,12 +44,16 @@ __all__ = [
     "NUM_BLOCKS",
     "WORKER_STEP_HOOKS",
     "ConnectorContract",
+    "DataCheck",
+    "DataCheckReport",
+    "DataCheckWorkload",
     "FaultInjectingConnector",
     "FaultMetadata",
     "InjectedFault",
     "RecordingConnector",
     "RecordingMetadata",
     "check_hook_order",
+    "data_check_workloads",
     "empty_scheduler_output",
     "make_block_pool",
     "make_connector_pair",
@@ -47,5 +61,6 @@ __all__ = [
     "make_kv_cache_manager",
     "make_kv_caches",
     "make_request",
+    "run_data_check",
     "scheduler_output_for",
 ]
