@@ -229,15 +229,14 @@ def test_engine_replica_with_lost_takes_ends_exact() -> None:
         events = take()
         if calls % 3 == 0 and events:
             resyncs += 1
-            conn._wire_events.clear()
-            events = snapshot_events(conn.manager, conn._chunk_info, 16)
+            events = list(conn.get_event_snapshot())  # what the guard sends after a failed take
         replica.apply(events)
         return events
 
     conn.take_events = lossy_take  # type: ignore[method-assign]
     result = eng.run(trace)
     assert result.metrics.bytes_stored > 0 and resyncs > 0
-    info = conn._chunk_info._info
+    info = conn.scheduler_side._chunk_info._info
     assert replica.held("CPU") == {to_external_hash(h) for k in conn.manager.ready_keys()
                                    for h in info[k].block_hashes}
     eng.shutdown()
