@@ -4,6 +4,7 @@ and its five pytest fixtures work (issue 9 item 9)."""
 from __future__ import annotations
 
 import subprocess
+import re
 import sys
 import textwrap
 
@@ -204,6 +205,7 @@ def test_connector_pair_fixture_reports_a_failing_shutdown(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "2 passed, 1 error" in out  # the test body passes; its teardown errors
+    # The test body passes; its teardown errors (torch may add its NumPy notice as a warning).
+    assert re.search(r"2 passed, (1 warning, )?1 error", out), out
     assert "1 connector(s) failed to shut down" in out and "BadShutdown (scheduler side)" in out
     assert "shutdown exploded" in out

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--json`` and ``--strict``."""
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--strict", action="store_true",
-                        help="kept for old scripts: a failed plugin now always exits with status 1")
+                        help="kept for old scripts: a failed plugin now always exits with status 2")
 
 
 def collect(registry: Any = None) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def main(args: argparse.Namespace, registry: Any = None) -> int:
-    """Print the listing; return 1 when a plugin failed or a name is conflicted, else 0."""
+    """Print the listing; return 2 when a plugin failed or a name is conflicted, else 0."""
     data = collect(registry)
     out = sys.stdout
     if getattr(args, "json", False):
@@ -128,7 +128,7 @@ def main(args: argparse.Namespace, registry: Any = None) -> int:
     if data["errors"] or data["conflicts"]:
         print(f"kvconnector list: {len(data['errors'])} plugin(s) failed to load, "
               f"{len(data['conflicts'])} conflicted name(s); see above", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
