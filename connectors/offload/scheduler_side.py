@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
+from connectors.offload.events import ChunkInfo, ChunkInfoTable, snapshot_events, to_wire_events
 from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
@@ -357,4 +357,14 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """
         self._translate_events()
         events, self._wire_events = self._wire_events, []
+        return events
+
+    def get_event_snapshot(self) -> list[KVCacheEvent]:
+        """A clear of the CPU medium, then every block the tier serves now; it supersedes
+        every event not yet returned (the guard's resync after a failed ``take_events``).
+        Nothing with events off."""
+        if not self.offload_config.enable_events:
+            return []
+        events = snapshot_events(self.manager, self._chunk_info, self.offload_config.gpu_block_size)
+        self._wire_events = []  # superseded by the snapshot
         return events
