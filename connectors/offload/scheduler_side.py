@@ -360,13 +360,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         return events
 
     def get_event_snapshot(self) -> list[KVCacheEvent]:
-        """A clear of the CPU medium, then every block the tier holds now (events on only).
-
-        The guard asks for it after ``take_events`` raised; the snapshot supersedes the
-        events still pending here, which are dropped.
-        """
+        """A clear of the CPU medium, then every block the tier serves now; it supersedes
+        every event not yet returned (the guard's resync after a failed ``take_events``).
+        Nothing with events off."""
         if not self.offload_config.enable_events:
             return []
-        snapshot = snapshot_events(self.manager, self._chunk_info, self.offload_config.gpu_block_size)
-        self._wire_events = []
-        return snapshot
+        events = snapshot_events(self.manager, self._chunk_info, self.offload_config.gpu_block_size)
+        self._wire_events = []  # superseded by the snapshot
+        return events
