@@ -144,10 +144,12 @@ class InMemoryConnector(KVConnectorBase_V1):
         it later would be wrong. The request rolls back and recomputes, and its blocks are
         saved again from the first invalid one.
         """
+        # The worker reports each step once: the step's stores are only needed now.
+        last, self._last_stores = self._last_stores, []
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
-        for rid, key, _ in self._last_stores:
+        for rid, key, _ in last:
             state = self._reqs.get(rid)
             if state is None or not any(b in invalid for g in state["blocks"] for b in g):
                 continue
