@@ -9,11 +9,12 @@ example + cpu_offload); ``memory`` (the in-memory reference connector of the tes
 write garbage and raise).
 
 Faults (:data:`FAULTS`): every hook of both roles raises at 1% (``raise_1pct``) or 10%
-(``raise_10pct``) of its calls, or one random hook raises once at a random step
-(``raise_once``); ``transfer_only`` raises nothing. All four run alongside the same
-transfer faults: 20% of loads fail, 10% of steps' stores fail, completions come up to two
-steps late. In ``multi`` the hooks of both children raise (MultiConnector contains them)
-and the transfer faults wrap the MultiConnector.
+(``raise_10pct``) of its calls; one hook raises at 10% (``hook_10pct``: the hook cycles
+with the seed, so each hook gets the same share of runs); one random hook raises once at a
+random step (``raise_once``); ``transfer_only`` raises nothing. All five run alongside the
+same transfer faults: 20% of loads fail, 10% of steps' stores fail, completions come up to
+two steps late. In ``multi`` the children's hooks raise (MultiConnector contains them;
+``raise_once`` picks one child) and the transfer faults wrap the MultiConnector.
 
 Checks per run (:class:`RunOutcome`, each expected 0): outputs that differ from the
 baseline; a deadlock (no finish within a step budget); an exception out of ``Engine.step``
@@ -57,7 +58,7 @@ __all__ = ["CHECKS", "CONNECTORS", "FAULTS", "RunOutcome", "make_trace", "run_ce
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 CONNECTORS = ("cpu_offload", "multi", "memory")
-FAULTS = ("transfer_only", "raise_1pct", "raise_10pct", "raise_once")
+FAULTS = ("transfer_only", "raise_1pct", "raise_10pct", "hook_10pct", "raise_once")
 CHECKS = ("wrong_output", "deadlock", "crash", "replica", "gpu_refs", "cpu_slots", "req_state",
           "failed_store_visible")
 """The per-run checks, in table order."""
@@ -77,6 +78,8 @@ class RunOutcome(msgspec.Struct):
         counts: check name -> what it counted (requests, steps, blocks, slots, ...).
         detail: first message per failing check.
         steps: engine steps the run took.
+        hooks: for single-hook faults, the raising hook as ``Connector.hook`` (``@step``
+            for a raise once).
         started: False when the engine refused to start (a hook raised while it was being
             built: ``bind_gpu_block_pool``, ``register_kv_caches``); such a run did no work and
             fails no check.
@@ -89,6 +92,7 @@ class RunOutcome(msgspec.Struct):
     detail: dict[str, str]
     steps: int = 0
     started: bool = True
+    hooks: list[str] = msgspec.field(default_factory=list)
 
     @property
     def failed(self) -> list[str]:
@@ -117,15 +121,22 @@ def _engine_config(seed: int, connector: KVConnectorConfig | None) -> EngineConf
                         max_model_len=_MAX_LEN, connector=connector)
 
 
-def _settings(fault: str, rng: random.Random, *, raises: bool, transfers: bool) -> FaultSettings:
+def _settings(fault: str, seed: int, rng: random.Random, *, raises: bool, transfers: bool) -> FaultSettings:
     raise_in: tuple[HookFault, ...] = ()
     if raises and fault in ("raise_1pct", "raise_10pct"):
         rate = 0.01 if fault == "raise_1pct" else 0.1
         raise_in = tuple(HookFault(hook=h, rate=rate) for h in _HOOKS)
+    elif raises and fault == "hook_10pct":
+        raise_in = (HookFault(hook=fault_hook(seed), rate=0.1),)
     return FaultSettings(load_failure_rate=0.2 if transfers else 0.0,
                          store_failure_rate=0.1 if transfers else 0.0,
                          completion_delay_steps=2 if transfers else 0,
                          raise_in=raise_in, seed=rng.randrange(2**31))
+
+
+def fault_hook(seed: int) -> str:
+    """The hook that raises in a ``hook_10pct`` run of this seed."""
+    return _HOOKS[seed % len(_HOOKS)]
 
 
 def _once(settings: FaultSettings, rng: random.Random) -> FaultSettings:
@@ -140,13 +151,13 @@ def connector_config(connector: str, fault: str, seed: int) -> KVConnectorConfig
         "num_cpu_blocks": rng.randrange(8, 25), "blocks_per_chunk": 1, "cache_policy": rng.choice(("lru", "arc"))}}
     if connector == "multi":
         children = [{"name": "ttl", "extra_config": {"ttl_seconds": 1000, "max_pinned_blocks": 4}}, offload]
-        child_settings = [_settings(fault, rng, raises=True, transfers=False) for _ in children]
+        child_settings = [_settings(fault, seed, rng, raises=True, transfers=False) for _ in children]
         if fault == "raise_once":
             k = rng.randrange(len(children))
             child_settings[k] = _once(child_settings[k], rng)
         wrapped = [fault_injection_config(c, s).to_dict() for c, s in zip(children, child_settings, strict=True)]
         multi = {"name": "MultiConnector", "extra_config": {"connectors": wrapped}}
-        return fault_injection_config(multi, _settings(fault, rng, raises=False, transfers=True))
+        return fault_injection_config(multi, _settings(fault, seed, rng, raises=False, transfers=True))
     if connector == "memory":
         load_async = rng.random() < 0.5
         inner: dict[str, Any] = {"name": "InMemoryConnector", "module_path": "_memory_connector", "extra_config": {
@@ -158,7 +169,7 @@ def connector_config(connector: str, fault: str, seed: int) -> KVConnectorConfig
     else:
         msg = f"unknown sweep connector {connector!r}; valid: {', '.join(CONNECTORS)}"
         raise ValueError(msg)
-    settings = _settings(fault, rng, raises=True, transfers=True)
+    settings = _settings(fault, seed, rng, raises=True, transfers=True)
     if fault == "raise_once":
         settings = _once(settings, rng)
     return fault_injection_config(inner, settings)
@@ -230,18 +241,20 @@ def run_cell(connector: str, fault: str, seed: int,
     trace = make_trace(seed)
     counts = dict.fromkeys(CHECKS, 0)
     detail: dict[str, str] = {}
+    config = connector_config(connector, fault, seed)
+    hooks = _single_hooks(config) if fault in ("hook_10pct", "raise_once") else []
     try:
-        eng = Engine(_engine_config(seed, connector_config(connector, fault, seed)))
+        eng = Engine(_engine_config(seed, config))
     except Exception as exc:  # noqa: BLE001 - refusing to start with a broken connector is no damage
         detail["startup_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        return RunOutcome(connector, fault, seed, counts, detail, started=False)
+        return RunOutcome(connector, fault, seed, counts, detail, started=False, hooks=hooks)
     try:
         driver = _Driver(eng, trace, budget=4 * base_steps + 200, replica=True)
         finished = driver.run()
     except Exception as exc:  # noqa: BLE001 - an exception out of the engine is a finding
         counts["crash"] = 1
         detail["crash"] = f"{type(exc).__name__}: {exc}"[:300]
-        return RunOutcome(connector, fault, seed, counts, detail)
+        return RunOutcome(connector, fault, seed, counts, detail, hooks=hooks)
     if not finished:
         counts["deadlock"] = 1
         detail["deadlock"] = f"unfinished after {eng.num_steps} steps: {sorted(eng.scheduler.requests)[:5]}"
@@ -268,4 +281,17 @@ def run_cell(connector: str, fault: str, seed: int,
         eng.shutdown()
     except Exception:  # noqa: BLE001,S110 - an injected shutdown fault; shutdown is not checked
         pass
-    return RunOutcome(connector, fault, seed, counts, detail, steps=eng.num_steps)
+    return RunOutcome(connector, fault, seed, counts, detail, steps=eng.num_steps, hooks=hooks)
+
+
+def _single_hooks(config: KVConnectorConfig) -> list[str]:
+    """``Inner.hook`` (``@step``) of every HookFault in a (possibly nested) fault config."""
+    out = []
+    extra = config.extra_config
+    inner = extra.get("inner", {})
+    for fault in extra.get("raise_in", ()):
+        at = f"@{fault['at_step']}" if fault.get("at_step") is not None else ""
+        out.append(f"{inner.get('name')}.{fault['hook']}{at}")
+    for child in inner.get("extra_config", {}).get("connectors", ()):
+        out += _single_hooks(KVConnectorConfig.from_dict(child))
+    return out
