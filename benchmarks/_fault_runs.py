@@ -101,22 +101,28 @@ class RunOutcome(msgspec.Struct):
 
 
 def make_trace(seed: int) -> list[TraceRequest]:
-    """6-10 short requests over 2-3 shared prefixes, some repeated, arriving over ~30 steps."""
+    """8-12 short requests over 3-5 prefixes, arriving a few steps apart, some prompts repeated.
+
+    The GPU pool holds about two prefixes, so a prefix that comes back has usually left
+    the GPU and is served by the connector (when it kept it).
+    """
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(512) for _ in range(rng.randrange(8, 29))] for _ in range(rng.randrange(2, 4))]
-    trace = []
-    for i in range(rng.randrange(6, 11)):
-        prompt = rng.choice(prefixes) + [rng.randrange(512) for _ in range(rng.randrange(1, 13))]
-        if trace and rng.random() < 0.25:
+    prefixes = [[rng.randrange(512) for _ in range(rng.randrange(12, 25))] for _ in range(rng.randrange(4, 8))]
+    trace: list[TraceRequest] = []
+    arrival = 0
+    for i in range(rng.randrange(8, 13)):
+        prompt = rng.choice(prefixes) + [rng.randrange(512) for _ in range(rng.randrange(4, 17))]
+        if trace and rng.random() < 0.2:
             prompt = list(rng.choice(trace).prompt_token_ids)  # an identical prompt (full hit)
-        trace.append(TraceRequest(arrival=rng.randrange(0, 30), prompt_token_ids=prompt,
+        trace.append(TraceRequest(arrival=arrival, prompt_token_ids=prompt,
                                   max_new_tokens=rng.randrange(2, 7), request_id=f"r{i}"))
-    return sorted(trace, key=lambda r: r.arrival)
+        arrival += rng.randrange(0, 9)
+    return trace
 
 
 def _engine_config(seed: int, connector: KVConnectorConfig | None) -> EngineConfig:
     rng = random.Random(f"{seed}:engine")
-    return EngineConfig(model=_MODEL, num_gpu_blocks=rng.randrange(18, 34), block_size=_BLOCK,
+    return EngineConfig(model=_MODEL, num_gpu_blocks=rng.randrange(18, 23), block_size=_BLOCK,
                         max_num_batched_tokens=rng.choice((16, 32, 64)), max_num_seqs=rng.choice((2, 4)),
                         max_model_len=_MAX_LEN, connector=connector)
 
@@ -148,7 +154,7 @@ def connector_config(connector: str, fault: str, seed: int) -> KVConnectorConfig
     """The fault-wrapped connector config of a cell and seed."""
     rng = random.Random(f"{seed}:{connector}:{fault}")
     offload = {"name": "cpu_offload", "extra_config": {
-        "num_cpu_blocks": rng.randrange(8, 25), "blocks_per_chunk": 1, "cache_policy": rng.choice(("lru", "arc"))}}
+        "num_cpu_blocks": rng.randrange(24, 73), "blocks_per_chunk": 1, "cache_policy": rng.choice(("lru", "arc"))}}
     if connector == "multi":
         children = [{"name": "ttl", "extra_config": {"ttl_seconds": 1000, "max_pinned_blocks": 4}}, offload]
         child_settings = [_settings(fault, seed, rng, raises=True, transfers=False) for _ in children]
