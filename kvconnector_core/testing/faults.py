@@ -95,11 +95,18 @@ class FaultMetadata(KVConnectorMetadata, kw_only=True):
         inner: the inner connector's metadata, msgpack-encoded.
         failed_loads: request id -> (block ids, is_async) of loads that fail.
         fail_stores: whether this step's stores fail.
+        step: the scheduler-side step that built the plan.
     """
 
     inner: msgspec.Raw
     failed_loads: dict[str, tuple[list[int], bool]] = msgspec.field(default_factory=dict)
     fail_stores: bool = False
+    step: int = 0
+
+
+# Steps whose completed blocks are remembered, so a plan reported failed later
+# (``plan_failed``) can mark its stores failed.
+_REMEMBERED_STEPS = 32
 
 
 class FaultInjectingConnector(KVConnectorBase_V1):
@@ -155,6 +162,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._step_failed: dict[str, tuple[list[int], bool]] = {}
         self._failed_hashes: set[bytes] = set()
         self._good_hashes: set[bytes] = set()
+        self._completed: dict[int, set[bytes]] = {}  # step -> hashes first marked stored by it
         self.failed_store_hits: list[FailedStoreHit] = []
         """Lookups that claimed blocks whose stores failed (should stay empty)."""
         # worker side
@@ -228,36 +236,43 @@ class FaultInjectingConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FaultMetadata:
         """Wrap the inner plan with this step's faults (or raise)."""
         fail_stores = self.store_failure_rate > 0 and self._rng.random() < self.store_failure_rate
-        self._note_completed_blocks(scheduler_output, failed=fail_stores)
+        step = self._step
+        self._note_completed_blocks(scheduler_output, step, failed=fail_stores)
         try:
             self._maybe_raise("build_connector_meta")
             inner = self.inner.build_connector_meta(scheduler_output)
         finally:
             self._step += 1
         meta = FaultMetadata(inner=msgspec.Raw(encode_metadata(inner)), failed_loads=self._step_failed,
-                             fail_stores=fail_stores)
+                             fail_stores=fail_stores, step=step)
         self._step_failed = {}
         return meta
 
-    def _note_completed_blocks(self, scheduler_output: SchedulerOutput, *, failed: bool) -> None:
+    def _note_completed_blocks(self, scheduler_output: SchedulerOutput, step: int, *, failed: bool) -> None:
         """Remember the hashes of the blocks this step completes: failed, or stored."""
         block_size = self._block_size()
-        if not block_size or (not failed and not self._failed_hashes):
+        if not block_size:
             return
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        completed: set[bytes] = set()
         for rid, done_before in computed.items():
             request = self._requests.get(rid)
             if request is None:
                 continue
             done = done_before + scheduler_output.num_scheduled_tokens.get(rid, 0)
-            hashes = {bytes(h) for h in request.block_hashes[done_before // block_size:done // block_size]}
-            if failed:
-                self._failed_hashes |= hashes - self._good_hashes
-            else:
-                self._good_hashes |= hashes
-                self._failed_hashes -= hashes
+            completed |= {bytes(h) for h in request.block_hashes[done_before // block_size:done // block_size]}
+        self._completed[step] = set() if failed else completed - self._good_hashes
+        self._completed.pop(step - _REMEMBERED_STEPS, None)
+        self._mark(completed, failed=failed)
+
+    def _mark(self, hashes: set[bytes], *, failed: bool) -> None:
+        if failed:
+            self._failed_hashes |= hashes - self._good_hashes
+        else:
+            self._good_hashes |= hashes
+            self._failed_hashes -= hashes
 
     def check_failed_stores_invisible(self) -> None:
         """Assert that no lookup claimed a block whose store failed.
@@ -289,16 +304,24 @@ class FaultInjectingConnector(KVConnectorBase_V1):
 
     def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
                     stores_failed: bool) -> None:
-        """Forward the inner plan (or raise)."""
+        """Forward the inner plan (or raise); a plan whose stores failed makes them failed stores."""
+        if not isinstance(connector_metadata, FaultMetadata):
+            return
+        if stores_failed:
+            # The blocks that step stored first are failed stores after all (blocks stored
+            # by an earlier step stay stored).
+            hashes = self._completed.pop(connector_metadata.step, set())
+            self._good_hashes -= hashes
+            self._mark(hashes, failed=True)
         self._maybe_raise("plan_failed")
-        if isinstance(connector_metadata, FaultMetadata):
-            inner = decode_metadata(connector_metadata.inner, self.inner.metadata_type)
-            self.inner.plan_failed(inner, loads_failed=loads_failed, stores_failed=stores_failed)
+        inner = decode_metadata(connector_metadata.inner, self.inner.metadata_type)
+        self.inner.plan_failed(inner, loads_failed=loads_failed, stores_failed=stores_failed)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """Forward (or raise)."""
+        """Forward; a raise comes after draining the inner events, so they are lost."""
+        events = list(self.inner.take_events())
         self._maybe_raise("take_events")
-        return self.inner.take_events()
+        return events
 
     def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
         """Forward the inner connector's event snapshot, where it has one."""
