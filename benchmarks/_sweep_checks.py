@@ -34,17 +34,35 @@ def _is_state(obj: Any) -> bool:
 
 def walk(roots: Iterable[Any]) -> Iterator[Any]:
     """Every connector-state object reachable from ``roots`` (each once), roots included."""
+    return (obj for obj, _ in walk_paths(roots))
+
+
+def walk_paths(roots: Iterable[Any]) -> Iterator[tuple[Any, str]]:
+    """Like :func:`walk`, with where each object was found (``Owner.attribute``)."""
     seen: set[int] = set()
-    stack = [r for r in roots if r is not None]
+    stack = [(r, type(r).__name__) for r in roots if r is not None]
     while stack:
-        obj = stack.pop()
+        obj, path = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        yield obj
-        for value in _children(obj):
+        yield obj, path
+        for name, value in _named_children(obj, path):
             if isinstance(value, dict | list | tuple | set | frozenset) or _is_state(value):
-                stack.append(value)
+                stack.append((value, name))
+
+
+def _named_children(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict | list | tuple | set | frozenset) or not _is_state(obj):
+        return [(path, v) for v in _children(obj)]
+    if isinstance(obj, FaultInjectingConnector):
+        return [(f"{type(obj.inner).__name__}", obj.inner)]
+    owner = type(obj).__name__
+    named = [(f"{owner}.{k}", v) for k, v in getattr(obj, "__dict__", {}).items()]
+    for cls in type(obj).__mro__:
+        named += [(f"{owner}.{slot}", getattr(obj, slot)) for slot in getattr(cls, "__slots__", ())
+                  if hasattr(obj, slot)]
+    return named
 
 
 def _children(obj: Any) -> Iterable[Any]:
@@ -150,12 +168,12 @@ def leftover_request_state(engine: Any, request_ids: set[str]) -> list[str]:
     the connector's state counts; the fault wrappers' own bookkeeping does not.
     """
     found: list[str] = []
-    for obj in walk([engine.scheduler_connector, engine.worker_connector]):
+    for obj, path in walk_paths([engine.scheduler_connector, engine.worker_connector]):
         if isinstance(obj, dict | list | tuple | set | frozenset):
             items = obj.keys() if isinstance(obj, dict) else obj
-            found += [f"{type(obj).__name__} holds {i!r}" for i in items if isinstance(i, str) and i in request_ids]
+            found += [f"{path} holds {i!r}" for i in items if isinstance(i, str) and i in request_ids]
         elif _is_state(obj):
-            found += [f"{type(obj).__name__} field = {v!r}" for v in _children(obj)
+            found += [f"{name} = {v!r}" for name, v in _named_children(obj, path)
                       if isinstance(v, str) and v in request_ids]
     return found
 

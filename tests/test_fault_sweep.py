@@ -89,7 +89,7 @@ def test_end_checks_are_clean_after_a_good_run_and_catch_planted_leaks():
     assert sc.leaked_gpu_refs(eng) == 1
     inner = eng.scheduler_connector.inner
     inner.__dict__["_planted"] = {"r0": object()}
-    assert sc.leftover_request_state(eng, ids) == ["dict holds 'r0'"]
+    assert sc.leftover_request_state(eng, ids) == [f"{type(inner).__name__}._planted holds 'r0'"]
 
 
 def test_summary_names_the_smallest_failing_seed():

@@ -193,3 +193,29 @@ def test_fault_injection_config_checks_its_settings():
     assert wrapped.load_failure_policy == "fail"
     built = FaultInjector(wrapped, KVConnectorRole.SCHEDULER)
     assert built.store_failure_rate == 0.5 and isinstance(built.inner, RecordingConnector)
+
+
+def test_a_plan_reported_failed_makes_its_stores_failed_stores():
+    """plan_failed(stores_failed=True) from the guard: that step's new blocks must stay invisible."""
+    sched, manager = _sched(0.0)
+    first = make_request(13, request_id="a")
+    assert manager.allocate_slots(first, first.num_tokens) is not None
+    sched.update_state_after_alloc(first, manager.get_blocks("a"), 0)
+    plan = sched.build_connector_meta(scheduler_output_for([(first, manager.get_block_ids("a"), 13)]))
+    sched.plan_failed(plan, loads_failed=False, stores_failed=True)
+    sched.get_num_new_matched_tokens(make_request(13, request_id="b"), 0)
+    assert [h.request_id for h in sched.failed_store_hits] == ["b"]
+
+
+def test_a_good_step_counts_every_full_block_of_its_requests_as_stored():
+    """A connector may store a prefix it missed in a later step: no false report then."""
+    sched, manager = _sched(1.0)
+    _compute(sched, manager, make_request(13, request_id="a"))  # stores fail
+    sched.store_failure_rate = 0.0
+    again = make_request(13, request_id="b")
+    assert manager.allocate_slots(again, again.num_tokens) is not None
+    sched.update_state_after_alloc(again, manager.get_blocks("b"), 0)
+    again.num_computed_tokens = 12  # a prefix hit: only the last token is computed
+    sched.build_connector_meta(scheduler_output_for([(again, manager.get_block_ids("b"), 1)]))
+    sched.get_num_new_matched_tokens(make_request(13, request_id="c"), 0)
+    sched.check_failed_stores_invisible()

@@ -249,7 +249,13 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         return meta
 
     def _note_completed_blocks(self, scheduler_output: SchedulerOutput, step: int, *, failed: bool) -> None:
-        """Remember the hashes of the blocks this step completes: failed, or stored."""
+        """Remember which block hashes this step's stores cover.
+
+        A failed step's stores are taken to be the blocks it completes; a good step may
+        store any full block of the requests it schedules (a connector may store blocks it
+        could not store earlier, or a prefix it missed), so all of them count as stored.
+        Erring this way a failed store can go unnoticed, but a good one is never reported.
+        """
         block_size = self._block_size()
         if not block_size:
             return
@@ -262,7 +268,8 @@ class FaultInjectingConnector(KVConnectorBase_V1):
             if request is None:
                 continue
             done = done_before + scheduler_output.num_scheduled_tokens.get(rid, 0)
-            completed |= {bytes(h) for h in request.block_hashes[done_before // block_size:done // block_size]}
+            first = done_before // block_size if failed else 0
+            completed |= {bytes(h) for h in request.block_hashes[first:done // block_size]}
         self._completed[step] = set() if failed else completed - self._good_hashes
         self._completed.pop(step - _REMEMBERED_STEPS, None)
         self._mark(completed, failed=failed)
