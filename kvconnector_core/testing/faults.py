@@ -331,7 +331,8 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         return events
 
     def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
-        """Forward the inner connector's event snapshot, where it has one."""
+        """Forward (or raise) the inner connector's event snapshot, where it has one."""
+        self._maybe_raise("get_event_snapshot")
         snapshot = getattr(self.inner, "get_event_snapshot", None)
         return snapshot() if snapshot is not None else ()
 
