@@ -39,7 +39,9 @@ def sweep(seeds: range, connectors: tuple[str, ...] = CONNECTORS, faults: tuple[
           verbose: bool = False) -> list[RunOutcome]:
     """Run every cell for every seed (one baseline per seed)."""
     outcomes = []
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
+        if verbose or (i and i % 20 == 0):
+            print(f"seed {seed} ({i}/{len(seeds)} done)", file=sys.stderr, flush=True)
         baseline = baseline_outputs(seed)
         for connector in connectors:
             for fault in faults:

@@ -37,8 +37,20 @@ def baselines():
     return {seed: fr.baseline_outputs(seed) for seed in QUICK_SEEDS}
 
 
-@pytest.mark.parametrize("fault", fr.FAULTS)
-@pytest.mark.parametrize("connector", fr.CONNECTORS)
+# Cells whose quick seeds still find damage, with what the sweep found; each is a strict
+# xfail, so the entry must go once its defect is fixed (see benchmarks/RESULTS.md).
+KNOWN_DAMAGE: dict[tuple[str, str], str] = {}
+
+
+def _cells():
+    for connector in fr.CONNECTORS:
+        for fault in fr.FAULTS:
+            reason = KNOWN_DAMAGE.get((connector, fault))
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            yield pytest.param(connector, fault, id=f"{connector}-{fault}", marks=marks)
+
+
+@pytest.mark.parametrize(("connector", "fault"), list(_cells()))
 def test_quick_sweep_finds_no_damage(connector, fault, baselines):
     outcomes = [fr.run_cell(connector, fault, seed, baselines[seed]) for seed in QUICK_SEEDS]
     failing = {o.seed: (o.failed, o.detail) for o in outcomes if o.failed}
