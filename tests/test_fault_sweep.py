@@ -22,16 +22,6 @@ from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 QUICK_SEEDS = range(3)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def baselines():
     return {seed: fr.baseline_outputs(seed) for seed in QUICK_SEEDS}
