@@ -139,13 +139,14 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         seed: int = 0,
     ) -> None:
         super().__init__(inner.config, inner.role, inner.kv_cache_config)
-        self.settings = FaultSettings(load_failure_rate=load_failure_rate, store_failure_rate=store_failure_rate,
-                                      raise_in=hook_faults(raise_in), completion_delay_steps=completion_delay_steps,
-                                      seed=seed)
+        # Not ``settings``: the base class's name for a connector's typed extra_config.
+        self.fault_settings = FaultSettings(
+            load_failure_rate=load_failure_rate, store_failure_rate=store_failure_rate,
+            raise_in=hook_faults(raise_in), completion_delay_steps=completion_delay_steps, seed=seed)
         self.inner = inner
         self.load_failure_rate = load_failure_rate
         self.store_failure_rate = store_failure_rate
-        self._hook_faults = {f.hook: f for f in self.settings.raise_in}
+        self._hook_faults = {f.hook: f for f in self.fault_settings.raise_in}
         self.raise_in = frozenset(self._hook_faults)
         # Separate streams, so adding a raising hook leaves the load/store pattern unchanged.
         self._rng = random.Random(seed)
@@ -411,7 +412,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         now: list[tuple[str, str, bool]] = [("send", r, False) for r in sorted(res.finished_sending)]
         now += [("recv", r, r in failed) for r in sorted(recving | self._failed_recv)]
         self._failed_recv = set()
-        delay = self.settings.completion_delay_steps
+        delay = self.fault_settings.completion_delay_steps
         for kind, req_id, is_failed in now:
             d = self._delay_rng.randint(0, delay) if delay else 0
             self.num_injected["late"] += d > 0
