@@ -4,7 +4,8 @@
 - :class:`DataCheck`: subclass it the same way; runs the engine with and without the
   connector on small workloads and compares outputs and KV data block by block
   (:func:`run_data_check`, :func:`data_check_workloads` without pytest).
-- :class:`FaultInjectingConnector`: make loads or stores fail, or hooks raise.
+- :class:`FaultInjectingConnector`: make loads or stores fail, hooks raise, completions come
+  late; :func:`fault_injection_config` wraps a connector config with it.
 - :class:`RecordingConnector`: a scriptable test double that records hook calls.
 - :data:`WORKER_STEP_HOOKS` / :func:`check_hook_order`: the reference worker hook order.
 - factories (also fixtures through the pytest plugin ``kvconnector_core.testing.plugin``):
@@ -35,7 +36,14 @@ from kvconnector_core.testing.factories import (
     make_request,
     scheduler_output_for,
 )
-from kvconnector_core.testing.faults import FaultInjectingConnector, FaultMetadata, InjectedFault
+from kvconnector_core.testing.fault_settings import FailedStoreHit, FaultSettings, HookFault
+from kvconnector_core.testing.faults import (
+    FaultInjectingConnector,
+    FaultInjector,
+    FaultMetadata,
+    InjectedFault,
+    fault_injection_config,
+)
 from kvconnector_core.testing.hook_order import WORKER_STEP_HOOKS, check_hook_order
 from kvconnector_core.testing.recording import RecordingConnector, RecordingMetadata
 
@@ -47,14 +55,19 @@ __all__ = [
     "DataCheck",
     "DataCheckReport",
     "DataCheckWorkload",
+    "FailedStoreHit",
     "FaultInjectingConnector",
+    "FaultInjector",
     "FaultMetadata",
+    "FaultSettings",
+    "HookFault",
     "InjectedFault",
     "RecordingConnector",
     "RecordingMetadata",
     "check_hook_order",
     "data_check_workloads",
     "empty_scheduler_output",
+    "fault_injection_config",
     "make_block_pool",
     "make_connector_pair",
     "make_kv_cache_config",
