@@ -42,7 +42,7 @@ clean:
 VLLM_VENV ?= .vllm-venv
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_REQS ?= ../shared/reference/vllm-0.33-cpu-requirements.txt
+VLLM_REQS ?= requirements/vllm-0.33-cpu.txt
 
 .PHONY: compare-vllm vllm-venv
 

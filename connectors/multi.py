@@ -196,6 +196,28 @@ class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):
 
     metadata: tuple[Any, ...]
 
+    def aggregate(self, other: MultiKVConnectorWorkerMetadata) -> MultiKVConnectorWorkerMetadata:
+        """Fold another worker's record of the same step, child by child (None + x = x).
+
+        Raises:
+            InvariantError: the records have different child counts, or a child's
+                record has no ``aggregate`` method.
+        """
+        if len(other.metadata) != len(self.metadata):
+            msg = (f"cannot aggregate MultiConnector worker metadata of {len(self.metadata)} and "
+                   f"{len(other.metadata)} children")
+            raise InvariantError(msg)
+        merged = []
+        for mine, theirs in zip(self.metadata, other.metadata, strict=True):
+            if mine is None or theirs is None:
+                merged.append(theirs if mine is None else mine)
+            elif hasattr(mine, "aggregate"):
+                merged.append(mine.aggregate(theirs))
+            else:
+                msg = f"child worker metadata {type(mine).__qualname__} has no aggregate(other)"
+                raise InvariantError(msg)
+        return MultiKVConnectorWorkerMetadata(tuple(merged))
+
 
 # -------------------------------------------------------------------- connector
 
@@ -247,6 +269,7 @@ class MultiConnector(KVConnectorBase_V1):
         self.requires_block_pool = any(c.requires_block_pool for c in self._children)  # type: ignore[misc]
         self._block_size = self._first_group_block_size(kv_cache_config)
         self._hook_errors: Counter[str] = Counter()
+        self._reported_hook_errors: Counter[str] = Counter()
         self._is_shut_down = False
         # scheduler side
         self._loader: dict[str, tuple[int, int, bool]] = {}  # req -> (child, local tokens, async)
@@ -695,16 +718,25 @@ class MultiConnector(KVConnectorBase_V1):
             stats = self._contained(i, "get_kv_connector_stats", child.get_kv_connector_stats, None)
             if stats:
                 per_child[self.labels[i]] = stats
-        if not per_child and not self._hook_errors:
+        # Stats are deltas since the previous call: report only the new hook errors.
+        new_errors = self._hook_errors - self._reported_hook_errors
+        self._reported_hook_errors = Counter(self._hook_errors)
+        if not per_child and not new_errors:
             return None
         out: dict[str, Any] = {"children": per_child}
         for key in STANDARD_STAT_KEYS:
             values = [s[key] for s in per_child.values() if isinstance(s, dict) and isinstance(s.get(key), (int, float))]
             if values:
                 out[key] = sum(values)
-        if self._hook_errors:
-            out["hook_errors"] = dict(self._hook_errors)
+        if new_errors:
+            out["hook_errors"] = dict(new_errors)
         return out
+
+    def reset_cache(self) -> bool | None:
+        """Reset every child; False if any child answered False (or raised)."""
+        results = [self._contained(i, "reset_cache", child.reset_cache, False)
+                   for i, child in enumerate(self._children)]
+        return all(r is not False for r in results)
 
     def shutdown(self) -> None:
         """Shut every child down (once); raise one ShutdownError listing every failure."""

@@ -40,6 +40,7 @@ from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.kv_events import MEDIUM_CPU
+from kvconnector_core.request import lora_name_of
 from kvconnector_core.scheduler.output import yield_req_data
 
 # transfer.METHODS, repeated so that validating a config does not import torch
@@ -106,13 +107,23 @@ class OffloadingConnectorMetadata(KVConnectorMetadata, kw_only=True):
 class OffloadWorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """Transfer jobs the worker finished since its last report (worker -> scheduler).
 
+    With several workers (tensor parallelism) every worker moves its own shard of
+    each job and reports it; :meth:`aggregate` folds the workers' reports into one
+    and keeps one entry per report, so the scheduler side completes a job only
+    once ``config.world_size`` reports have arrived (in any steps).
+
     Attributes:
-        done_job_ids: jobs that completed successfully.
+        done_job_ids: jobs that completed successfully (one entry per worker report).
         failed_job_ids: jobs that failed (stores are dropped, loads recomputed).
     """
 
     done_job_ids: list[int] = msgspec.field(default_factory=list)
     failed_job_ids: list[int] = msgspec.field(default_factory=list)
+
+    def aggregate(self, other: OffloadWorkerMetadata) -> OffloadWorkerMetadata:
+        """Fold another worker's report of the same step into this one (reports add up)."""
+        return OffloadWorkerMetadata(done_job_ids=self.done_job_ids + other.done_job_ids,
+                                     failed_job_ids=self.failed_job_ids + other.failed_job_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +319,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._wire_events: list[KVCacheEvent] = []
         self._reqs: dict[str, _ReqState] = {}
         self._jobs: dict[int, _JobRecord] = {}
+        self._job_reports: dict[int, tuple[int, bool]] = {}  # job -> (worker reports, all ok)
         self._job_ids = itertools.count()
         self._pending_loads: list[TransferJobSpec] = []
         self._delayed_free: list[str] = []
@@ -447,7 +459,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         hashes = request.block_hashes
         tokens = request.all_token_ids[chunk * f * bs:(chunk + 1) * f * bs]
         return ChunkInfo(tuple(hashes[chunk * f:(chunk + 1) * f]),
-                         hashes[chunk * f - 1] if chunk else None, list(tokens), request.lora_name)
+                         hashes[chunk * f - 1] if chunk else None, list(tokens), lora_name_of(request))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Complete the stores and loads the worker finished; forget sent requests.
@@ -461,9 +473,16 @@ class OffloadingConnector(KVConnectorBase_V1):
         for job_id, success in itertools.chain(
                 ((j, True) for j in meta.done_job_ids),
                 ((j, False) for j in meta.failed_job_ids)):
-            record = self._jobs.pop(job_id, None)
-            if record is None:
+            if job_id not in self._jobs:
                 continue
+            # Every worker moves its shard of a job: done once all have reported.
+            count, ok = self._job_reports.pop(job_id, (0, True))
+            count, ok = count + 1, ok and success
+            if count < self.config.world_size:
+                self._job_reports[job_id] = (count, ok)
+                continue
+            success = ok
+            record = self._jobs.pop(job_id)
             if record.is_store:
                 self.manager.complete_store(record.keys, success=success)
                 if not success:
@@ -479,6 +498,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             for job_id, record in list(self._jobs.items()):
                 if not record.is_store and record.req_id in connector_output.failed_recving:
                     del self._jobs[job_id]
+                    self._job_reports.pop(job_id, None)
                     self.manager.complete_load(record.keys)
         self._translate_events()
         for rid in connector_output.finished_sending:
@@ -677,7 +697,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         return ids
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Bytes and seconds moved since the last call (None when nothing moved)."""
+        """Bytes and seconds moved since the last call (None when nothing moved; the
+        scheduler side moves nothing and always answers None)."""
+        if self.role != KVConnectorRole.WORKER:
+            return None
         stats, self._stats = self._stats, {}
         return stats if any(stats.values()) else None
 

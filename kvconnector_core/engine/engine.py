@@ -231,6 +231,18 @@ class RunResult(msgspec.Struct):
     metrics: RunMetrics
 
 
+def _fold_stats(into: dict[str, float], stats: dict[str, Any]) -> None:
+    """Add one step's connector stats: counters are deltas (summed), ``"gauges"`` levels
+    (the latest value is kept, under ``gauges.<name>``)."""
+    for key, value in stats.items():
+        if key == "gauges" and isinstance(value, dict):
+            for name, level in value.items():
+                if isinstance(level, int | float) and not isinstance(level, bool):
+                    into[f"gauges.{name}"] = level
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            into[key] = into.get(key, 0) + value
+
+
 def _gbps(num_bytes: float, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
@@ -283,6 +295,7 @@ class Engine:
         self.num_steps = 0
         self.event_counts: dict[str, int] = {}
         self.connector_stats: dict[str, float] = {}
+        self.scheduler_connector_stats: dict[str, float] = {}
         self._next_id = 0
         # Every id this engine has used, and ids a running trace will use later: auto ids
         # skip both, so they never collide with explicit ones.
@@ -363,9 +376,8 @@ class Engine:
         self.num_steps += 1
         kv_out = runner_output.kv_connector_output
         if kv_out is not None and kv_out.kv_connector_stats:
-            for key, value in kv_out.kv_connector_stats.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.connector_stats[key] = self.connector_stats.get(key, 0) + value
+            _fold_stats(self.connector_stats, kv_out.kv_connector_stats)
+        _fold_stats(self.scheduler_connector_stats, self._scheduler_connector_stats())
         for event in self.scheduler.take_events():
             kind = type(event).__name__
             self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
@@ -445,17 +457,19 @@ class Engine:
         wall = time.perf_counter() - start
         return self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
 
-    def _scheduler_connector_stats(self) -> dict[str, float]:
+    def _scheduler_connector_stats(self) -> dict[str, Any]:
         connector = self.scheduler.connector
         if connector is None:
             return {}
         try:
-            stats = connector.get_kv_connector_stats() or {}
+            return connector.get_kv_connector_stats() or {}
         except Exception:  # noqa: BLE001 - stats are informational; never fail a run for them
             logger.exception("scheduler-side get_kv_connector_stats raised")
             return {}
-        return {k: v for k, v in stats.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the GPU prefix cache (the connector releases its pins first); False while requests run."""
+        return self.scheduler.reset_prefix_cache()
 
     def _async_loading_ids(self) -> set[str]:
         from kvconnector_core.request import RequestStatus
@@ -471,8 +485,9 @@ class Engine:
         num_prompt = stats.num_prompt_tokens
         cstats = dict(self.connector_stats)
         std = {k: cstats.pop(k, 0) for k in STANDARD_STATS_KEYS}
-        # Scheduler-side stats (e.g. the TTL connector's pins) are a snapshot at the end.
-        for key, value in self._scheduler_connector_stats().items():
+        # Scheduler-side stats (e.g. the TTL connector's pins): counters summed over the
+        # steps, gauges as last reported.
+        for key, value in self.scheduler_connector_stats.items():
             cstats[f"scheduler.{key}"] = value
         finished_ok = {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"}
         gpu_rate = stats.num_gpu_cache_hit_tokens / num_prompt if num_prompt else 0.0

@@ -1,0 +1,284 @@
+"""The vLLM ``KVConnectorBase_V1`` subclass that runs any kvconnector connector.
+
+vLLM creates :class:`KVConnectorAdapter` once per role, as it creates any
+connector; the adapter creates the kvconnector connector named in
+``kv_connector_extra_config["kvconnector"]`` through kvconnector's registry
+(built-ins and third-party entry points alike) and forwards every hook,
+translating the records at the boundary (see ``_records``) and passing thin
+views of vLLM's live objects (see ``_views``). The members vLLM reads that
+kvconnector's base lacks come from vLLM's base class, except those whose value
+depends on the wrapped connector, which are overridden here.
+
+Hook order. vLLM's GPU model runner calls ``handle_preemptions`` *before*
+``bind_connector_metadata``; kvconnector's runner calls it after. Both are
+allowed by kvconnector's contract (the hook gets the plan as its argument),
+and the adapter forwards in vLLM's order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1 as VllmConnectorBase,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole as VllmRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults as VllmTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+from kvconnector_core.connector.base import KVConnectorRole
+from kvconnector_core.connector.registry import create_connector, get_connector_class
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.integrations.vllm._layouts import block_dense_views
+from kvconnector_core.integrations.vllm._records import (
+    AdapterKVEvents,
+    AdapterMetadata,
+    AdapterStats,
+    AdapterWorkerMetadata,
+    connector_config_from_vllm,
+    kv_cache_config_from_vllm,
+    output_from_vllm,
+    to_vllm_events,
+)
+from kvconnector_core.integrations.vllm._views import BlockPoolView, SchedulerOutputView
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+    from kvconnector_core.connector.base import KVConnectorBase_V1
+
+__all__ = ["KVConnectorAdapter", "KVConnectorAdapterHMA"]
+
+logger = logging.getLogger(__name__)
+
+
+def _wrapped_class(vllm_config: VllmConfig) -> type[KVConnectorBase_V1]:
+    return get_connector_class(connector_config_from_vllm(vllm_config))
+
+
+class KVConnectorAdapter(VllmConnectorBase):
+    """Runs the kvconnector connector named in ``kv_connector_extra_config["kvconnector"]``.
+
+    Select it with ``kv_connector="KVConnectorAdapter"`` and
+    ``kv_connector_module_path="kvconnector_core.integrations.vllm"``. It does
+    not support vLLM's hybrid KV cache manager (HMA): vLLM turns HMA off for it,
+    or refuses an explicit HMA-on; use :class:`KVConnectorAdapterHMA` for a
+    connector that handles several KV cache groups.
+
+    Attributes:
+        connector: the wrapped kvconnector connector (this role's instance).
+    """
+
+    requires_several_groups: ClassVar[bool] = False
+
+    def __init__(self, vllm_config: VllmConfig, role: VllmRole, kv_cache_config: Any) -> None:
+        """Create the wrapped connector for ``role``.
+
+        Raises:
+            ConfigError: no or a bad ``kvconnector`` entry in the extra config, an
+                unsupported KV cache spec, or the wrapped connector's own config errors.
+            RegistryError: the wrapped connector's name is unknown.
+        """
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._kvc_config = connector_config_from_vllm(vllm_config)
+        self._kvc_kv_cache_config = kv_cache_config_from_vllm(kv_cache_config)
+        self.connector: KVConnectorBase_V1 = create_connector(
+            self._kvc_config, KVConnectorRole(role.value), self._kvc_kv_cache_config)
+        self._check_groups()
+        # Finished requests whose free the wrapped connector delayed, until reported sent.
+        self._delayed_frees: set[str] = set()
+        self._worker_events: list[Any] = []
+
+    def _check_groups(self) -> None:
+        groups = self._kvc_kv_cache_config.kv_cache_groups if self._kvc_kv_cache_config else []
+        several = bool(getattr(self.connector, "supports_multiple_kv_cache_groups", False))
+        if self.requires_several_groups and not several:
+            msg = (f"{type(self).__name__} declares HMA support, but the wrapped connector "
+                   f"{self._kvc_config.name!r} handles one KV cache group only; use "
+                   "KVConnectorAdapter (vLLM then turns HMA off) or --disable-hybrid-kv-cache-manager")
+            raise ConfigError(msg)
+        if len(groups) > 1 and not several:
+            msg = (f"the wrapped connector {self._kvc_config.name!r} handles one KV cache group, "
+                   f"but this model has {len(groups)}; run vLLM with --disable-hybrid-kv-cache-manager")
+            raise ConfigError(msg)
+
+    # ------------------------------------------------------------ capabilities
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False unless the wrapped connector says so: kvconnector's connectors are caches,
+        where a save dropped by a preemption is only a future miss."""
+        return bool(getattr(self.connector, "requires_kv_delivery", False))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The wrapped connector class's ``required_kv_cache_layout`` (None: any of the six)."""
+        return getattr(_wrapped_class(vllm_config), "required_kv_cache_layout", None)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AdapterStats:
+        """Rebuild stats shipped as ``to_dict()`` (vLLM's logger does this per interval)."""
+        return AdapterStats() if data is None else AdapterStats(data=data)
+
+    def has_pending_block_frees(self) -> bool:
+        """True while a finished request's blocks wait for its stores: vLLM then waits
+        for them instead of preempting when an allocation fails."""
+        return bool(self._delayed_frees)
+
+    # ------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Bind the wrapped connector to vLLM's block pool, and release its pins before
+        every prefix-cache reset.
+
+        vLLM resets the block pool first and calls ``reset_cache()`` only after; a
+        pool reset fails while any block is pinned (with ``reset_running_requests``
+        it raises). So the pool's ``reset_prefix_cache`` is wrapped to call the
+        connector's ``reset_cache()`` first.
+        """
+        self._kv_cache_manager = kv_cache_manager
+        pool = kv_cache_manager.block_pool
+        self.connector.bind_gpu_block_pool(BlockPoolView(pool))
+        pool_reset = pool.reset_prefix_cache
+
+        def reset_prefix_cache() -> bool:
+            if self.connector.reset_cache() is False:
+                return False
+            return pool_reset()
+
+        pool.reset_prefix_cache = reset_prefix_cache
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Forwarded (vLLM's Request is passed as is)."""
+        return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Forwarded (vLLM's KVCacheBlocks is passed as is)."""
+        self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> AdapterMetadata:
+        """The wrapped plan, in a vLLM metadata record."""
+        return AdapterMetadata(self.connector.build_connector_meta(SchedulerOutputView(scheduler_output)))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Translate vLLM's output (None sets, wrapped worker metadata) and forward it."""
+        out = output_from_vllm(connector_output)
+        self._delayed_frees -= out.finished_sending
+        events = connector_output.kv_cache_events
+        if events is not None:
+            self._worker_events += events.aggregate().get_all_events()
+        self.connector.update_connector_output(out)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forwarded; a delayed free is remembered until it is reported sent."""
+        delay, params = self.connector.request_finished(request, block_ids)
+        if delay:
+            self._delayed_frees.add(request.request_id)
+        return bool(delay), params
+
+    def take_events(self) -> list[Any]:
+        """The wrapped connector's events, then the workers', as vLLM event objects."""
+        events = to_vllm_events(self.connector.take_events())
+        events += self._worker_events
+        self._worker_events = []
+        return events
+
+    def reset_cache(self) -> bool | None:
+        """Forwarded (idempotent: the wrapped pool reset already called it once)."""
+        return self.connector.reset_cache()
+
+    # --------------------------------------------------------------- both sides
+
+    def get_kv_connector_stats(self) -> AdapterStats | None:
+        """The wrapped stats under vLLM's stats protocol (None when empty)."""
+        stats = AdapterStats.from_kvconnector(self.connector.get_kv_connector_stats())
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        """Forwarded."""
+        self.connector.shutdown()
+
+    # --------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Hand vLLM's per-layer tensors over as block-dense views (no copies; see ``_layouts``)."""
+        views: dict[str, torch.Tensor] = {}
+        for name, tensor in kv_caches.items():
+            views.update(block_dense_views(name, tensor))
+        self.connector.register_kv_caches(views)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Bind the wrapped plan."""
+        super().bind_connector_metadata(connector_metadata)
+        self.connector.bind_connector_metadata(connector_metadata.inner)
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind."""
+        super().clear_connector_metadata()
+        self.connector.clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
+        self.connector.handle_preemptions(kv_connector_metadata.inner)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Forwarded (model runner V2's extra keyword arguments are dropped)."""
+        self.connector.start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Forwarded."""
+        self.connector.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Forwarded."""
+        self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        """Forwarded."""
+        self.connector.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> VllmTransferResults:
+        """The wrapped results in vLLM's record."""
+        res = self.connector.get_transfer_results(set(finished_req_ids))
+        return VllmTransferResults(finished_sending=set(res.finished_sending),
+                                   finished_recving=set(res.finished_recving),
+                                   failed_recving=set(res.failed_recving))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Legacy form of :meth:`get_transfer_results`."""
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Forwarded."""
+        return set(self.connector.get_block_ids_with_load_errors())
+
+    def get_kv_connector_kv_cache_events(self) -> AdapterKVEvents | None:
+        """The wrapped worker's events (its optional hook of that name), or None."""
+        hook = getattr(self.connector, "get_kv_connector_kv_cache_events", None)
+        events = to_vllm_events(hook()) if hook is not None else []
+        return AdapterKVEvents(events) if events else None
+
+    def build_connector_worker_meta(self) -> AdapterWorkerMetadata | None:
+        """The wrapped worker metadata, foldable across workers (None when there is none)."""
+        meta = self.connector.build_connector_worker_meta()
+        return None if meta is None else AdapterWorkerMetadata(meta)
+
+
+class KVConnectorAdapterHMA(KVConnectorAdapter, SupportsHMA):
+    """:class:`KVConnectorAdapter` with vLLM's HMA enabled, for connectors that handle
+    several KV cache groups (``supports_multiple_kv_cache_groups``)."""
+
+    requires_several_groups: ClassVar[bool] = True
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the first group's block ids (kvconnector's contract)."""
+        return self.request_finished(request, block_ids[0])
+
