@@ -94,6 +94,10 @@ class KVConnectorAdapter(VllmConnectorBase):
         # Finished requests whose free the wrapped connector delayed, until reported sent.
         self._delayed_frees: set[str] = set()
         self._worker_events: list[Any] = []
+        # Requests whose load failed: vLLM asks the connector again when it
+        # re-admits them; they recompute instead (as kvconnector's scheduler does),
+        # so a persistently failing tier cannot livelock them.
+        self._recompute_only: set[str] = set()
 
     def _check_groups(self) -> None:
         groups = self._kvc_kv_cache_config.kv_cache_groups if self._kvc_kv_cache_config else []
@@ -155,7 +159,9 @@ class KVConnectorAdapter(VllmConnectorBase):
         pool.reset_prefix_cache = reset_prefix_cache
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Forwarded (vLLM's Request is passed as is)."""
+        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load."""
+        if request.request_id in self._recompute_only:
+            return 0, False
         return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -170,6 +176,7 @@ class KVConnectorAdapter(VllmConnectorBase):
         """Translate vLLM's output (None sets, wrapped worker metadata) and forward it."""
         out = output_from_vllm(connector_output)
         self._delayed_frees -= out.finished_sending
+        self._recompute_only |= out.failed_recving
         events = connector_output.kv_cache_events
         if events is not None:
             self._worker_events += events.aggregate().get_all_events()
@@ -177,6 +184,7 @@ class KVConnectorAdapter(VllmConnectorBase):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forwarded; a delayed free is remembered until it is reported sent."""
+        self._recompute_only.discard(request.request_id)
         delay, params = self.connector.request_finished(request, block_ids)
         if delay:
             self._delayed_frees.add(request.request_id)
