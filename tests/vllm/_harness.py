@@ -8,9 +8,7 @@ against its hash (:meth:`VllmRig.check_blocks`).
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +16,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
@@ -43,34 +33,15 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-ADAPTER = {"kv_connector": "KVConnectorAdapter",
-           "kv_connector_module_path": "kvconnector_core.integrations.vllm"}
-LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-EOS = 2
-_OPT_125M = {
-    "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768,
-    "num_attention_heads": 12, "num_hidden_layers": 12, "ffn_dim": 3072,
-    "word_embed_proj_dim": 768, "max_position_embeddings": 2048, "vocab_size": 50272,
-    "torch_dtype": "float16", "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1,
-    "do_layer_norm_before": True, "activation_function": "relu",
-}
-_MODEL_DIR: str | None = None
+from kvconnector_core.integrations.vllm.cpu_config import adapter_extra_config, make_vllm_config  # noqa: E402
+
 init_none_hash(sha256)
 
-
-def model_dir() -> str:
-    """A directory holding only opt-125m's config.json (made once per process)."""
-    global _MODEL_DIR
-    if _MODEL_DIR is None:
-        _MODEL_DIR = tempfile.mkdtemp(prefix="kvc-vllm-model-")
-        with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
-            json.dump(_OPT_125M, f)
-    return _MODEL_DIR
-
-
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+EOS = 2
 def connector(name: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """``kv_connector_extra_config`` naming a kvconnector connector."""
-    return {"kvconnector": {"name": name, "extra_config": extra or {}}}
+    return adapter_extra_config(name, extra)
 
 
 def offload(num_cpu_blocks: int = 64, **extra: Any) -> dict[str, Any]:
@@ -81,24 +52,6 @@ def offload(num_cpu_blocks: int = 64, **extra: Any) -> dict[str, Any]:
 def multi(*children: dict[str, Any]) -> dict[str, Any]:
     """A kvconnector MultiConnector of the given ``connector()`` configs."""
     return connector("MultiConnector", {"connectors": [c["kvconnector"] for c in children]})
-
-
-def make_vllm_config(extra_config: dict[str, Any], *, block_size: int = 16, max_num_seqs: int = 8,
-                     max_num_batched_tokens: int = 256, max_model_len: int = 512,
-                     hma: bool | None = None, load_failure_policy: str = "recompute",
-                     kv_transfer: dict[str, Any] | None = None) -> VllmConfig:
-    """A CPU VllmConfig with the adapter selected (``hma=None`` is vLLM's default, auto)."""
-    model = ModelConfig(model=model_dir(), dtype="float16", trust_remote_code=True,
-                        skip_tokenizer_init=True, max_model_len=max_model_len)
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, enable_chunked_prefill=True,
-                            is_encoder_decoder=False, disable_hybrid_kv_cache_manager=(
-                                None if hma is None else not hma))
-    ktc = KVTransferConfig(**{**ADAPTER, "kv_role": "kv_both", "kv_connector_extra_config": extra_config,
-                              "kv_load_failure_policy": load_failure_policy, **(kv_transfer or {})})
-    return VllmConfig(model_config=model, scheduler_config=sched,
-                      cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-                      kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
 
 
 @dataclass
