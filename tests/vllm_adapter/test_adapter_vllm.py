@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
+pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
 
 import torch  # noqa: E402
 from _harness import LAYOUTS, VllmRig, connector, make_vllm_config, multi, offload  # noqa: E402
@@ -288,3 +288,27 @@ def test_connector_events_reach_vllm_as_vllm_events():
 
     batch = msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=stored)), type=KVEventBatch)
     assert batch.events == stored
+
+
+# ----------------------------------------------------- the suite catches bad translations
+def test_a_translation_that_copies_instead_of_viewing_is_caught(monkeypatch):
+    """If the adapter handed the connector a copy of vLLM's tensor (reordered, then cloned),
+    stores would read stale bytes and loads land in the copy: the byte check must fail."""
+    from kvconnector_core.integrations.vllm import _adapter
+
+    monkeypatch.setattr(_adapter, "block_dense_views",
+                        lambda name, t: {name: t.permute(0, 2, 1, 3).clone()})
+    rig = VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        _store_reset_load(rig, [prompt(1, 67)])
+
+
+def test_a_translation_that_ignores_the_layout_is_caught(monkeypatch):
+    """Treating LBNHC like LBHNC (split per head, no reorder) is refused at registration."""
+    from kvconnector_core.errors import ConfigError
+    from kvconnector_core.integrations.vllm import _adapter
+
+    monkeypatch.setattr(_adapter, "block_dense_views",
+                        lambda name, t: {f"{name}#h{i}": t[:, i] for i in range(t.shape[1])})
+    with pytest.raises(ConfigError, match="must be one contiguous chunk"):
+        VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)
