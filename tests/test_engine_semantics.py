@@ -9,8 +9,8 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
-from connectors.offload.connector import OffloadWorkerMetadata
-from connectors.multi import MultiKVConnectorWorkerMetadata
+from connectors.multi_records import MultiKVConnectorWorkerMetadata
+from connectors.offload.records import OffloadWorkerMetadata
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.request import Request, lora_name_of
@@ -81,7 +81,7 @@ def test_offload_events_carry_the_lora_name_without_request_lora_name():
                                KVConnectorRole.SCHEDULER, make_kv_cache_config())
     vllm_like = SimpleNamespace(request_id="v", block_hashes=[b"h0", b"h1"], all_token_ids=list(range(8)),
                                 lora_request=SimpleNamespace(lora_name="ad"))
-    assert conn._describe(vllm_like, 1).lora_name == "ad"  # noqa: SLF001
+    assert conn.scheduler_side._describe(vllm_like, 1).lora_name == "ad"  # noqa: SLF001
 
 
 def test_worker_metadata_folds_across_workers():
@@ -94,12 +94,13 @@ def test_worker_metadata_folds_across_workers():
 
 def test_offload_store_is_visible_only_after_every_worker_reported_it():
     """With world_size=2 (two TP workers inside vLLM) one worker's report does not complete a store."""
-    from connectors.offload.connector import OffloadingConnector, _JobRecord
+    from connectors.offload.connector import OffloadingConnector
+    from connectors.offload.scheduler_side import _JobRecord
     from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
     from kvconnector_core.testing import make_kv_cache_config
 
     cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8}, world_size=2)
-    conn = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config())
+    conn = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
     assert conn.manager.prepare_store([b"k"]) is not None
     conn._jobs[0] = _JobRecord("r", (b"k",), is_store=True)  # noqa: SLF001 - a planned store job
     report = KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerMetadata(done_job_ids=[0]))

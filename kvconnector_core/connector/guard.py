@@ -27,6 +27,7 @@ Primitives: :class:`GuardedScheduler`, :class:`GuardedWorker` (in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,16 @@ logger = logging.getLogger(__name__)
 MAX_UNDELIVERED_OUTPUTS = 64
 """Worker reports kept for redelivery after ``update_connector_output`` raised; beyond
 this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
+
+
+def _replace(record: Any, **changes: Any) -> Any:
+    """A copy of ``record`` with ``changes``: kvconnector's records are msgspec Structs;
+    another engine's (vLLM's dataclasses, or a view with ``replace``) work too."""
+    if isinstance(record, msgspec.Struct):
+        return msgspec.structs.replace(record, **changes)
+    if dataclasses.is_dataclass(record):
+        return dataclasses.replace(record, **changes)
+    return record.replace(**changes)
 
 
 class GuardedScheduler:
@@ -180,7 +191,7 @@ class GuardedScheduler:
                               or any(r in hidden for r in cached.req_ids)):
             return so
         keep = [i for i, r in enumerate(cached.req_ids) if r not in hidden]
-        shown = msgspec.structs.replace(
+        shown = _replace(
             cached,
             req_ids=[cached.req_ids[i] for i in keep],
             resumed_req_ids=cached.resumed_req_ids - hidden,
@@ -190,7 +201,7 @@ class GuardedScheduler:
             num_output_tokens=[cached.num_output_tokens[i] for i in keep] if cached.num_output_tokens else [],
         )
         num_scheduled = {r: n for r, n in so.num_scheduled_tokens.items() if r not in hidden}
-        return msgspec.structs.replace(
+        return _replace(
             so, scheduled_new_reqs=[n for n in so.scheduled_new_reqs if n.req_id not in hidden],
             scheduled_cached_reqs=shown, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()))

@@ -120,7 +120,7 @@ def test_tensor_parallel_workers_aggregate_jobs_and_delayed_frees(num_workers):
             freed_at = rig.stats.steps
             assert rig.free_blocks() == rig.kv_cache_config.num_blocks - 1
     assert pending_seen and freed_at is not None
-    assert not rig.connector.connector._jobs  # every store job completed (both workers reported)
+    assert not rig.connector.connector.scheduler_side._jobs  # every store job completed (both reported)
     assert rig.scheduler.reset_prefix_cache() is True
     rig.wipe()
     rig.add(prompt(3, 64 + 3), max_tokens=1)
@@ -253,9 +253,9 @@ def test_failed_loads_are_reported_and_recomputed_by_vllm():
     assert rig.scheduler.reset_prefix_cache() is True
     rig.wipe()
     sched_side = rig.connector
-    sched_side.connector = FaultInjectingConnector(sched_side.connector, load_failure_rate=1.0)
-    for w in rig.workers:
-        w.connector = FaultInjectingConnector(w.connector, load_failure_rate=1.0)
+    for adapter in (sched_side, *rig.workers):  # the wrapped connector, behind the guard
+        guard = adapter._sched or adapter._worker  # noqa: SLF001
+        adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, load_failure_rate=1.0)
     rid = rig.add(p, max_tokens=2)
     rig.run()  # the checker verifies every block: the recomputed bytes are right
     # One failed load; vLLM then recomputes the prompt (the adapter answers its
@@ -263,6 +263,37 @@ def test_failed_loads_are_reported_and_recomputed_by_vllm():
     assert sched_side.connector.num_injected["loads"] == 1
     assert rig.stats.scheduled_tokens[rid] == 67 + 1
     assert rig.stats.finished == 2
+    assert_no_leak(rig)
+
+
+@pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                                  "update_connector_output", "request_finished", "bind_connector_metadata",
+                                  "start_load_kv", "wait_for_save", "get_block_ids_with_load_errors",
+                                  "build_connector_worker_meta"])
+def test_a_raising_hook_is_contained_inside_vllm(hook):
+    """Through the guard, a connector hook that raises (every time) inside vLLM costs hits,
+    never data: every request finishes, every block holds the right bytes, nothing leaks.
+
+    (A connector whose get_transfer_results always raises never reports its transfers;
+    that stalls any engine and is not in this list.)"""
+    from kvconnector_core.testing import FaultInjectingConnector
+
+    rig = VllmRig(offload(64), num_gpu_blocks=40)
+    prompts = [prompt(20 + i, 67) for i in range(3)]
+    for p in prompts:
+        rig.add(p, max_tokens=2)
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache() is True
+    rig.wipe()
+    for adapter in (rig.connector, *rig.workers):
+        guard = adapter._sched or adapter._worker  # noqa: SLF001
+        adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, raise_in={hook})
+    for p in prompts:
+        rig.add(p, max_tokens=2)
+    rig.run()  # byte-checked every step
+    faulty = [a.connector for a in (rig.connector, *rig.workers)]
+    assert sum(f.num_injected["raises"] for f in faulty) > 0
+    assert rig.stats.finished == 6
     assert_no_leak(rig)
 
 
@@ -304,11 +335,12 @@ def test_a_translation_that_copies_instead_of_viewing_is_caught(monkeypatch):
 
 
 def test_a_translation_that_ignores_the_layout_is_caught(monkeypatch):
-    """Treating LBNHC like LBHNC (split per head, no reorder) is refused at registration."""
-    from kvconnector_core.errors import ConfigError
+    """Treating LBNHC like LBHNC (split per head, no reorder) is refused at registration
+    (the guard reports the connector's error; registration is not contained)."""
+    from kvconnector_core.errors import ConnectorHookError
     from kvconnector_core.integrations.vllm import _adapter
 
     monkeypatch.setattr(_adapter, "block_dense_views",
                         lambda name, t: {f"{name}#h{i}": t[:, i] for i in range(t.shape[1])})
-    with pytest.raises(ConfigError, match="must be one contiguous chunk"):
+    with pytest.raises(ConnectorHookError, match="must be one contiguous chunk"):
         VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)

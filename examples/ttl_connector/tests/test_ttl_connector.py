@@ -328,7 +328,7 @@ def test_pins_do_not_block_a_prefix_cache_reset():
     eng = Engine(EngineConfig(connector={"name": "ttl", "extra_config": {"ttl_seconds": 1e6}},
                               num_gpu_blocks=32, block_size=16, max_model_len=256))
     eng.run(trace)
-    ttl = eng.scheduler.connector
+    ttl = eng.scheduler_connector
     assert ttl.num_pinned_blocks > 0
     assert eng.scheduler.kv_cache_manager.reset_prefix_cache() is False  # the pins hold blocks
     assert eng.reset_prefix_cache() is True

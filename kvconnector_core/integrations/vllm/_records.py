@@ -114,12 +114,16 @@ def output_from_vllm(output: VllmOutput) -> KVConnectorOutput:
     Stats and events are not carried: the adapter handles both itself.
     """
     meta = output.kv_connector_worker_meta
+    if not isinstance(meta, AdapterWorkerMetadata):
+        meta = AdapterWorkerMetadata()
     return KVConnectorOutput(
         finished_sending=set(output.finished_sending or ()),
         finished_recving=set(output.finished_recving or ()),
         failed_recving=set(output.failed_recving or ()),
         invalid_block_ids=set(output.invalid_block_ids or ()),
-        kv_connector_worker_meta=meta.inner if isinstance(meta, AdapterWorkerMetadata) else None,
+        kv_connector_worker_meta=meta.inner,
+        loads_failed=meta.loads_failed,
+        stores_failed=meta.stores_failed,
     )
 
 
@@ -137,20 +141,40 @@ def to_vllm_events(events: Any) -> list[Any]:
 
 @dataclass
 class AdapterMetadata(VllmMetadata):
-    """The wrapped connector's plan, carried in vLLM's ``SchedulerOutput`` (pickled)."""
+    """The wrapped connector's plan, carried in vLLM's ``SchedulerOutput`` (pickled).
+
+    Attributes:
+        inner: the wrapped connector's plan (None when its ``build_connector_meta``
+            raised: the guard then skips the step's loads and stores).
+        failed_recving: requests whose asynchronous load the scheduler side already
+            knows failed (the connector raised while planning it); the worker reports
+            them finished and failed, so vLLM stops waiting and recomputes.
+        invalid_block_ids: blocks of synchronous loads that will not happen, for the
+            same reason; the worker reports them as load errors.
+    """
 
     inner: Any = None
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 @dataclass
 class AdapterWorkerMetadata(VllmWorkerMetadata):
-    """The wrapped connector's worker metadata, folded across TP/PP workers.
+    """The wrapped connector's worker metadata and the guard's step flags, folded across
+    TP/PP workers.
 
     Folding uses the record's own ``aggregate(other)`` (kvconnector's contract for
-    worker metadata that several workers produce).
+    worker metadata that several workers produce); a flag is set if any worker set it.
+
+    Attributes:
+        inner: the wrapped connector's ``build_connector_worker_meta()`` result.
+        loads_failed: a worker hook failed so that the step's loads may not have run.
+        stores_failed: likewise for the step's stores.
     """
 
     inner: Any = None
+    loads_failed: bool = False
+    stores_failed: bool = False
 
     def aggregate(self, other: VllmWorkerMetadata) -> AdapterWorkerMetadata:
         """Fold another worker's record of the same step into this one.
@@ -158,17 +182,20 @@ class AdapterWorkerMetadata(VllmWorkerMetadata):
         Raises:
             InvariantError: the wrapped record has no ``aggregate`` method.
         """
-        theirs = other.inner if isinstance(other, AdapterWorkerMetadata) else None
-        if theirs is None:
+        if not isinstance(other, AdapterWorkerMetadata):
             return self
-        if self.inner is None:
-            return AdapterWorkerMetadata(theirs)
-        fold = getattr(self.inner, "aggregate", None)
-        if fold is None:
-            msg = (f"worker metadata {type(self.inner).__qualname__} has no aggregate(other); "
-                   "it cannot be combined across several vLLM workers (TP/PP > 1)")
-            raise InvariantError(msg)
-        return AdapterWorkerMetadata(fold(theirs))
+        mine, theirs = self.inner, other.inner
+        if mine is None or theirs is None:
+            inner = theirs if mine is None else mine
+        else:
+            fold = getattr(mine, "aggregate", None)
+            if fold is None:
+                msg = (f"worker metadata {type(mine).__qualname__} has no aggregate(other); "
+                       "it cannot be combined across several vLLM workers (TP/PP > 1)")
+                raise InvariantError(msg)
+            inner = fold(theirs)
+        return AdapterWorkerMetadata(inner, self.loads_failed or other.loads_failed,
+                                     self.stores_failed or other.stores_failed)
 
 
 class AdapterKVEvents(KVConnectorKVEvents):

@@ -12,6 +12,7 @@ have every attribute kvconnector's connectors read (the LoRA name is read with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -68,6 +69,10 @@ class SchedulerOutputView:
     def preempted_req_ids(self) -> set[str]:
         """Requests preempted this step (empty, never None)."""
         return self._out.preempted_req_ids or set()
+
+    def replace(self, **changes: Any) -> SchedulerOutputView:
+        """A view of a copy of the output with ``changes`` (the guard hides detached requests)."""
+        return SchedulerOutputView(dataclasses.replace(self._out, **changes))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._out, name)
