@@ -126,9 +126,11 @@ class KVConnectorAdapter(VllmConnectorBase):
         # worker side
         self._step_begun = False
         self._step_invalid: set[int] = set()
-        # Receives already reported to vLLM (it asserts on a second report of a request
-        # it has forgotten); bounded, oldest dropped.
-        self._reported_recving: OrderedDict[str, None] = OrderedDict()
+        # Receives the adapter reported failed for the connector: a later report of the
+        # same request by the connector is dropped (vLLM asserts on a report for a request
+        # it has forgotten, and such a request never loads again: it recomputes).
+        # Bounded, oldest dropped.
+        self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
         # Finished requests whose free the wrapped connector delayed, until reported sent.
         self._delayed_frees: set[str] = set()
         self._worker_events: list[Any] = []
@@ -251,8 +253,10 @@ class KVConnectorAdapter(VllmConnectorBase):
         self._scheduler().update_connector_output(out, self._last_plan)
         if out.loads_failed:
             # The worker could not run the step's loads: the connector may never report
-            # them (as kvconnector's scheduler does, they fail; reported next step).
-            self._fail_loads(self._last_loads)
+            # the ones it has not reported yet (as kvconnector's scheduler does, they
+            # fail; reported next step).
+            self._fail_loads({rid: load for rid, load in self._last_loads.items()
+                              if rid not in out.finished_recving})
         self._last_loads = {}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -358,17 +362,16 @@ class KVConnectorAdapter(VllmConnectorBase):
         res = guard.get_transfer_results(set(finished_req_ids))
         self._step_invalid = set(guard.get_block_ids_with_load_errors())
         failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
-        recving = set(res.finished_recving)
+        recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
         meta = self._connector_metadata
         if isinstance(meta, AdapterMetadata):
             recving |= meta.failed_recving
             failed |= meta.failed_recving
             self._step_invalid |= meta.invalid_block_ids
-        recving = {r for r in recving if r not in self._reported_recving}
-        for rid in recving:
-            self._reported_recving[rid] = None
-        while len(self._reported_recving) > _MAX_REPORTED_RECVING:
-            self._reported_recving.popitem(last=False)
+            for rid in meta.failed_recving:
+                self._failed_for_connector[rid] = None
+            while len(self._failed_for_connector) > _MAX_REPORTED_RECVING:
+                self._failed_for_connector.popitem(last=False)
         return VllmTransferResults(finished_sending=set(res.finished_sending),
                                    finished_recving=recving, failed_recving=failed & recving)
 
