@@ -67,6 +67,14 @@ def test_third_party_entry_point_connector_loads_through_the_registry():
     assert rig.connector.requires_kv_delivery is False
 
 
+def test_a_connector_states_its_preferred_layout_to_vllm():
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    preferring = {"kvconnector": {"name": "LayoutPreferringTTL", "module_path": "_layout_connector"}}
+    assert get_kv_connector_cache_layout(make_vllm_config(preferring)) == "BLHNC"
+    assert get_kv_connector_cache_layout(make_vllm_config(offload())) is None
+
+
 # ---------------------------------------------------------------------- layouts
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_views_share_vllm_storage_and_blocks_are_dense(layout):
