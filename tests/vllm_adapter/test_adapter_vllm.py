@@ -352,3 +352,16 @@ def test_a_translation_that_ignores_the_layout_is_caught(monkeypatch):
                         lambda name, t: {f"{name}#h{i}": t[:, i] for i in range(t.shape[1])})
     with pytest.raises(ConnectorHookError, match="must be one contiguous chunk"):
         VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)
+
+
+# --------------------------------------------------------------------- benchmark
+def test_benchmark_runs_and_checks_both_sides_did_the_same_work():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vllm_adapter.py"), "--repeats", "1",
+                          "--requests", "40"], capture_output=True, text=True, timeout=600, cwd=root, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| cpu_offload via KVConnectorAdapter |" in run.stdout and "Ratio ours / vLLM" in run.stdout
