@@ -3,18 +3,18 @@
 Primitives: :class:`LoaderSelectionPolicy`, :class:`LongestHitPolicy`,
 :class:`FirstHitPolicy`, :data:`LOADER_POLICIES`, :class:`MultiLoad`,
 :class:`MultiKVConnectorMetadata`, :class:`MultiKVConnectorWorkerMetadata`,
-:func:`aggregate_stats`.
+:func:`aggregate_stats`, :func:`call_each`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
 from kvconnector_core.connector.metadata import KVConnectorMetadata
-from kvconnector_core.errors import InvariantError
+from kvconnector_core.errors import ConnectorHookError, InvariantError
 
 __all__ = [
     "LOADER_POLICIES",
@@ -27,12 +27,26 @@ __all__ = [
     "MultiKVConnectorWorkerMetadata",
     "MultiLoad",
     "aggregate_stats",
+    "call_each",
 ]
 
 NIL = msgspec.Raw(msgspec.msgpack.encode(None))
 """Placeholder for a skipped child's plan."""
 STANDARD_STAT_KEYS: tuple[str, ...] = ("bytes_loaded", "bytes_stored", "load_seconds", "store_seconds")
 """Stats keys summed over the children."""
+
+
+def call_each(calls: Iterable[Callable[[], None]]) -> None:
+    """Run every call (a child's setup hook through its guard), then raise the first
+    :class:`ConnectorHookError`: one broken child must not keep the others unset."""
+    first: ConnectorHookError | None = None
+    for call in calls:
+        try:
+            call()
+        except ConnectorHookError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def aggregate_stats(per_child: Mapping[str, Any], hook_errors: Mapping[str, int],

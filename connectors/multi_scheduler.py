@@ -26,6 +26,7 @@ from connectors.multi_records import (
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
     aggregate_stats,
+    call_each,
     new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedScheduler
@@ -36,7 +37,6 @@ from kvconnector_core.connector.metadata import (
     encode_metadata,
 )
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
-from kvconnector_core.errors import ConnectorHookError
 
 if TYPE_CHECKING:
     from kvconnector_core.connector.base import KVConnectorBase_V1
@@ -80,14 +80,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
 
     def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
         """Give every child the pool, then raise the first failure."""
-        first: ConnectorHookError | None = None
-        for guard in self.guards:
-            try:
-                guard.bind_gpu_block_pool(gpu_block_pool)
-            except ConnectorHookError as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+        call_each(lambda g=g: g.bind_gpu_block_pool(gpu_block_pool) for g in self.guards)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Ask every child; return the chosen loader's answer (see :mod:`connectors.multi`)."""
@@ -142,10 +135,12 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                 meta = None
             self._last_plans[i] = meta
             if meta is None:
-                # The child's plan is lost, so its loads planned this step cannot happen.
-                for req_id, load in list(self._step_loads.items()):
-                    if load.child == i:
-                        self._step_failed[req_id] = self._step_loads.pop(req_id)
+                # The child's plan is lost, so its loads planned this step cannot happen:
+                # they fail now, and the child must not send them with a later plan.
+                lost = [r for r, load in self._step_loads.items() if load.child == i]
+                for req_id in lost:
+                    self._step_failed[req_id] = self._step_loads.pop(req_id)
+                guard.forget_requests(lost)
                 children.append(NIL)
                 skipped.append(i)
             else:

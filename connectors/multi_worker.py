@@ -21,6 +21,7 @@ from connectors.multi_records import (
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
     aggregate_stats,
+    call_each,
     new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedWorker
@@ -72,14 +73,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Give every child the KV tensors, then raise the first failure."""
-        first: ConnectorHookError | None = None
-        for guard in self.guards:
-            try:
-                guard.register_kv_caches(kv_caches)
-            except ConnectorHookError as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+        call_each(lambda g=g: g.register_kv_caches(kv_caches) for g in self.guards)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Decode and bind each child's plan; record this step's bookkeeping.
@@ -175,6 +169,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
                     out.finished_sending.add(req_id)
             for req_id in res.finished_recving:
                 if req_id in self._forced_recv:
+                    self._forced_recv.discard(req_id)
                     continue  # already reported as a failed receive
                 out.finished_recving.add(req_id)
                 if req_id in res.failed_recving:
@@ -182,7 +177,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         out.finished_recving |= self._forced_failed
         out.failed_recving |= self._forced_failed
         self._forced_failed = set()
-        # A finished request's late receive is ignored by the scheduler: stop suppressing it.
+        # A receive the child never reports (its load never started) is forgotten once the
+        # request finished: the scheduler ignores a finished request's late receive.
         self._forced_recv -= finished_req_ids
         return out
 
