@@ -250,6 +250,28 @@ def test_randomized_run_checks_every_block_byte_for_byte(name, extra):
     rig.shutdown()
 
 
+@pytest.mark.parametrize("layout", ["BHLNC", "BLNHC"])
+def test_randomized_transfers_are_byte_exact_ten_thousand_times(layout):
+    """Over 10,000 layer-blocks stored to the CPU tier and loaded back into vLLM's tensors
+    (GPU prefix cache dropped and every byte zeroed between rounds), each checked."""
+    rng = random.Random(layout)
+    prompts = [prompt(500 + i, 16 * rng.randrange(8, 17) + rng.randrange(1, 16)) for i in range(24)]
+    rig = VllmRig(offload(512), layout=layout, num_gpu_blocks=160, max_num_batched_tokens=512)
+    for p in prompts:
+        rig.add(p, max_tokens=1)
+    rig.run()
+    for _ in range(60):  # ~30 rounds suffice; bounded so a connector that never loads fails
+        if rig.stats.loaded_layer_blocks_checked >= 10_000:
+            break
+        assert rig.scheduler.reset_prefix_cache() is True
+        rig.wipe()
+        for p in rng.sample(prompts, 8):
+            rig.add(p, max_tokens=1)
+        rig.run()
+    assert rig.stats.loaded_layer_blocks_checked >= 10_000, rig.stats.loaded_layer_blocks_checked
+    assert_no_leak(rig)
+
+
 # ------------------------------------------------------------------ failed loads
 def test_failed_loads_are_reported_and_recomputed_by_vllm():
     from kvconnector_core.testing import FaultInjectingConnector
