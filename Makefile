@@ -13,12 +13,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test bench clean
 
-$(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml
+$(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml examples/disk_connector/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" \
 		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
 		|| { echo "could not install $(TORCH); set TORCH_INDEX (CPU wheels) or TORCH=torch (GPU machine)"; exit 1; }
-	$(PY) -m pip install -q -e '.[test]' -e examples/ttl_connector
+	$(PY) -m pip install -q -e '.[test]' -e examples/ttl_connector -e examples/disk_connector
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -64,8 +64,8 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
     def __init__(self, children: Sequence[KVConnectorBase_V1], labels: Sequence[str],
                  policy: LoaderSelectionPolicy, block_size: int | None) -> None:
         self.guards = [GuardedScheduler(c, label=label) for c, label in zip(children, labels)]
-        self._reported_errors: dict[str, int] = {}  # per child hook: errors already in the stats
         self._policy = policy
+        self._errors_reported: dict[str, int] = {}  # see new_hook_errors
         self._block_size = block_size
         self._loader: dict[str, tuple[int, int, bool]] = {}  # req -> (child, local tokens, async)
         self._step_delayed: dict[str, list[int]] = {}
@@ -235,5 +235,5 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""
         per_child = {g.label: s for g in self.guards if (s := g.get_kv_connector_stats())}
-        errors = new_hook_errors(self.guards, self._reported_errors)
+        errors = new_hook_errors(self.guards, self._errors_reported)
         return aggregate_stats(per_child, errors, STANDARD_STAT_KEYS)

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
+from connectors.offload.events import ChunkInfo, ChunkInfoTable, snapshot_events, to_wire_events
 from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
@@ -368,3 +368,15 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self._translate_events()
         events, self._wire_events = self._wire_events, []
         return events
+
+    def get_event_snapshot(self) -> list[KVCacheEvent]:
+        """A clear of the CPU medium, then every block the tier holds now (events on only).
+
+        The guard asks for it after ``take_events`` raised; the snapshot supersedes the
+        events still pending here, which are dropped.
+        """
+        if not self.offload_config.enable_events:
+            return []
+        snapshot = snapshot_events(self.manager, self._chunk_info, self.offload_config.gpu_block_size)
+        self._wire_events = []
+        return snapshot

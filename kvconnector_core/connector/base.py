@@ -7,7 +7,7 @@ twice, once per role, as ``cls(config, role, kv_cache_config)``:
 - the **scheduler** side (:attr:`KVConnectorRole.SCHEDULER`) decides what to
   load and save: ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
   ``build_connector_meta``, ``update_connector_output``, ``request_finished``,
-  ``take_events``, ``bind_gpu_block_pool``;
+  ``take_events``, ``get_event_snapshot``, ``bind_gpu_block_pool``;
 - the **worker** side (:attr:`KVConnectorRole.WORKER`) moves the bytes:
   ``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``,
   ``save_kv_layer``, ``wait_for_save``, ``get_finished``,
@@ -78,6 +78,7 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "request_finished",
     "get_transfer_results",
     "take_events",
+    "get_event_snapshot",
     "register_kv_caches",
     "get_finished",
     "get_block_ids_with_load_errors",
@@ -121,7 +122,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     5. ``update_connector_output(output)`` with the worker's report of the step.
     6. ``request_finished(request, block_ids)`` exactly once per request,
        before its blocks are freed.
-    7. ``take_events()`` whenever the engine publishes KV events.
+    7. ``take_events()`` whenever the engine publishes KV events;
+       ``get_event_snapshot()`` instead, when ``take_events`` raised (the events
+       it drained are lost, so consumers are resynced from a snapshot).
 
     **Worker-side hooks, per step, in this order** (the same order runs with no
     forward on an empty step): ``bind_connector_metadata`` -> ``start_load_kv``
@@ -167,6 +170,11 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         supports_multiple_kv_cache_groups: the connector handles models with
             several KV cache groups (hybrid models); the vLLM adapter enables
             vLLM's hybrid KV cache manager only for such connectors.
+        settings_type: the connector's settings, a
+            :class:`~kvconnector_core.connector.settings.ConnectorSettings` Struct;
+            ``extra_config`` is converted to it on creation (unknown keys and bad
+            values are ConfigErrors naming the connector and the key) and kept in
+            :attr:`settings`. None: ``extra_config`` is passed through unchecked.
     """
 
     name: ClassVar[str] = ""
@@ -177,6 +185,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     requires_block_pool: ClassVar[bool] = False
     required_kv_cache_layout: ClassVar[str | None] = None
     supports_multiple_kv_cache_groups: ClassVar[bool] = False
+    settings_type: ClassVar[type[Any] | None] = None
 
     def __init__(
         self,
@@ -193,8 +202,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
                 groups); None only in unit tests that do not need it.
 
         Raises:
-            ConfigError: ``config`` is not a :class:`KVConnectorConfig` or
-                ``role`` is not a :class:`KVConnectorRole`.
+            ConfigError: ``config`` is not a :class:`KVConnectorConfig`,
+                ``role`` is not a :class:`KVConnectorRole`, or ``extra_config``
+                does not convert to :attr:`settings_type`.
         """
         if not isinstance(config, KVConnectorConfig):
             msg = (
@@ -215,6 +225,24 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         self._kv_cache_config = kv_cache_config
         self._connector_metadata: KVConnectorMetadata | None = None
         self._kv_cache_manager: KVCacheManager | None = None
+        self._settings: Any = None
+        if self.settings_type is not None:
+            from kvconnector_core.connector.settings import convert_settings
+
+            self._settings = convert_settings(self.name or type(self).__name__, self.settings_type,
+                                              config.extra_config)
+
+    @classmethod
+    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
+        """Settings for a demo run (``kvconnector run --connector NAME``) with no config file.
+
+        Args:
+            num_gpu_blocks: the GPU pool size of the run, to size a tier against.
+
+        Returns:
+            An ``extra_config``. Default: ``{}`` (the connector's defaults).
+        """
+        return {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} role={self._role.name}>"
@@ -230,6 +258,11 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     def config(self) -> KVConnectorConfig:
         """The config this instance was created with."""
         return self._config
+
+    @property
+    def settings(self) -> Any:
+        """``extra_config`` converted to :attr:`settings_type` (None without one)."""
+        return self._settings
 
     @property
     def kv_cache_config(self) -> KVCacheConfig | None:
@@ -288,8 +321,17 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """Return True while a plan is bound."""
         return self._connector_metadata is not None
 
+    def get_connector_metadata(self) -> KVConnectorMetadata:
+        """Return this step's plan (worker side): what ``build_connector_meta`` returned.
+
+        Raises:
+            InvariantError: no plan is bound (called outside a step's
+                ``bind_connector_metadata`` / ``clear_connector_metadata``).
+        """
+        return self._get_connector_metadata()
+
     def _get_connector_metadata(self) -> KVConnectorMetadata:
-        """Return the bound plan.
+        """Return the bound plan (vLLM's name; :meth:`get_connector_metadata` is the public one).
 
         Raises:
             InvariantError: no plan is bound (the hook was called outside
@@ -477,7 +519,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``(num_tokens, load_async)``: tokens loadable beyond
             ``num_computed_tokens`` (count only blocks available now; None =
             undecided, ask again next step), and whether the load is
-            asynchronous (False when the count is 0).
+            asynchronous (False when the count is 0). The count may cover
+            the whole prompt: see the full-prompt-hit rule in
+            :meth:`update_state_after_alloc`.
         """
 
     @abc.abstractmethod
@@ -488,6 +532,20 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         tokens too (a connector may still plan to save the request). May be
         called a second time for a request with an asynchronous load. Decide
         what to do from ``num_external_tokens``, not from ``blocks``.
+
+        **Full-prompt-hit rule.** ``num_external_tokens`` is this connector's own
+        answer, clamped to the prompt: load tokens ``[n, n + num_external_tokens)``
+        where ``n`` is the ``num_computed_tokens`` it was asked with, i.e. every
+        block that range touches, including a block it ends in part-way
+        (``cdiv(n + num_external_tokens, block_size)`` blocks in all). A claim may
+        cover the whole prompt: the engine still computes the last prompt token
+        (it needs its logits) after the load, rewriting that token's slot with
+        the same values. A claim that leaves nothing but the last token to load
+        counts as no load (``num_external_tokens=0``). vLLM 0.33 does the same
+        for asynchronous loads; its scheduler rejects a synchronous claim of the
+        whole prompt, so a connector meant for both engines claims at most
+        ``request.num_tokens - 1 - n`` tokens for synchronous loads (and still
+        loads the block the claim ends in).
 
         Args:
             request: the admitted request.
@@ -571,6 +629,27 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """Return the KV cache events produced since the last call (scheduler side).
 
         Default: no events.
+        """
+        return ()
+
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Describe everything the connector holds now, to resync event consumers (scheduler side).
+
+        The engine calls it in place of :meth:`take_events` after ``take_events``
+        raised: the events it had drained are lost, so a consumer replaying the
+        stream would stay wrong. The snapshot replaces them: for every medium the
+        connector reports events for, an ``AllBlocksCleared(medium=M)`` followed by
+        ``BlockStored`` events for every block it holds in ``M`` now, with the same
+        self-describing fields as its normal events. Events the connector produced
+        before the snapshot and has not returned yet must be dropped (the snapshot
+        already covers them), and the next :meth:`take_events` continues from the
+        snapshot's state. A consumer that applies the snapshot is then exact again.
+
+        If this raises too, the engine retries it at every later event take and
+        publishes nothing from the connector meanwhile: a gap a consumer cannot see
+        until the snapshot comes.
+
+        Default: no events (a connector that reports no events has nothing to resync).
         """
         return ()
 

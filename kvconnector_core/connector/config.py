@@ -13,6 +13,7 @@ Primitives: :class:`KVConnectorConfig`, :func:`load_connector_config`,
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import msgspec
@@ -33,7 +34,7 @@ LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
 """Valid values of :attr:`KVConnectorConfig.load_failure_policy`."""
 
 
-class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
+class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Which connector to create, and its settings.
 
     Attributes:
@@ -55,7 +56,9 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     Raises:
         ConfigError: on construction, when ``name`` is empty or ``role`` /
-            ``load_failure_policy`` is not one of the valid values.
+            ``load_failure_policy`` is not one of the valid values; when loaded
+            from a dict or file, also for a field this class does not have
+            (the message names the nearest valid one).
     """
 
     name: str
@@ -120,7 +123,7 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
         try:
             return msgspec.convert(data, type=cls)
         except msgspec.ValidationError as exc:
-            msg = f"invalid connector config {data!r}: {exc}"
+            msg = f"invalid connector config {data!r}: {_explain(exc)}"
             raise ConfigError(msg) from exc
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,5 +153,19 @@ def load_connector_config(path: str | os.PathLike[str]) -> KVConnectorConfig:
     try:
         return msgspec.json.decode(raw, type=KVConnectorConfig)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        msg = f"invalid connector config in {os.fspath(path)!r}: {exc}"
+        msg = f"invalid connector config in {os.fspath(path)!r}: {_explain(exc)}"
         raise ConfigError(msg) from exc
+
+
+def _explain(exc: msgspec.MsgspecError) -> str:
+    """msgspec's message, plus the nearest valid field for an unknown one."""
+    text = str(exc)
+    unknown = re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$(?P<at>[^`]*)`)?", text)
+    if unknown is None:
+        return text
+    from kvconnector_core._suggest import did_you_mean
+
+    fields = KVConnectorConfig.__struct_fields__
+    where = f" at {unknown['at']}" if unknown["at"] else ""
+    return (f"unknown field {unknown[1]!r}{where}{did_you_mean(unknown[1], fields)}; "
+            f"valid fields: {', '.join(fields)}")

@@ -211,6 +211,11 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._maybe_raise("take_events")
         return self.inner.take_events()
 
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Forward (or raise)."""
+        self._maybe_raise("get_event_snapshot")
+        return self.inner.get_event_snapshot()
+
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Forward (or raise)."""

@@ -206,11 +206,12 @@ def test_created_by_name_through_registry_and_inside_multi():
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    ({"ttl_seconds": "x"}, r"ttl_seconds='x' is not valid; expected a number of seconds > 0"),
-    ({"min_hits": 1.5}, r"min_hits=1.5 is not valid; expected an integer >= 1"),
-    ({"max_pinned_blocks": "many"}, r"max_pinned_blocks='many' is not valid; expected an integer >= 0"),
+    ({"ttl_seconds": "x"}, r"TTLPinConnector: extra_config ttl_seconds='x' is not valid: Expected `float`"),
+    ({"min_hits": 1.5}, r"min_hits=1.5 is not valid: Expected `int`"),
+    ({"max_pinned_blocks": "many"}, r"max_pinned_blocks='many' is not valid: Expected `int"),
     ({"ttl_seconds": None}, r"ttl_seconds=None is not valid"),
-], ids=["ttl-str", "hits-float", "budget-str", "ttl-none"])
+    ({"ttl_secnds": 5}, r"unknown extra_config key 'ttl_secnds' \(did you mean 'ttl_seconds'\?\)"),
+], ids=["ttl-str", "hits-float", "budget-str", "ttl-none", "typo"])
 def test_wrongly_typed_settings_name_key_value_and_valid(extra, match):
     with pytest.raises(ConfigError, match=match):
         TTLPinConnector(KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER)

@@ -35,9 +35,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+
+import msgspec
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,27 +50,25 @@ if TYPE_CHECKING:
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import SchedulerOutput
 
-__all__ = ["TTLMetadata", "TTLPinConnector"]
+__all__ = ["TTLMetadata", "TTLPinConnector", "TTLSettings"]
 
 
 class TTLMetadata(KVConnectorMetadata, kw_only=True):
     """Empty plan: the worker side has nothing to do."""
 
 
-def _number(extra: dict[str, Any], key: str, default: float, valid: str, *, integer: bool = False) -> float:
-    """Read a numeric setting; a value of the wrong type is a ConfigError naming it."""
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        ok = False
-    else:
-        try:
-            number = float(value)
-            ok = not integer or number.is_integer()
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ConfigError(f"TTLPinConnector {key}={value!r} is not valid; expected {valid}")
-    return int(number) if integer else number
+class TTLSettings(ConnectorSettings):
+    """The connector's ``extra_config``.
+
+    Attributes:
+        ttl_seconds: how long a pin lives after its last hit (> 0).
+        max_pinned_blocks: most blocks pinned at once (>= 0); None: a quarter of the pool.
+        min_hits: hits a block needs before it is pinned (>= 1).
+    """
+
+    ttl_seconds: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    max_pinned_blocks: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    min_hits: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 def _check_budget(max_pinned_blocks: int, usable: int) -> None:
@@ -93,6 +94,7 @@ class TTLPinConnector(KVConnectorBase_V1):
     aliases: ClassVar[tuple[str, ...]] = ("ttl",)
     metadata_type: ClassVar[type[KVConnectorMetadata]] = TTLMetadata
     requires_block_pool: ClassVar[bool] = True
+    settings_type: ClassVar[type[Any] | None] = TTLSettings
 
     def __init__(
         self,
@@ -111,22 +113,14 @@ class TTLPinConnector(KVConnectorBase_V1):
             clock: seconds source; default ``time.monotonic``.
 
         Raises:
-            ConfigError: a setting has the wrong type or is out of range, or
+            ConfigError: an unknown key, a setting of the wrong type or out of range, or
                 ``max_pinned_blocks`` would pin the whole pool of ``kv_cache_config``.
         """
-        super().__init__(config, role, kv_cache_config)
-        extra = config.extra_config
-        self.ttl_seconds = _number(extra, "ttl_seconds", 60.0, "a number of seconds > 0")
-        self.min_hits = int(_number(extra, "min_hits", 1, "an integer >= 1", integer=True))
-        budget = extra.get("max_pinned_blocks")
-        self.max_pinned_blocks: int | None = (
-            None if budget is None else int(_number(extra, "max_pinned_blocks", 0, "an integer >= 0", integer=True)))
-        if self.ttl_seconds <= 0:
-            raise ConfigError(f"TTLPinConnector ttl_seconds={self.ttl_seconds!r}; must be > 0")
-        if self.min_hits < 1:
-            raise ConfigError(f"TTLPinConnector min_hits={self.min_hits!r}; must be >= 1")
-        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
-            raise ConfigError(f"TTLPinConnector max_pinned_blocks={self.max_pinned_blocks!r}; must be >= 0")
+        super().__init__(config, role, kv_cache_config)  # converts extra_config to TTLSettings
+        settings: TTLSettings = self.settings
+        self.ttl_seconds = settings.ttl_seconds
+        self.min_hits = settings.min_hits
+        self.max_pinned_blocks: int | None = settings.max_pinned_blocks
         num_blocks = getattr(kv_cache_config, "num_blocks", None)
         if self.max_pinned_blocks is not None and isinstance(num_blocks, int):
             # Checked again against the pool in bind_gpu_block_pool; failing here
