@@ -26,8 +26,8 @@ from connectors.multi_records import (
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
     aggregate_stats,
-    new_hook_errors,
     call_each,
+    new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedScheduler
 from kvconnector_core.connector.metadata import (
@@ -226,6 +226,11 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
     def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
         """Chain the children's snapshots, in child order."""
         return [event for guard in self.guards for event in guard.get_event_snapshot()]
+
+    def reset_cache(self) -> bool:
+        """Reset every child (each through its guard); False if any child refused or raised."""
+        results = [guard.reset_cache() for guard in self.guards]
+        return all(results)
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""

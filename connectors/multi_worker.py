@@ -21,8 +21,8 @@ from connectors.multi_records import (
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
     aggregate_stats,
-    new_hook_errors,
     call_each,
+    new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import (

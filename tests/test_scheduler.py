@@ -342,6 +342,15 @@ def test_fail_policy_fails_the_request():
     assert [r.request_id for r in done] == ["a"]
     assert done[0].status == RequestStatus.FINISHED_ERROR
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 39
+    assert_finish_reaches_the_worker(s, "a")
+
+
+def assert_finish_reaches_the_worker(s, request_id):
+    """As in vLLM, a finish keeps the engine stepping once: the empty step tells the worker."""
+    assert s.has_unfinished_requests()
+    out = s.schedule()
+    assert out.total_num_scheduled_tokens == 0 and request_id in out.finished_req_ids
+    s.update_from_output(out, fake_model_output(s, out))
     assert not s.has_unfinished_requests()
 
 
@@ -398,7 +407,7 @@ def test_abort_while_loading_waits_for_the_load():
     assert s.has_unfinished_requests()
     s.update_from_output(out, fake_model_output(s, out, finished_recving={"a"}))
     assert pool.get_num_free_blocks() == 39
-    assert not s.has_unfinished_requests()
+    assert_finish_reaches_the_worker(s, "a")
 
 
 def test_bad_policy_is_rejected():

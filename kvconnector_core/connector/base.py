@@ -87,6 +87,7 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "forget_requests",
     "plan_failed",
     "build_connector_worker_meta",
+    "reset_cache",
     "shutdown",
 )
 """Hooks with a no-op default; a wrapper such as MultiConnector forwards all of them."""
@@ -133,8 +134,17 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     default wraps ``get_finished``) ->
     ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats`` ->
     ``build_connector_worker_meta`` -> ``clear_connector_metadata``;
-    ``handle_preemptions`` runs right after ``bind_connector_metadata``. ``register_kv_caches`` runs once, after the
-    KV tensors are allocated; ``shutdown`` once at the end (both roles).
+    ``handle_preemptions`` runs right after ``bind_connector_metadata`` in
+    kvconnector's engine and right *before* it inside vLLM, so it must use the
+    plan it is given, not the bound one. ``register_kv_caches`` runs once, after
+    the KV tensors are allocated; ``shutdown`` once at the end (both roles).
+
+    **Empty steps.** An engine may run a step that schedules nothing: after a
+    request finishes (once, so the worker learns ``finished_req_ids``), while
+    delayed frees wait for ``finished_sending``, while asynchronous loads are in
+    flight, or while admission is blocked. Every hook of a step runs on it
+    (``build_connector_meta``, the worker sequence without a forward, stats,
+    ``take_events``). An empty step alone is not a sign of starvation.
 
     **Capabilities** are the class attributes below; keep them truthful, the
     engine and the test kit rely on them.
@@ -153,6 +163,13 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         requires_block_pool: the connector does nothing useful without
             ``bind_gpu_block_pool`` (e.g. it pins GPU blocks); engines without a
             block pool must refuse it.
+        required_kv_cache_layout: the KV tensor layout the connector wants from
+            engines that offer several (vLLM's names, e.g. ``"LBHNC"``), or
+            None for any; the vLLM adapter answers vLLM's
+            ``get_required_kvcache_layout`` with it.
+        supports_multiple_kv_cache_groups: the connector handles models with
+            several KV cache groups (hybrid models); the vLLM adapter enables
+            vLLM's hybrid KV cache manager only for such connectors.
         settings_type: the connector's settings, a
             :class:`~kvconnector_core.connector.settings.ConnectorSettings` Struct;
             ``extra_config`` is converted to it on creation (unknown keys and bad
@@ -166,6 +183,8 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     supports_async_load: ClassVar[bool] = False
     has_sync_kv_loads: ClassVar[bool] = False
     requires_block_pool: ClassVar[bool] = False
+    required_kv_cache_layout: ClassVar[str | None] = None
+    supports_multiple_kv_cache_groups: ClassVar[bool] = False
     settings_type: ClassVar[type[Any] | None] = None
 
     def __init__(
@@ -257,12 +276,29 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Return this step's statistics, or None when there is nothing to report.
+        """Return the statistics since the previous call, or None when there is nothing to report.
 
-        Called on the worker side once per step (and may be called on the
-        scheduler side). Standard keys the engine aggregates: ``bytes_loaded``,
-        ``bytes_stored``, ``load_seconds``, ``store_seconds``; any other keys
-        are reported as is. Default: None.
+        Called once per step on both sides, empty steps included. Numbers are
+        **deltas** since the previous call (counters), so an engine sums them
+        per interval; levels (gauges, e.g. blocks currently pinned) go under the
+        key ``"gauges"`` as a ``{name: number}`` dict, of which an engine keeps
+        the latest value instead of summing. Standard keys the engine
+        aggregates: ``bytes_loaded``, ``bytes_stored``, ``load_seconds``,
+        ``store_seconds``; any other keys are reported as is. Default: None.
+        """
+        return None
+
+    def reset_cache(self) -> bool | None:
+        """Drop cached KV and release every GPU block held (pins); scheduler side, optional.
+
+        Engines call it **before** resetting the GPU prefix cache (kvconnector's
+        ``Scheduler.reset_prefix_cache``; inside vLLM the adapter calls it
+        before vLLM's block pool reset, and vLLM calls it again after), so a
+        connector holding pins never makes the reset fail. Must be idempotent.
+
+        Returns:
+            False when the connector could not reset; None or True otherwise.
+            Default: None (nothing to reset).
         """
         return None
 
@@ -332,7 +368,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         scheduler side's ``update_connector_output``. Use it for things the
         scheduler side must act on (e.g. ids of finished transfer jobs), not
         the stats, which wrappers aggregate and engines report. Prefer a
-        msgspec Struct. Default: None (nothing to report).
+        msgspec Struct. With several workers (tensor parallelism inside vLLM)
+        the records of one step are folded with the record's
+        ``aggregate(other)`` method, so give it one; ``config.world_size`` says
+        how many workers report. Default: None (nothing to report).
         """
         return None
 

@@ -49,6 +49,10 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             state between engines; None lets the connector choose.
         load_failure_policy: what the scheduler does when a KV load fails:
             ``"recompute"`` the missing tokens or ``"fail"`` the request.
+        world_size: how many worker processes (tensor/pipeline-parallel ranks)
+            report to the scheduler side; a transfer job is done only when all
+            of them have reported it. 1 in kvconnector's own engine; the vLLM
+            adapter sets it from vLLM's parallel config.
 
     Raises:
         ConfigError: on construction, when ``name`` is empty or ``role`` /
@@ -63,6 +67,7 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     module_path: str | None = None
     engine_id: str | None = None
     load_failure_policy: str = "recompute"
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         # msgspec runs __post_init__ on decode/convert too, so a bad file is
@@ -78,6 +83,9 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
                 f"KVConnectorConfig.load_failure_policy must be one of "
                 f"{list(LOAD_FAILURE_POLICIES)}, got {self.load_failure_policy!r}"
             )
+            raise ConfigError(msg)
+        if self.world_size < 1:
+            msg = f"KVConnectorConfig.world_size must be a number of workers >= 1, got {self.world_size!r}"
             raise ConfigError(msg)
         if self.module_path == "":
             msg = "KVConnectorConfig.module_path must be a module import path or None, got ''"

@@ -249,6 +249,16 @@ def _numeric_leaves(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tupl
             yield f"{prefix}{key}", value
 
 
+def _fold_stats(into: dict[str, float], stats: dict[str, float]) -> None:
+    """Add one step's flattened connector stats (see :func:`_numeric_leaves`): counters are
+    deltas (summed); levels under a ``gauges`` key keep their latest value."""
+    for key, value in stats.items():
+        if "gauges" in key.split("."):
+            into[key] = value
+        else:
+            into[key] = into.get(key, 0) + value
+
+
 def _gbps(num_bytes: float, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
@@ -301,6 +311,7 @@ class Engine:
         self.num_steps = 0
         self.event_counts: dict[str, int] = {}
         self.connector_stats: dict[str, float] = {}
+        self.scheduler_connector_stats: dict[str, float] = {}
         self.timeline = Timeline(config.connector.name if config.connector is not None else "none")
         self._next_id = 0
         # Every id this engine has used, and ids a running trace will use later: auto ids
@@ -371,9 +382,9 @@ class Engine:
         kv_out = runner_output.kv_connector_output
         step_stats = dict(_numeric_leaves(kv_out.kv_connector_stats)) if (
             kv_out is not None and kv_out.kv_connector_stats) else {}
-        for key, value in step_stats.items():
-            self.connector_stats[key] = self.connector_stats.get(key, 0) + value
+        _fold_stats(self.connector_stats, step_stats)
         self.timeline.record(self.num_steps, self.scheduler.stats, step_stats)
+        _fold_stats(self.scheduler_connector_stats, self._scheduler_connector_stats())
         for event in self.scheduler.take_events():
             kind = type(event).__name__
             self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
@@ -456,10 +467,14 @@ class Engine:
         result.timeline = self.timeline.records[start_records:]
         return result
 
-    def _scheduler_connector_stats(self) -> dict[str, float]:
+    def _scheduler_connector_stats(self) -> dict[str, Any]:
         connector = self.scheduler.connector
         stats = (connector.get_kv_connector_stats() if connector is not None else None) or {}
         return dict(_numeric_leaves(stats))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the GPU prefix cache (the connector releases its pins first); False while requests run."""
+        return self.scheduler.reset_prefix_cache()
 
     def _result(self, name: str, requests: list[TraceRequest], ids: list[str],
                 results: dict[str, RequestOutput], steps: int, wall: float) -> RunResult:
@@ -468,8 +483,9 @@ class Engine:
         num_prompt = stats.num_prompt_tokens
         cstats = dict(self.connector_stats)
         std = {k: cstats.pop(k, 0) for k in STANDARD_STATS_KEYS}
-        # Scheduler-side stats (e.g. the TTL connector's pins) are a snapshot at the end.
-        for key, value in self._scheduler_connector_stats().items():
+        # Scheduler-side stats (e.g. the TTL connector's pins): counters summed over the
+        # steps, gauges as last reported.
+        for key, value in self.scheduler_connector_stats.items():
             cstats[f"scheduler.{key}"] = value
         finished_ok = {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"}
         gpu_rate = stats.num_gpu_cache_hit_tokens / num_prompt if num_prompt else 0.0

@@ -221,8 +221,25 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request still waits, runs, or has blocks held for the connector."""
-        return bool(self.waiting or self.running or self.delayed_free or self._aborted_while_loading)
+        """Whether any request still waits, runs, has blocks held for the connector, or
+        finished since the last step.
+
+        The last case makes the engine run one empty step after a finish (as vLLM
+        does), so the worker learns ``finished_req_ids`` and connectors meet empty
+        steps in kvconnector's engine too.
+        """
+        return bool(self.waiting or self.running or self.delayed_free or self._aborted_while_loading
+                    or self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached GPU block; False while a request holds blocks.
+
+        The connector's ``reset_cache`` runs first (contained), so blocks it pins
+        are released before the pool checks that nothing is in use.
+        """
+        if self.connector is not None and self.connector.reset_cache() is False:
+            return False
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
         """Waiting plus running requests."""

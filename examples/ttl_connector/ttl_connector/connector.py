@@ -12,7 +12,16 @@ through the ``GPUBlockPoolView`` handed to ``bind_gpu_block_pool``:
    cannot take it) if the budget ``max_pinned_blocks`` allows.
 3. ``build_connector_meta`` (every step) and ``update_state_after_alloc``
    release expired pins with ``free_blocks([block])``.
-4. ``shutdown`` releases every pin.
+4. ``reset_cache`` and ``shutdown`` release every pin.
+
+Empty steps are not starvation: engines step with nothing scheduled after a
+request finishes, while stores drain or loads arrive. Pins are released early
+only when a step schedules nothing *and* a request asked about in that step's
+``get_num_new_matched_tokens`` was not admitted (its ``update_state_after_alloc``
+never came), which is what a pool held by pins looks like.
+
+Stats (scheduler side) are per-call deltas of the counters, with the gauge
+``pinned_blocks`` under ``"gauges"``, as the base class's stats contract says.
 
 extra_config: ``ttl_seconds`` (float > 0, default 60), ``max_pinned_blocks``
 (int >= 0, default a quarter of the pool), ``min_hits`` (int >= 1, default 1).
@@ -69,6 +78,9 @@ def _check_budget(max_pinned_blocks: int, usable: int) -> None:
         raise ConfigError(msg)
 
 
+_COUNTERS = ("pins", "refreshes", "expiries", "pins_refused", "starvation_releases", "reset_releases")
+
+
 @dataclass(slots=True)
 class _Pin:
     block: KVCacheBlock
@@ -120,8 +132,10 @@ class TTLPinConnector(KVConnectorBase_V1):
         # last pin/refresh is the order of expiry and expiring is O(expired).
         self._pins: OrderedDict[bytes, _Pin] = OrderedDict()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
+        # Requests asked about (get_num_new_matched_tokens) in the current step and not
+        # yet admitted; cleared by build_connector_meta, which ends every step.
         self._lookups: dict[str, int] = {}
-        self._stats = {"pins": 0, "refreshes": 0, "expiries": 0, "pins_refused": 0, "starvation_releases": 0}
+        self._stats = dict.fromkeys(_COUNTERS, 0)
 
     # -------------------------------------------------------- scheduler side
 
@@ -198,18 +212,30 @@ class TTLPinConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TTLMetadata:
         """Release expired pins, and pins that starve admission; the worker gets an empty plan.
 
-        Starvation guard: a step that schedules nothing while pins are held may mean
-        a waiting request needs blocks that pins hold (the budget only bounds pins,
-        it cannot know the longest request). Each such step releases the older half
-        of the pins, so admission is never blocked for more than a few steps. Pins are
-        an optimisation; dropping some early never affects correctness.
+        Starvation guard: a step that schedules nothing while a request it asked
+        about stays unadmitted may mean that request needs blocks the pins hold
+        (the budget only bounds pins, it cannot know the longest request). Each
+        such step releases the older half of the pins, so admission is never
+        blocked for more than a few steps. An empty step with no refused request
+        (after a finish, while stores drain) keeps every pin. Pins are an
+        optimisation; dropping some early never affects correctness.
         """
         self._expire(self.clock())
-        if self._pins and scheduler_output is not None and scheduler_output.total_num_scheduled_tokens == 0:
+        refused = bool(self._lookups)
+        self._lookups.clear()  # a request still waiting is asked again next step
+        if (self._pins and refused and scheduler_output is not None
+                and scheduler_output.total_num_scheduled_tokens == 0):
             for block_hash in list(self._pins)[: max(1, len(self._pins) // 2)]:
                 self._unpin(block_hash)
                 self._stats["starvation_releases"] += 1
         return TTLMetadata()
+
+    def reset_cache(self) -> bool:
+        """Release every pin and forget the hit counts, so the engine's prefix-cache reset can succeed."""
+        self._stats["reset_releases"] += len(self._pins)
+        self.shutdown()
+        self._hits.clear()
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; never delays the free."""
@@ -226,11 +252,13 @@ class TTLPinConnector(KVConnectorBase_V1):
         return bytes(block_hash) in self._pins
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """``pinned_blocks``, ``pins``, ``refreshes``, ``expiries``, ``pins_refused``,
-        ``starvation_releases`` (scheduler side)."""
+        """Counters since the previous call (``pins``, ``refreshes``, ``expiries``,
+        ``pins_refused``, ``starvation_releases``, ``reset_releases``) and the gauge
+        ``{"gauges": {"pinned_blocks": n}}`` (scheduler side)."""
         if self._role is not KVConnectorRole.SCHEDULER:
             return None
-        return {"pinned_blocks": len(self._pins), **self._stats}
+        counters, self._stats = self._stats, dict.fromkeys(_COUNTERS, 0)
+        return {**counters, "gauges": {"pinned_blocks": len(self._pins)}}
 
     def shutdown(self) -> None:
         """Release every pin (idempotent)."""
