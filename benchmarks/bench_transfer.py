@@ -8,8 +8,9 @@ load (CPU -> device) and store + load at once, in GB/s (1e9 bytes/s), for:
 
 * layouts: ``cross-layer`` (the engine's: one tensor, a block of all layers is one
   chunk) and ``per-layer`` (one tensor per layer: 32 chunks of 64 KiB per block);
-* methods: ``per_block``, ``coalesced``, ``gather`` and ``auto`` (the default, which
-  picks coalesced or gather per job);
+* methods: ``per_block``, ``coalesced``, ``gather``, ``batched`` (one
+  cudaMemcpyBatchAsync per job) and ``auto`` (the default: batched where the runtime has
+  it), plus ``auto, Tensor.copy_`` (every runtime shortcut off: the fallback path);
 * id patterns: ``scattered`` (random device blocks -> consecutive CPU blocks, the usual
   store) and ``runs`` (consecutive on both sides, the best case for coalescing).
 
@@ -119,12 +120,14 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
     raw_available = mover._memcpy is not None
     variants = [(m, m, raw_available) for m in args.methods]
     if raw_available and "auto" in args.methods:
-        # The same default method, issuing copies with Tensor.copy_ (the fallback path).
+        # The same default method with every runtime shortcut off: Tensor.copy_ per copy
+        # (the fallback path, and what auto did before the batch API).
         variants.append(("auto, Tensor.copy_", "auto", False))
-    raw_memcpy = mover._memcpy
+    raw_memcpy, batch_memcpy = mover._memcpy, mover._batch_memcpy
     for label, method, use_raw in variants:
         mover.method = method
         mover._memcpy = raw_memcpy if use_raw else None
+        mover._batch_memcpy = batch_memcpy if use_raw else None
         for pattern, (store_gpu, load_gpu) in patterns.items():
             def store(gpu: list[int] = store_gpu) -> None:
                 mover.submit_store(next(job), gpu, store_cpu)
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="device blocks per cache (default 4096 on CUDA, 256 on CPU)")
     p.add_argument("--batch", type=int, default=None, help="blocks per transfer (default 256; 64 on CPU)")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--methods", nargs="+", default=["per_block", "coalesced", "gather", "auto"])
+    p.add_argument("--methods", nargs="+",
+                   default=["per_block", "coalesced", "gather", "batched", "auto"])
     p.add_argument("--layouts", nargs="+", default=["cross-layer", "per-layer"])
     p.add_argument("--json", default=None, help="write results here (default $OUT/bench_transfer.json)")
     args = p.parse_args(argv)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from connectors.offload import transfer as tr
+from connectors.offload._copy_plan import CopyPlan, run_starts
 from connectors.offload.transfer import (
     KVBlockMover,
     build_block_layout,
@@ -17,11 +20,12 @@ DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=[
         pytest.mark.cuda,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     ]),
 ]
-METHODS = pytest.mark.parametrize("method", ["auto", "coalesced", "per_block", "gather"],
-                                  ids=["auto", "coalesced", "per_block", "gather"])
+ALL_METHODS = ["auto", "batched", "coalesced", "per_block", "gather"]
+METHODS = pytest.mark.parametrize("method", ALL_METHODS, ids=ALL_METHODS)
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, HEADS, HEAD = 12, 3, 4, 2, 8
 
@@ -168,7 +172,7 @@ def test_invalid_arguments() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_store_waits_for_compute_stream() -> None:
     """A store submitted right after a slow kernel must see that kernel's writes."""
     base, views = cross_layer_cache("cuda", num_blocks=64)
@@ -183,7 +187,7 @@ def test_cuda_store_waits_for_compute_stream() -> None:
     assert all(torch.equal(mover.cpu_planes[0][i], expected) for i in range(64))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("raw", [True, False], ids=["cudaMemcpyAsync", "Tensor.copy_"])
 def test_both_copy_primitives_are_byte_exact_on_cuda(raw: bool) -> None:
     """The ctypes cudaMemcpyAsync path and the Tensor.copy_ fallback move identical bytes."""
@@ -206,3 +210,116 @@ def test_raw_memcpy_requires_a_cuda_cache() -> None:
     _, views = cross_layer_cache("cpu")
     with pytest.raises(ValueError, match="needs a CUDA KV cache"):
         KVBlockMover(views, num_cpu_blocks=4, raw_memcpy=True)
+
+
+# ------------------------------------------------------------------ batched descriptors
+def run_descriptors(dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor) -> None:
+    """Execute copy descriptors on CPU memory, as cudaMemcpyBatchAsync would on a device."""
+    assert dsts.dtype == srcs.dtype == sizes.dtype == torch.int64
+    assert dsts.is_contiguous() and srcs.is_contiguous() and sizes.is_contiguous()
+    for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+
+
+def test_run_starts_matches_coalesce_runs() -> None:
+    g, c = [3, 4, 5, 9, 10, 2, 3], [0, 1, 2, 3, 4, 8, 8]
+    gs, cs, n = run_starts(torch.tensor(g), torch.tensor(c))
+    assert list(zip(gs.tolist(), cs.tolist(), n.tolist(), strict=True)) == coalesce_runs(g, c)
+    gs, cs, n = run_starts(torch.tensor([6]), torch.tensor([0]))
+    assert (gs.tolist(), cs.tolist(), n.tolist()) == ([6], [0], [1])
+
+
+def _descriptor_round_trip(planes_owner: dict, mover: KVBlockMover) -> None:
+    """Store then load through descriptors executed with memmove; compare with copy_."""
+    original = {k: v.clone() for k, v in planes_owner.items()}
+    src_gpu, cpu_ids = [7, 8, 9, 2, 0], [1, 2, 3, 0, 4]  # one run of 3 plus two singles
+    g, c = torch.tensor(src_gpu), torch.tensor(cpu_ids)
+    run_descriptors(*mover._plan.descriptors(g, c, is_store=True))
+    for plane, cpu_plane in zip(mover.layout.planes, mover.cpu_planes, strict=True):
+        for gi, ci in zip(src_gpu, cpu_ids, strict=True):
+            assert torch.equal(cpu_plane[ci], plane[gi])
+    for t in planes_owner.values():
+        t.fill_(-3.0)
+    dst_gpu = [1, 2, 3, 11, 5]
+    run_descriptors(*mover._plan.descriptors(torch.tensor(dst_gpu), c, is_store=False))
+    for name, t in planes_owner.items():
+        for s, d in zip(src_gpu, dst_gpu, strict=True):
+            assert torch.equal(t[d].view(torch.int16), original[name][s].view(torch.int16))
+        others = [b for b in range(NUM_BLOCKS) if b not in dst_gpu]
+        assert bool((t[others] == -3.0).all())
+
+
+def test_batched_descriptors_move_exact_bytes_cross_layer() -> None:
+    """The addresses given to cudaMemcpyBatchAsync copy exactly the right rows (engine layout)."""
+    base, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=5)
+    dsts, _, sizes = mover._plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
+                                             is_store=True)
+    row = mover.layout.planes[0].shape[1]
+    assert sizes.tolist() == [3 * row, row]  # the run 7-8-9 -> 1-2-3 is one copy
+    assert dsts.tolist()[0] == mover.cpu_planes[0][1].data_ptr()
+    _descriptor_round_trip({"base": base}, mover)
+
+
+def test_batched_descriptors_move_exact_bytes_per_layer() -> None:
+    """vLLM's layout: one descriptor per (plane, run), every plane addressed correctly."""
+    gen = torch.Generator().manual_seed(3)
+    layers = {f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen)
+              .to(torch.bfloat16) for i in range(4)}
+    mover = KVBlockMover(layers, num_cpu_blocks=5)
+    assert len(mover.layout.planes) == 4
+    dsts, _, _ = mover._plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
+                                         is_store=True)
+    assert dsts.numel() == 4 * 2
+    _descriptor_round_trip(layers, mover)
+
+
+def test_batched_descriptors_copy_row_by_row_when_rows_have_gaps() -> None:
+    """A plane whose rows are not back to back (e.g. padded blocks) never gets a multi-row copy."""
+    padded = torch.randn(NUM_BLOCKS, 2 * 256).to(torch.bfloat16)
+    view = padded[:, :256]  # each block dense, but followed by a gap of the same size
+    layout_plane = tr._plane_of(view)
+    assert layout_plane.stride(0) > layout_plane.shape[1]
+    cpu = torch.zeros(5, layout_plane.shape[1], dtype=torch.uint8)
+    plan = CopyPlan([layout_plane], [cpu])
+    dsts, srcs, sizes = plan.descriptors(torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]), is_store=True)
+    assert sizes.tolist() == [layout_plane.shape[1]] * 3
+    run_descriptors(dsts, srcs, sizes)
+    for g, c in ((7, 1), (8, 2), (9, 3)):
+        assert torch.equal(cpu[c], layout_plane[g])
+    assert not cpu[[0, 4]].any()
+
+
+def test_ids_are_checked_before_any_copy() -> None:
+    """Mismatched lengths and nested ids fail the job with a message naming them."""
+    _, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=4)
+    mover.submit_store(1, [0, 1], [0])
+    mover.submit_store(2, [[0, 1]], [[0, 1]])
+    mover.submit_store(3, [], [])  # empty jobs succeed and move nothing
+    results = {r.job_id: r.success for r in mover.get_finished()}
+    assert results == {1: False, 2: False, 3: True}
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("layout", ["cross-layer", "per-layer"])
+def test_batched_memcpy_is_byte_exact_on_cuda(layout: str) -> None:
+    """cudaMemcpyBatchAsync (where the runtime has it) moves exactly the chosen blocks."""
+    base, views = cross_layer_cache("cuda")
+    if layout == "per-layer":
+        views = {k: v.contiguous() for k, v in views.items()}
+    mover = KVBlockMover(views, num_cpu_blocks=6, method="batched")
+    if not mover.batched_available:
+        pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
+    original = {k: v.clone() for k, v in views.items()}
+    mover.submit_store(1, [7, 8, 9, 2, 0], [1, 2, 3, 0, 5])
+    mover.wait()
+    for v in views.values():
+        v.fill_(-7.0)
+    mover.submit_load(2, [1, 2, 3, 0, 5], [4, 5, 6, 11, 10])
+    mover.wait()
+    assert all(r.success for r in mover.get_finished())
+    for k, v in views.items():
+        for s, d in zip([7, 8, 9, 2, 0], [4, 5, 6, 11, 10], strict=True):
+            assert torch.equal(v[d].view(torch.int16), original[k][s].view(torch.int16))
+        assert bool((v[[1, 3, 7]] == -7.0).all())

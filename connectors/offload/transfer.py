@@ -18,17 +18,24 @@ recovers that chunk from the views. Other layouts fall back to one plane per lay
 
 CUDA path. Each direction has its own stream; a job first waits for the compute stream
 (the data it reads was produced there, the blocks it writes may still be read there),
-then issues its copies (``cudaMemcpyAsync`` through ctypes when the CUDA runtime loads,
-``Tensor.copy_(non_blocking=True)`` otherwise: ~3 vs ~26 us of host time per copy) and
-records an end event; completion is polled with ``event.query()``. Copies go through the DMA copy engines so they do not
-take SMs from the model. Methods (``KVBlockMover(method=...)``):
+then issues its copies and records an end event; completion is polled with
+``event.query()``. Copies go through the DMA copy engines, which leave the model's SMs
+alone. Methods (``KVBlockMover(method=...)``):
 
-    ``coalesced``  runs of consecutive source AND destination ids in one copy (default)
+    ``batched``    the whole job (every plane, every run of consecutive source AND
+                   destination ids) in one ``cudaMemcpyBatchAsync`` (CUDA 12.8+), its
+                   descriptors computed from addresses prepared at registration
+    ``coalesced``  one ``cudaMemcpyAsync`` per run of consecutive ids and plane
     ``per_block``  one copy per block and plane (the baseline the others must beat)
     ``gather``     gather the scattered blocks on the device into a staging buffer,
                    then copy runs of consecutive CPU ids (uses SMs and device memory)
-    ``auto``       per job and plane: ``gather`` when the copies would average under
-                   256 KiB (scattered per-layer pieces), else ``coalesced`` (the default)
+    ``auto``       the default: ``batched`` where the runtime has it; otherwise, per job
+                   and plane, ``gather`` when copies would average under 256 KiB
+                   (scattered per-layer pieces), else ``coalesced``
+
+Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loads and
+``Tensor.copy_(non_blocking=True)`` otherwise (~3 vs ~26 us of host time per copy);
+``batched`` without the batch API behaves as ``coalesced``.
 
 On CPU tensors the same code runs with plain synchronous ``copy_`` (what CI tests).
 
@@ -39,17 +46,16 @@ is logged and reported through :meth:`KVBlockMover.get_finished` with
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-import glob
+import array
 import logging
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from connectors.offload import _cudart
+from connectors.offload._copy_plan import CopyPlan
 
 __all__ = [
     "BlockLayout",
@@ -63,38 +69,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("auto", "coalesced", "per_block", "gather")
-_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) pointers
-
-
-@functools.cache
-def _raw_memcpy_async() -> Callable[[int, int, int, int], int] | None:
-    """``cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)`` through ctypes, or None.
-
-    Why: ``Tensor.copy_`` costs about 26 us of host time per call (two slice views
-    plus the dispatcher); a scattered batch of 256 blocks then spends ~7 ms of the
-    engine's step just *issuing* copies, before the forward. The runtime call
-    itself costs ~3 us (measured on an H200: 0.7 ms for 256). It uses the same
-    primary context and streams as torch. Looked up in the CUDA runtime that torch
-    ships (``nvidia/*/lib``) first, then the system's; None if none loads, and the
-    mover falls back to ``Tensor.copy_``.
-    """
-    torch_dir = os.path.dirname(torch.__file__)
-    candidates = sorted(glob.glob(os.path.join(torch_dir, "lib", "libcudart.so*")))
-    candidates += sorted(glob.glob(os.path.join(os.path.dirname(torch_dir), "nvidia", "*", "lib",
-                                                "libcudart.so*")), reverse=True)
-    found = ctypes.util.find_library("cudart")
-    if found:
-        candidates.append(found)
-    for path in candidates:
-        try:
-            fn = ctypes.CDLL(path).cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        return lambda dst, src, nbytes, stream: fn(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
-    return None
+METHODS = ("auto", "batched", "coalesced", "per_block", "gather")
 _SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
 
 
@@ -252,6 +227,23 @@ def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[
     return runs
 
 
+def _int64_tensor(ids: Sequence[int]) -> torch.Tensor:
+    """A flat int64 tensor of the ids.
+
+    Through ``array.array`` because it is ~6x faster than ``torch.tensor`` on a list of
+    Python ints, and this runs twice per job on the engine's step.
+    """
+    if isinstance(ids, torch.Tensor):
+        return ids.to(torch.int64).view(-1)
+    if not len(ids):
+        return torch.empty(0, dtype=torch.int64)
+    try:
+        return torch.frombuffer(array.array("q", ids), dtype=torch.int64)
+    except TypeError as exc:
+        msg = f"block ids must be a flat sequence of ints, got {list(ids)[:4]!r}..."
+        raise ValueError(msg) from exc
+
+
 # ---------------------------------------------------------------------------- jobs
 @dataclass(frozen=True, slots=True)
 class TransferResult:
@@ -292,7 +284,7 @@ class KVBlockMover:
         kv_caches: the KV cache (see :func:`build_block_layout`).
         num_cpu_blocks: number of CPU sub-blocks (one GPU block each) to allocate.
         pin_memory: pin the CPU buffer; defaults to True when the cache is on CUDA.
-        method: one of ``auto``, ``coalesced``, ``per_block``, ``gather``.
+        method: one of ``auto``, ``batched``, ``coalesced``, ``per_block``, ``gather``.
         raw_memcpy: issue DMA copies with ``cudaMemcpyAsync`` through ctypes instead of
             ``Tensor.copy_`` (about 10x less host time per copy). None (default): when
             the CUDA runtime library loads; False: never; True: required.
@@ -343,12 +335,23 @@ class KVBlockMover:
                              False: torch.cuda.Stream(self.device)}
         self._jobs: list[_Job] = []
         # Issue DMA copies through the CUDA runtime directly (None: when available).
-        memcpy = _raw_memcpy_async() if self.is_cuda and raw_memcpy is not False else None
+        use_runtime = self.is_cuda and raw_memcpy is not False
+        memcpy = _cudart.memcpy_async() if use_runtime else None
         if raw_memcpy and memcpy is None:
             msg = ("raw_memcpy=True needs a CUDA KV cache" if not self.is_cuda
                    else "raw_memcpy=True but no CUDA runtime library could be loaded")
             raise ValueError(msg)
         self._memcpy = memcpy
+        self._batch_memcpy = _cudart.batch_memcpy_async() if use_runtime else None
+        # Addresses and strides of every plane on both sides, computed once here so that
+        # a job only adds block offsets (see _copy_plan).
+        self._plan = CopyPlan(self.layout.planes, self.cpu_planes)
+        self._block_bytes = self.layout.block_bytes
+
+    @property
+    def batched_available(self) -> bool:
+        """True when jobs can be issued as one ``cudaMemcpyBatchAsync`` (CUDA 12.8+)."""
+        return self._batch_memcpy is not None
 
     # ------------------------------------------------------------------ submission
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int],
@@ -363,50 +366,71 @@ class KVBlockMover:
 
     def _submit(self, job_id: int, is_store: bool, src_ids: Sequence[int],
                 dst_ids: Sequence[int]) -> None:
-        job = _Job(job_id, is_store, len(src_ids) * self.layout.block_bytes, time.perf_counter())
+        # The engine pays every microsecond here before its forward: keep it lean.
+        job = _Job(job_id, is_store, len(src_ids) * self._block_bytes, time.perf_counter())
         self._jobs.append(job)
         try:
             gpu_ids, cpu_ids = (src_ids, dst_ids) if is_store else (dst_ids, src_ids)
-            self._check_ids(gpu_ids, cpu_ids)
-            if self.is_cuda:
-                stream = self._streams[is_store]
-                # Ordered after everything the model has queued so far: a store reads
-                # what this step wrote; a load overwrites blocks earlier kernels may read.
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    job.start_event = torch.cuda.Event(enable_timing=True)
-                    job.start_event.record(stream)
-                    self._copy(job, is_store, list(gpu_ids), list(cpu_ids))
-                    job.end_event = torch.cuda.Event(enable_timing=True)
-                    job.end_event.record(stream)
-            else:
-                self._copy(job, is_store, list(gpu_ids), list(cpu_ids))
+            g, c = self._id_tensors(gpu_ids, cpu_ids)
+            if not self.is_cuda:
+                if g.numel():
+                    self._copy(job, is_store, g.tolist(), c.tolist())
                 job.host_seconds = time.perf_counter() - job.submitted_at
+                return
+            stream = self._streams[is_store]
+            # Ordered after everything the model has queued so far: a store reads
+            # what this step wrote; a load overwrites blocks earlier kernels may read.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            job.start_event = torch.cuda.Event(enable_timing=True)
+            job.start_event.record(stream)
+            if g.numel():
+                if self._batch_memcpy is not None and self.method in ("auto", "batched"):
+                    self._copy_batched(self._batch_memcpy, is_store, g, c, stream)
+                else:
+                    with torch.cuda.stream(stream):
+                        self._copy(job, is_store, g.tolist(), c.tolist())
+            job.end_event = torch.cuda.Event(enable_timing=True)
+            job.end_event.record(stream)
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
             job.error = f"{type(exc).__name__}: {exc}"
             logger.warning("KV %s job %d failed at submission: %s",
                            "store" if is_store else "load", job_id, job.error)
 
-    def _check_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]) -> None:
+    def _id_tensors(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids as int64 tensors, checked: equal lengths, every id in range."""
         if len(gpu_ids) != len(cpu_ids):
             msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
             raise ValueError(msg)
-        for name, ids, bound in (("device", gpu_ids, self.layout.num_blocks),
-                                 ("CPU", cpu_ids, self.num_cpu_blocks)):
-            bad = [i for i in ids if not 0 <= i < bound]
-            if bad:
-                msg = f"{name} block ids {bad[:8]} out of range [0, {bound})"
+        g, c = _int64_tensor(gpu_ids), _int64_tensor(cpu_ids)
+        for name, ids, bound in (("device", g, self.layout.num_blocks),
+                                 ("CPU", c, self.num_cpu_blocks)):
+            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < bound):
+                bad = ids[(ids < 0) | (ids >= bound)][:8].tolist()
+                msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)
+        return g, c
+
+    def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g: torch.Tensor,
+                      c: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # Every plane and run of the job in one runtime call: thousands of DMA copies for
+        # the per-layer layout cost one call's host time, and the copy engines see the
+        # whole batch at once instead of a trickle of single copies.
+        dsts, srcs, sizes = self._plan.descriptors(g, c, is_store)
+        rc = batch_memcpy(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(),
+                                stream.cuda_stream)
+        if rc != 0:
+            msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {dsts.numel()} copies"
+            raise RuntimeError(msg)
 
     def _copy(self, job: _Job, is_store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
-        if not gpu_ids:
-            return
         runs = coalesce_runs(gpu_ids, cpu_ids)
         for gpu_plane, cpu_plane in zip(self.layout.planes, self.cpu_planes, strict=True):
             method = self.method
-            if method == "auto":
-                # Measured on an H200: a DMA per copy is launch-bound below ~256 KiB, so
-                # small scattered pieces are gathered on the device first.
+            if method == "auto" and self.is_cuda:
+                # Without the batch API (CUDA < 12.8), measured on an H200: a DMA per copy
+                # is launch-bound below ~256 KiB, so small scattered pieces are gathered
+                # on the device first.
                 small = len(gpu_ids) * gpu_plane.shape[1] / len(runs) < _SMALL_ROW_BYTES
                 method = "gather" if small else "coalesced"
             if method == "gather" and self.is_cuda:
@@ -415,7 +439,7 @@ class KVBlockMover:
             dense = gpu_plane.stride(0) == gpu_plane.shape[1]
             if method == "per_block" or not dense:
                 plane_runs = [(g, c, 1) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
-            else:
+            else:  # coalesced, and batched / auto where there is no batch API or no CUDA
                 plane_runs = runs
             if self._memcpy is not None:
                 self._copy_raw(self._memcpy, is_store, gpu_plane, cpu_plane, plane_runs)
@@ -426,7 +450,7 @@ class KVBlockMover:
                 else:
                     gpu_plane[g:g + n].copy_(cpu_plane[c:c + n], non_blocking=True)
 
-    def _copy_raw(self, memcpy: Callable[[int, int, int, int], int], is_store: bool,
+    def _copy_raw(self, memcpy: _cudart.Memcpy, is_store: bool,
                   gpu_plane: torch.Tensor, cpu_plane: torch.Tensor,
                   runs: list[tuple[int, int, int]]) -> None:
         # Each run is contiguous on both sides: whole rows of a dense plane, or a single
