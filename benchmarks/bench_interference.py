@@ -10,7 +10,8 @@ clock and thermal drift hit both sides alike. Reported per (layout, method):
 * ``compute GPU ms``: CUDA events around the compute kernels (does DMA or a copy kernel
   slow the kernels themselves?);
 * ``step wall ms`` and its slowdown against the baseline measured in the same loop;
-* ``issue ms per job``: host time to submit one job (the engine pays it before the forward).
+* ``store / load issue ms``: caller's host time to submit each job (the engine pays it
+  before the forward), and the host time the issue thread spent on a job, if one is used.
 
 Both sides do the same compute; the transfer side must also finish both jobs
 successfully and move exactly ``2 * B`` blocks per step, or the row is marked failed.
@@ -33,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from _transfer_variants import apply_variant, restore
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main", "run_rows"]
@@ -59,6 +61,10 @@ def _caches(args: argparse.Namespace, device: torch.device, layout: str) -> dict
         base = torch.empty((shape[0], args.layers, *shape[1:]), dtype=torch.bfloat16, device=device)
         base.normal_(generator=gen)  # never time zeros
         return {f"layer.{i}": base[:, i] for i in range(args.layers)}
+    if layout == "per-layer, one allocation":
+        whole = torch.empty((args.layers, *shape), dtype=torch.bfloat16, device=device)
+        whole.normal_(generator=gen)
+        return {f"layer.{i}": whole[i] for i in range(args.layers)}
     return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(generator=gen)
             for i in range(args.layers)}
 
@@ -107,12 +113,8 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     for layout in args.layouts:
         caches = _caches(args, device, layout)
         mover = KVBlockMover(caches, num_cpu_blocks=2 * B)
-        raw, batch = mover._memcpy, mover._batch_memcpy
-        for method in args.methods:
-            label, mover.method = method, method.split(",")[0]
-            # "auto, Tensor.copy_": the default with every runtime shortcut off.
-            fallback = method.endswith("Tensor.copy_")
-            mover._memcpy, mover._batch_memcpy = (None, None) if fallback else (raw, batch)
+        for label in args.methods:
+            apply_variant(mover, label)
             jobs = iter(range(1 << 30))
             finished: list = []
 
@@ -140,15 +142,18 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
                   and all(r.success for r in finished)
                   and all(r.num_bytes == B * mover.layout.block_bytes for r in finished))
             row = {
-                "layout": layout, "method": label, "blocks_each_way": B,
+                "layout": layout + (" [2D]" if mover._plan.pitch is not None else ""),
+                "method": label, "blocks_each_way": B,
                 "base_gpu_ms": g0, "gpu_ms": g1, "gpu_slowdown_pct": (g1 / g0 - 1) * 100,
                 "base_wall_ms": w0, "wall_ms": w1, "wall_slowdown_pct": (w1 / w0 - 1) * 100,
                 "store_issue_ms": med(s[2] for s in xfer_s),
                 "load_issue_ms": med(s[3] for s in xfer_s), "ok": ok,
+                "issue_thread_ms_per_job": med(r.issue_seconds or 0.0 for r in finished) * 1e3,
                 "MiB_each_way": B * mover.layout.block_bytes / 2**20,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+        restore(mover)
         mover.shutdown()
         del caches, mover
         if device.type == "cuda":
@@ -159,13 +164,14 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     lines = ["| layout | method | blocks each way | compute GPU ms (base) | compute GPU ms | "
              "step wall ms (base) | step wall ms | step slowdown | store issue ms | "
-             "load issue ms | ok |", "|" + "---|" * 11]
+             "load issue ms | issue-thread ms per job | ok |", "|" + "---|" * 12]
     for r in rows:
         lines.append(
             f"| {r['layout']} | {r['method']} | {r['blocks_each_way']} | {r['base_gpu_ms']:.2f} | "
             f"{r['gpu_ms']:.2f} ({r['gpu_slowdown_pct']:+.1f}%) | {r['base_wall_ms']:.2f} | "
             f"{r['wall_ms']:.2f} | {r['wall_slowdown_pct']:+.1f}% | {r['store_issue_ms']:.3f} | "
-            f"{r['load_issue_ms']:.3f} | {'yes' if r['ok'] else 'NO'} |")
+            f"{r['load_issue_ms']:.3f} | {r['issue_thread_ms_per_job']:.3f} | "
+            f"{'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -186,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--methods", nargs="+",
-                   default=["auto", "batched", "coalesced", "gather", "auto, Tensor.copy_"])
-    p.add_argument("--layouts", nargs="+", default=["cross-layer", "per-layer"])
+                   default=["auto", "auto, inline issue", "pitched, inline issue",
+                            "batched, inline issue", "coalesced, inline issue",
+                            "gather, inline issue", "auto, Tensor.copy_"],
+                   help="transfer variants (see _transfer_variants.py)")
+    p.add_argument("--layouts", nargs="+",
+                   default=["cross-layer", "per-layer", "per-layer, one allocation"])
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)

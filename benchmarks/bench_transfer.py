@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from _transfer_variants import DEFAULT_VARIANTS, apply_variant, restore
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main"]
@@ -99,6 +100,12 @@ def _make_cache(args: argparse.Namespace, device: torch.device, layout: str
         base = torch.empty((shape[0], args.layers, *shape[1:]), dtype=torch.bfloat16, device=device)
         base.normal_(generator=gen)  # never time zeros
         return {f"layer.{i}": base[:, i] for i in range(args.layers)}
+    if layout == "per-layer, one allocation":
+        # Per-layer tensors carved from one allocation: equally spaced, so 2D copies apply.
+        whole = torch.empty((args.layers, *shape), dtype=torch.bfloat16, device=device)
+        whole.normal_(generator=gen)
+        return {f"layer.{i}": whole[i] for i in range(args.layers)}
+    # vLLM's layout: one allocation per layer, wherever the allocator puts it.
     return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(generator=gen)
             for i in range(args.layers)}
 
@@ -117,17 +124,8 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
     }
     store_cpu, load_cpu = list(range(n)), list(range(n, 2 * n))
     job = iter(range(1 << 30))
-    raw_available = mover._memcpy is not None
-    variants = [(m, m, raw_available) for m in args.methods]
-    if raw_available and "auto" in args.methods:
-        # The same default method with every runtime shortcut off: Tensor.copy_ per copy
-        # (the fallback path, and what auto did before the batch API).
-        variants.append(("auto, Tensor.copy_", "auto", False))
-    raw_memcpy, batch_memcpy = mover._memcpy, mover._batch_memcpy
-    for label, method, use_raw in variants:
-        mover.method = method
-        mover._memcpy = raw_memcpy if use_raw else None
-        mover._batch_memcpy = batch_memcpy if use_raw else None
+    for label in args.methods:
+        apply_variant(mover, label)
         for pattern, (store_gpu, load_gpu) in patterns.items():
             def store(gpu: list[int] = store_gpu) -> None:
                 mover.submit_store(next(job), gpu, store_cpu)
@@ -142,9 +140,12 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                 mover.submit_load(next(job), load_cpu, lg)
                 mover.wait()
 
-            row = {"layout": layout, "method": label, "pattern": pattern}
-            # Host time to *issue* one store job (the engine pays it before its forward).
+            row = {"layout": layout, "method": label, "pattern": pattern,
+                   "pitched_layout": mover._plan.pitch is not None}
+            # Host time to *issue* one store job on the caller's thread (the engine pays
+            # it before its forward), and on the issue thread where there is one.
             submit_s = []
+            mover.get_finished()
             for _ in range(args.reps):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -153,6 +154,8 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                 submit_s.append(time.perf_counter() - t0)
                 mover.wait()
             row["submit_ms"] = statistics.median(submit_s) * 1e3
+            row["worker_issue_ms"] = statistics.median(
+                r.issue_seconds or 0.0 for r in mover.get_finished()) * 1e3
             for name, fn, moved in (("store", store, nbytes), ("load", load, nbytes),
                                     ("both", both, 2 * nbytes)):
                 row[name] = moved / _median_seconds(fn, device, args.reps) / 1e9
@@ -161,6 +164,7 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                                                                    store_cpu)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    restore(mover)
     mover.shutdown()
 
 
@@ -180,18 +184,20 @@ def _check(mover: KVBlockMover, caches: dict[str, torch.Tensor], gpu: list[int],
 
 def _table(rows: list[dict], contig: dict[str, float]) -> str:
     head = ("| layout | method | ids | store GB/s | x contig | load GB/s | x contig "
-            "| store+load GB/s | x one-way contig | store issue ms (host) | ok |")
-    lines = [head, "|" + "---|" * 11]
+            "| store+load GB/s | x one-way contig | store issue ms (caller) "
+            "| store issue ms (issue thread) | ok |")
+    lines = [head, "|" + "---|" * 12]
     lines.append(f"| contiguous pinned copy | - | - | {contig['store']:.1f} | 1.00 | "
                  f"{contig['load']:.1f} | 1.00 | {contig['both']:.1f} | "
-                 f"{contig['both'] / max(contig['store'], contig['load']):.2f} | - | - |")
+                 f"{contig['both'] / max(contig['store'], contig['load']):.2f} | - | - | - |")
     for r in rows:
         method = r["method"] + (" (default)" if r["method"] == "auto" else "")
+        layout = r["layout"] + (" [2D]" if r["pitched_layout"] else "")
         lines.append(
-            f"| {r['layout']} | {method} | {r['pattern']} | {r['store']:.1f} | "
+            f"| {layout} | {method} | {r['pattern']} | {r['store']:.1f} | "
             f"{r['store'] / contig['store']:.2f} | {r['load']:.1f} | {r['load'] / contig['load']:.2f}"
             f" | {r['both']:.1f} | {r['both'] / max(contig['store'], contig['load']):.2f} | "
-            f"{r['submit_ms']:.2f} | {'yes' if r['ok'] else 'NO'} |")
+            f"{r['submit_ms']:.3f} | {r['worker_issue_ms']:.3f} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -207,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="device blocks per cache (default 4096 on CUDA, 256 on CPU)")
     p.add_argument("--batch", type=int, default=None, help="blocks per transfer (default 256; 64 on CPU)")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--methods", nargs="+",
-                   default=["per_block", "coalesced", "gather", "batched", "auto"])
-    p.add_argument("--layouts", nargs="+", default=["cross-layer", "per-layer"])
+    p.add_argument("--methods", nargs="+", default=DEFAULT_VARIANTS,
+                   help="transfer variants (see _transfer_variants.py)")
+    p.add_argument("--layouts", nargs="+",
+                   default=["cross-layer", "per-layer", "per-layer, one allocation"])
     p.add_argument("--json", default=None, help="write results here (default $OUT/bench_transfer.json)")
     args = p.parse_args(argv)
     device = torch.device(args.device)

@@ -428,7 +428,7 @@ def test_transfer_method_is_validated_with_the_config():
     from connectors.offload import connector as offload_connector
 
     assert offload_connector.TRANSFER_METHODS == tr.METHODS
-    with pytest.raises(ConfigError, match="transfer_method='xx'.*auto, batched, coalesced, per_block, gather"):
+    with pytest.raises(ConfigError, match="transfer_method='xx'.*auto, pitched, batched, coalesced, per_block, gather"):
         make({"num_cpu_blocks": 8, "transfer_method": "xx"})
 
 

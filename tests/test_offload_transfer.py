@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 import torch
 
 from connectors.offload import transfer as tr
 from connectors.offload._copy_plan import CopyPlan, run_starts
+from connectors.offload._layout import _plane_of
 from connectors.offload.transfer import (
     KVBlockMover,
     build_block_layout,
@@ -23,7 +25,7 @@ DEVICES = [
         pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     ]),
 ]
-ALL_METHODS = ["auto", "batched", "coalesced", "per_block", "gather"]
+ALL_METHODS = ["auto", "pitched", "batched", "coalesced", "per_block", "gather"]
 METHODS = pytest.mark.parametrize("method", ALL_METHODS, ids=ALL_METHODS)
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -278,7 +280,7 @@ def test_batched_descriptors_copy_row_by_row_when_rows_have_gaps() -> None:
     """A plane whose rows are not back to back (e.g. padded blocks) never gets a multi-row copy."""
     padded = torch.randn(NUM_BLOCKS, 2 * 256).to(torch.bfloat16)
     view = padded[:, :256]  # each block dense, but followed by a gap of the same size
-    layout_plane = tr._plane_of(view)
+    layout_plane = _plane_of(view)
     assert layout_plane.stride(0) > layout_plane.shape[1]
     cpu = torch.zeros(5, layout_plane.shape[1], dtype=torch.uint8)
     plan = CopyPlan([layout_plane], [cpu])
@@ -323,3 +325,116 @@ def test_batched_memcpy_is_byte_exact_on_cuda(layout: str) -> None:
         for s, d in zip([7, 8, 9, 2, 0], [4, 5, 6, 11, 10], strict=True):
             assert torch.equal(v[d].view(torch.int16), original[k][s].view(torch.int16))
         assert bool((v[[1, 3, 7]] == -7.0).all())
+
+
+# ------------------------------------------------------------------ issue thread
+@pytest.mark.parametrize("method", ["auto", "batched", "gather"])
+def test_issue_thread_round_trip_is_byte_exact(method: str) -> None:
+    """Copies issued from the background thread move the same bytes as inline ones."""
+    base, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=4, method=method, issue_thread=True)
+    original = base.clone()
+    mover.submit_store(1, [7, 2, 3, 4], [0, 1, 2, 3])
+    mover.wait()
+    base.fill_(-7.0)
+    mover.submit_load(2, [0, 1, 2, 3], [5, 6, 8, 1])
+    mover.wait()
+    results = mover.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True)]
+    assert all(r.issue_seconds is not None for r in results)
+    for s, d in zip([7, 2, 3, 4], [5, 6, 8, 1], strict=True):
+        assert torch.equal(base[d].view(torch.int16), original[s].view(torch.int16))
+    mover.shutdown()
+
+
+def test_job_is_pending_until_the_issue_thread_has_issued_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """get_finished never reports a job the thread has not issued; wait() waits for it."""
+    _, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=4, issue_thread=True)
+    release, entered = threading.Event(), threading.Event()
+    real_copy = mover._copy
+
+    def slow_copy(job: tr._Job, *args: object) -> None:
+        entered.set()
+        assert release.wait(10)
+        real_copy(job, *args)
+
+    monkeypatch.setattr(mover, "_copy", slow_copy)
+    mover.submit_store(1, [0], [0])
+    mover.submit_store(2, [0, 1], [0])  # fails in the caller: reported, but only in order
+    assert entered.wait(10)
+    pending = mover.get_finished()
+    assert [r.job_id for r in pending] == [2]  # the failed one; job 1 is still being issued
+    assert mover.num_pending == 1
+    release.set()
+    mover.wait()
+    assert [(r.job_id, r.success) for r in mover.get_finished()] == [(1, True)]
+    mover.shutdown()
+    assert not any(t.name.startswith(f"kv-transfer-issue-{id(mover):x}") for t in threading.enumerate())
+
+
+# ------------------------------------------------------------------ pitched (2D) copies
+def spaced_layers(device: str, num_layers: int = 4) -> tuple[torch.Tensor, dict]:
+    """Per-layer tensors carved from one allocation: equally spaced planes."""
+    gen = torch.Generator().manual_seed(5)
+    whole = torch.randn(num_layers, NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen)
+    whole = whole.to(device=device, dtype=torch.bfloat16)
+    return whole, {f"l{i}": whole[i] for i in range(num_layers)}
+
+
+def run_2d_copies(copies: list[tuple[int, int, int, int, int, int]]) -> None:
+    """Execute 2D copy descriptors on CPU memory, as cudaMemcpy2DAsync would."""
+    for dst, dpitch, src, spitch, width, height in copies:
+        assert width <= min(dpitch, spitch)
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+
+def test_pitched_copies_move_exact_bytes_for_equally_spaced_layers() -> None:
+    """One 2D copy per run covers that run in every layer, and nothing else."""
+    whole, layers = spaced_layers("cpu")
+    mover = KVBlockMover(layers, num_cpu_blocks=5)
+    assert mover._plan.pitch is not None
+    original = whole.clone()
+    g, c = torch.tensor([7, 8, 9, 2, 0]), torch.tensor([1, 2, 3, 0, 4])
+    copies = mover._plan.pitched_copies(g, c, is_store=True)
+    assert [(w, h) for *_, w, h in copies] == [(3 * mover.layout.planes[0].shape[1], 4),
+                                              (mover.layout.planes[0].shape[1], 4),
+                                              (mover.layout.planes[0].shape[1], 4)]
+    run_2d_copies(copies)
+    whole.fill_(-3.0)
+    run_2d_copies(mover._plan.pitched_copies(torch.tensor([1, 2, 3, 11, 5]), c, is_store=False))
+    for s_, d in zip([7, 8, 9, 2, 0], [1, 2, 3, 11, 5], strict=True):
+        assert torch.equal(whole[:, d].view(torch.int16), original[:, s_].view(torch.int16))
+    others = [b for b in range(NUM_BLOCKS) if b not in (1, 2, 3, 11, 5)]
+    assert bool((whole[:, others] == -3.0).all())
+
+
+def test_no_pitch_for_unevenly_spaced_layers() -> None:
+    """Separately allocated layers with uneven gaps keep per-plane descriptors."""
+    whole = torch.zeros(5, NUM_BLOCKS, 64, dtype=torch.uint8)
+    layers = [whole[0], whole[1], whole[3]]  # gaps of 1 and 2 plane sizes
+    mover = KVBlockMover(layers, num_cpu_blocks=2)
+    assert mover._plan.pitch is None
+    with pytest.raises(ValueError, match="equally spaced"):
+        mover._plan.pitched_copies(torch.tensor([0]), torch.tensor([0]), is_store=True)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("method", ["pitched", "auto"])
+def test_pitched_copies_are_byte_exact_on_cuda(method: str) -> None:
+    """cudaMemcpy2DAsync over equally spaced layers moves exactly the chosen blocks."""
+    whole, layers = spaced_layers("cuda")
+    mover = KVBlockMover(layers, num_cpu_blocks=6, method=method)
+    assert mover._memcpy_2d is not None
+    original = whole.clone()
+    mover.submit_store(1, [7, 8, 9, 2, 0], [1, 2, 3, 0, 5])
+    mover.wait()
+    whole.fill_(-7.0)
+    mover.submit_load(2, [1, 2, 3, 0, 5], [4, 5, 6, 11, 10])
+    mover.wait()
+    assert all(r.success for r in mover.get_finished())
+    for s_, d in zip([7, 8, 9, 2, 0], [4, 5, 6, 11, 10], strict=True):
+        assert torch.equal(whole[:, d].view(torch.int16), original[:, s_].view(torch.int16))
+    assert bool((whole[:, [1, 3, 7]] == -7.0).all())
+    mover.shutdown()

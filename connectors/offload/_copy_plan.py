@@ -66,6 +66,51 @@ class CopyPlan:
             (dense if g.stride(0) == row and c.stride(0) == row else gapped).append(entry)
         self._dense = self._columns(dense)
         self._gapped = self._columns(gapped)
+        self.pitch = self._find_pitch(gpu_planes, cpu_planes)
+
+    @staticmethod
+    def _find_pitch(gpu_planes: Sequence[torch.Tensor], cpu_planes: Sequence[torch.Tensor]
+                    ) -> tuple[int, int, int, int, int, int] | None:
+        """``(gpu_base, gpu_pitch, cpu_base, cpu_pitch, row_bytes, num_planes)`` when the
+        planes are dense, of one row size, and equally spaced on both sides; else None.
+
+        Then block ``b`` of every plane is one 2D region (``num_planes`` rows of
+        ``row_bytes``, ``gpu_pitch`` apart), so a run of blocks moves as ONE copy-engine
+        operation instead of one per plane. Separately allocated per-layer tensors of one
+        size (vLLM's layout) usually sit equally spaced; when not, batched copies remain.
+        """
+        if len(gpu_planes) < 2:
+            return None
+        row = gpu_planes[0].shape[1]
+        if any(p.shape[1] != row or p.stride(0) != row for p in (*gpu_planes, *cpu_planes)):
+            return None
+        g = [p.data_ptr() for p in gpu_planes]
+        c = [p.data_ptr() for p in cpu_planes]
+        g_pitch, c_pitch = g[1] - g[0], c[1] - c[0]
+        spans_ok = (g_pitch >= gpu_planes[0].shape[0] * row and c_pitch >= cpu_planes[0].shape[0] * row)
+        even = all(b - a == g_pitch for a, b in zip(g, g[1:], strict=False)) and all(
+            b - a == c_pitch for a, b in zip(c, c[1:], strict=False))
+        if not (spans_ok and even):
+            return None
+        return g[0], g_pitch, c[0], c_pitch, row, len(gpu_planes)
+
+    def pitched_copies(self, gpu_ids: torch.Tensor, cpu_ids: torch.Tensor, is_store: bool
+                       ) -> list[tuple[int, int, int, int, int, int]]:
+        """``(dst, dpitch, src, spitch, width, height)`` per run: one 2D copy each.
+
+        Only for plans with :attr:`pitch` set.
+        """
+        if self.pitch is None:
+            msg = "pitched_copies needs planes that are equally spaced on both sides"
+            raise ValueError(msg)
+        g_base, g_pitch, c_base, c_pitch, row, height = self.pitch
+        gs, cs, ns = (t.tolist() for t in run_starts(gpu_ids, cpu_ids))
+        out = []
+        for g, c, n in zip(gs, cs, ns, strict=True):
+            gpu, cpu = g_base + g * row, c_base + c * row
+            out.append((cpu, c_pitch, gpu, g_pitch, n * row, height) if is_store
+                       else (gpu, g_pitch, cpu, c_pitch, n * row, height))
+        return out
 
     @staticmethod
     def _columns(entries: list[tuple[int, int, int, int, int]]) -> tuple[torch.Tensor, ...] | None:

@@ -22,15 +22,29 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BatchMemcpy", "Memcpy", "batch_memcpy_async", "memcpy_async", "runtime_version"]
+__all__ = [
+    "BatchMemcpy",
+    "Memcpy",
+    "Memcpy2D",
+    "batch_memcpy_async",
+    "max_pitch",
+    "memcpy_2d_async",
+    "memcpy_async",
+    "runtime_version",
+]
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) pointers
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
 _BATCH_MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
 _BATCH_NO_FAILIDX_VERSION = 13000  # CUDA 13 dropped the failIdx out-parameter
+_DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
 Memcpy = Callable[[int, int, int, int], int]
 """``(dst, src, nbytes, stream) -> cudaError`` for one copy."""
+
+Memcpy2D = Callable[[int, int, int, int, int, int, int], int]
+"""``(dst, dpitch, src, spitch, width, height, stream) -> cudaError``: ``height`` rows of
+``width`` bytes, rows ``spitch`` / ``dpitch`` bytes apart; one copy-engine operation."""
 
 BatchMemcpy = Callable[[int, int, int, int, int], int]
 """``(dsts_ptr, srcs_ptr, sizes_ptr, count, stream) -> cudaError``; the three pointers
@@ -127,3 +141,29 @@ def batch_memcpy_async() -> BatchMemcpy | None:
             return fn(dsts, srcs, sizes, count, ctypes.byref(attrs), attr_idx, 1,
                       ctypes.byref(fail_idx), stream)
     return call
+
+
+@functools.cache
+def memcpy_2d_async() -> Memcpy2D | None:
+    """``cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, stream)``."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = lib.cudaMemcpy2DAsync
+    fn.restype = ctypes.c_int
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    fn.argtypes = [vp, sz, vp, sz, sz, sz, ctypes.c_int, vp]
+    return lambda dst, dpitch, src, spitch, width, height, stream: fn(
+        dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
+
+
+@functools.cache
+def max_pitch(device_index: int) -> int:
+    """The largest row pitch a 2D copy accepts on the device (``cudaDevAttrMaxPitch``); 0 if unknown."""
+    lib = _library()
+    if lib is None:
+        return 0
+    out = ctypes.c_int(0)
+    if lib.cudaDeviceGetAttribute(ctypes.byref(out), _DEV_ATTR_MAX_PITCH, device_index) != 0:
+        return 0
+    return out.value

@@ -44,7 +44,7 @@ from kvconnector_core.scheduler.output import yield_req_data
 
 # transfer.METHODS, repeated so that validating a config does not import torch
 # (a test checks the two agree).
-TRANSFER_METHODS = ("auto", "batched", "coalesced", "per_block", "gather")
+TRANSFER_METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 
 if TYPE_CHECKING:
     import torch
@@ -175,7 +175,7 @@ class OffloadConfig:
             msg = (f"the CPU tier must hold at least one offloaded block of {chunk_bytes} "
                    f"bytes; extra_config gives {num}")
             raise ConfigError(msg)
-        method = _str_key(extra, "transfer_method", "auto", "'auto', 'batched', 'coalesced', 'per_block' or 'gather'")
+        method = _str_key(extra, "transfer_method", "auto", "'auto', 'pitched', 'batched', 'coalesced', 'per_block' or 'gather'")
         if method not in TRANSFER_METHODS:
             # Checked here, with the rest of the config, not when the worker registers.
             msg = (f"OffloadingConnector transfer_method={method!r} is not valid; expected one of "

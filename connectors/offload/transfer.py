@@ -22,6 +22,9 @@ then issues its copies and records an end event; completion is polled with
 ``event.query()``. Copies go through the DMA copy engines, which leave the model's SMs
 alone. Methods (``KVBlockMover(method=...)``):
 
+    ``pitched``    where the planes are equally spaced on both sides (per-layer tensors
+                   of one size, allocated back to back): one ``cudaMemcpy2DAsync`` per
+                   run of blocks, its rows the planes; else as ``batched``
     ``batched``    the whole job (every plane, every run of consecutive source AND
                    destination ids) in one ``cudaMemcpyBatchAsync`` (CUDA 12.8+), its
                    descriptors computed from addresses prepared at registration
@@ -29,9 +32,13 @@ alone. Methods (``KVBlockMover(method=...)``):
     ``per_block``  one copy per block and plane (the baseline the others must beat)
     ``gather``     gather the scattered blocks on the device into a staging buffer,
                    then copy runs of consecutive CPU ids (uses SMs and device memory)
-    ``auto``       the default: ``batched`` where the runtime has it; otherwise, per job
+    ``auto``       the default: ``pitched``, else ``batched`` where the runtime has it; otherwise, per job
                    and plane, ``gather`` when copies would average under 256 KiB
                    (scattered per-layer pieces), else ``coalesced``
+
+Issue thread. On CUDA the copies are issued by a background thread (:mod:`._issuer`):
+the caller records one event on its current stream, which fixes where the copies sit in
+stream order, and returns; a job counts as pending until the thread has queued it.
 
 Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loads and
 ``Tensor.copy_(non_blocking=True)`` otherwise (~3 vs ~26 us of host time per copy);
@@ -47,8 +54,11 @@ is logged and reported through :meth:`KVBlockMover.get_finished` with
 from __future__ import annotations
 
 import array
+import functools
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +66,12 @@ import torch
 
 from connectors.offload import _cudart
 from connectors.offload._copy_plan import CopyPlan
+from connectors.offload._issuer import IssueThread
+from connectors.offload._layout import (
+    BlockLayout,
+    build_block_layout,
+    cross_layer_planes,
+)
 
 __all__ = [
     "BlockLayout",
@@ -69,124 +85,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("auto", "batched", "coalesced", "per_block", "gather")
+METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 _SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
-
-
-# ---------------------------------------------------------------------------- layout
-@dataclass(frozen=True, slots=True)
-class BlockLayout:
-    """The device KV cache as byte planes.
-
-    Attributes:
-        planes: uint8 tensors ``(num_blocks, row_bytes)``; block ``b`` of plane ``p`` is
-            ``planes[p][b]``, one contiguous row. A row may be followed by a gap
-            (``stride(0) > row_bytes``), in which case runs are not coalesced.
-        cross_layer: True when one plane holds all layers of a block.
-    """
-
-    planes: tuple[torch.Tensor, ...]
-    cross_layer: bool
-
-    @property
-    def num_blocks(self) -> int:
-        """Number of device blocks."""
-        return self.planes[0].shape[0]
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all planes."""
-        return sum(p.shape[1] for p in self.planes)
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the KV cache."""
-        return self.planes[0].device
-
-
-def _byte_rows(storage_tensor: torch.Tensor, offset_bytes: int, num_rows: int,
-               row_bytes: int, row_stride_bytes: int) -> torch.Tensor:
-    """A uint8 (num_rows, row_bytes) view of ``storage_tensor``'s storage."""
-    out = torch.empty(0, dtype=torch.uint8, device=storage_tensor.device)
-    return out.set_(storage_tensor.untyped_storage(), offset_bytes, (num_rows, row_bytes),
-                    (row_stride_bytes, 1))
-
-
-def _plane_of(t: torch.Tensor) -> torch.Tensor:
-    """One layer tensor ``(num_blocks, ...)`` as a byte plane; each block must be dense."""
-    if t.dim() < 2 or not t[0].is_contiguous():
-        msg = (f"KV cache tensor of shape {tuple(t.shape)} and strides {t.stride()}: "
-               "each block (t[i]) must be one contiguous chunk")
-        raise ValueError(msg)
-    elt = t.element_size()
-    return _byte_rows(t, t.storage_offset() * elt, t.shape[0], t[0].numel() * elt,
-                      t.stride(0) * elt)
-
-
-def cross_layer_planes(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Recover the cross-layer block view of per-layer views of one tensor.
-
-    Args:
-        tensors: per-layer views ``base[:, i]`` of a ``(num_blocks, num_layers, ...)``
-            tensor, in any order.
-
-    Returns:
-        A uint8 ``(num_blocks, num_layers * layer_block_bytes)`` view in which a row is
-        all layers of one block, or None when the views are not laid out that way.
-    """
-    if not tensors:
-        return None
-    first = tensors[0]
-    if first.dim() < 2 or not first[0].is_contiguous():
-        return None
-    same = all(
-        t.device == first.device and t.dtype == first.dtype and t.shape == first.shape
-        and t.stride() == first.stride()
-        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        for t in tensors
-    )
-    if not same:
-        return None
-    elt = first.element_size()
-    layer_bytes = first[0].numel() * elt
-    ordered = sorted(tensors, key=lambda t: t.storage_offset())
-    offsets = [t.storage_offset() * elt for t in ordered]
-    # Layers must sit back to back inside a block, and blocks back to back after that.
-    if any(b - a != layer_bytes for a, b in zip(offsets, offsets[1:], strict=False)):
-        return None
-    row_bytes = layer_bytes * len(ordered)
-    if first.stride(0) * elt < row_bytes:
-        return None
-    return _byte_rows(ordered[0], offsets[0], first.shape[0], row_bytes, first.stride(0) * elt)
-
-
-def build_block_layout(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
-                       ) -> BlockLayout:
-    """Describe the KV cache as byte planes, cross-layer when possible.
-
-    Args:
-        kv_caches: layer name -> per-layer tensor ``(num_blocks, ...)`` (as given to
-            ``register_kv_caches``), or a sequence of such tensors, or one cross-layer
-            tensor ``(num_blocks, num_layers, ...)`` in a one-element sequence.
-
-    Raises:
-        ValueError: no tensors, tensors on different devices or with different block
-            counts, or a block that is not one contiguous chunk.
-    """
-    tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-    if not tensors:
-        msg = "no KV cache tensors to register"
-        raise ValueError(msg)
-    if len({t.device for t in tensors}) != 1 or len({t.shape[0] for t in tensors}) != 1:
-        msg = ("KV cache tensors must share one device and one block count, got "
-               f"{sorted({(str(t.device), t.shape[0]) for t in tensors})}")
-        raise ValueError(msg)
-    base = cross_layer_planes(tensors) if len(tensors) > 1 else None
-    if base is not None:
-        return BlockLayout((base,), cross_layer=True)
-    # Sorting by address keeps the CPU layout independent of dict order.
-    ordered = sorted(tensors, key=lambda t: (t.untyped_storage().data_ptr(), t.storage_offset()))
-    return BlockLayout(tuple(_plane_of(t) for t in ordered), cross_layer=len(tensors) == 1)
 
 
 # ---------------------------------------------------------------------------- id helpers
@@ -255,6 +155,8 @@ class TransferResult:
         is_store: True for device -> CPU, False for CPU -> device.
         num_bytes: bytes the job moved (or would have moved).
         seconds: time from submission to completion as observed (None if unknown).
+        issue_seconds: host time spent issuing the copies (on CPU: making them), on the
+            issue thread where one is used; None if the job failed before that.
     """
 
     job_id: int
@@ -262,6 +164,7 @@ class TransferResult:
     is_store: bool
     num_bytes: int
     seconds: float | None
+    issue_seconds: float | None = None
 
 
 @dataclass(slots=True)
@@ -274,6 +177,8 @@ class _Job:
     start_event: torch.cuda.Event | None = None
     end_event: torch.cuda.Event | None = None
     error: str | None = None
+    issued: threading.Event | None = None  # set by the issue thread once the copies are queued
+    issue_seconds: float | None = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # staging, index tensors
 
 
@@ -284,10 +189,14 @@ class KVBlockMover:
         kv_caches: the KV cache (see :func:`build_block_layout`).
         num_cpu_blocks: number of CPU sub-blocks (one GPU block each) to allocate.
         pin_memory: pin the CPU buffer; defaults to True when the cache is on CUDA.
-        method: one of ``auto``, ``batched``, ``coalesced``, ``per_block``, ``gather``.
+        method: one of ``auto``, ``pitched``, ``batched``, ``coalesced``, ``per_block``,
+            ``gather``.
         raw_memcpy: issue DMA copies with ``cudaMemcpyAsync`` through ctypes instead of
             ``Tensor.copy_`` (about 10x less host time per copy). None (default): when
             the CUDA runtime library loads; False: never; True: required.
+        issue_thread: issue the copies on a background thread, so that the caller pays
+            only for one CUDA event and a queue put (None: on CUDA only; on CPU the
+            thread makes the synchronous copies, which tests use).
 
     Attributes:
         layout: the device KV cache as byte planes.
@@ -301,7 +210,8 @@ class KVBlockMover:
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
                  num_cpu_blocks: int, *, pin_memory: bool | None = None,
-                 method: str = "auto", raw_memcpy: bool | None = None) -> None:
+                 method: str = "auto", raw_memcpy: bool | None = None,
+                 issue_thread: bool | None = None) -> None:
         if method not in METHODS:
             msg = f"unknown transfer method {method!r}; valid: {', '.join(METHODS)}"
             raise ValueError(msg)
@@ -346,7 +256,18 @@ class KVBlockMover:
         # Addresses and strides of every plane on both sides, computed once here so that
         # a job only adds block offsets (see _copy_plan).
         self._plan = CopyPlan(self.layout.planes, self.cpu_planes)
+        self._memcpy_2d = None
+        if use_runtime and self._plan.pitch is not None:
+            limit = _cudart.max_pitch(self.device.index if self.device.index is not None
+                                      else torch.cuda.current_device())
+            if max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
+                self._memcpy_2d = _cudart.memcpy_2d_async()
         self._block_bytes = self.layout.block_bytes
+        self._issuer: IssueThread | None = None
+        if issue_thread or (self.is_cuda and issue_thread is None):
+            self._issuer = IssueThread(self.device, name=f"kv-transfer-issue-{id(self):x}")
+            # A mover dropped without shutdown() still stops its thread.
+            weakref.finalize(self, self._issuer.close, join=False)
 
     @property
     def batched_available(self) -> bool:
@@ -372,29 +293,53 @@ class KVBlockMover:
         try:
             gpu_ids, cpu_ids = (src_ids, dst_ids) if is_store else (dst_ids, src_ids)
             g, c = self._id_tensors(gpu_ids, cpu_ids)
-            if not self.is_cuda:
+            ready = None
+            if self.is_cuda:
+                # Fixes the copies' place in stream order now, whichever thread issues
+                # them: a store reads what the model queued so far; a load overwrites
+                # blocks that earlier kernels may still read.
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+        except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
+            self._fail(job, exc)
+            return
+        if self._issuer is None:
+            self._issue(job, ready, g, c)
+        else:
+            job.issued = threading.Event()
+            self._issuer.submit(functools.partial(self._issue, job, ready, g, c))
+
+    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g: torch.Tensor,
+               c: torch.Tensor) -> None:
+        """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
+        t0 = time.perf_counter()
+        try:
+            if ready is None:  # CPU cache: plain synchronous copies
                 if g.numel():
-                    self._copy(job, is_store, g.tolist(), c.tolist())
+                    self._copy(job, job.is_store, g.tolist(), c.tolist())
                 job.host_seconds = time.perf_counter() - job.submitted_at
                 return
-            stream = self._streams[is_store]
-            # Ordered after everything the model has queued so far: a store reads
-            # what this step wrote; a load overwrites blocks earlier kernels may read.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            job.start_event = torch.cuda.Event(enable_timing=True)
-            job.start_event.record(stream)
+            stream = self._streams[job.is_store]
+            stream.wait_event(ready)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             if g.numel():
-                if self._batch_memcpy is not None and self.method in ("auto", "batched"):
-                    self._copy_batched(self._batch_memcpy, is_store, g, c, stream)
-                else:
-                    with torch.cuda.stream(stream):
-                        self._copy(job, is_store, g.tolist(), c.tolist())
-            job.end_event = torch.cuda.Event(enable_timing=True)
-            job.end_event.record(stream)
+                self._copy_cuda(job, g, c, stream)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            job.start_event, job.end_event = start, end
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
-            job.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("KV %s job %d failed at submission: %s",
-                           "store" if is_store else "load", job_id, job.error)
+            self._fail(job, exc)
+        finally:
+            job.issue_seconds = time.perf_counter() - t0
+            if job.issued is not None:
+                job.issued.set()  # last: the fields above are complete when it is seen
+
+    @staticmethod
+    def _fail(job: _Job, exc: Exception) -> None:
+        job.error = f"{type(exc).__name__}: {exc}"
+        logger.warning("KV %s job %d failed at submission: %s",
+                       "store" if job.is_store else "load", job.job_id, job.error)
 
     def _id_tensors(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,6 +355,30 @@ class KVBlockMover:
                 msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)
         return g, c
+
+    def _copy_cuda(self, job: _Job, g: torch.Tensor, c: torch.Tensor,
+                   stream: torch.cuda.Stream) -> None:
+        # Preference: one 2D copy per run (equally spaced planes), else one batch call for
+        # the job, else the per-copy methods. A method names the most it may use.
+        method = self.method
+        if self._memcpy_2d is not None and method in ("auto", "pitched"):
+            self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
+        elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
+            self._copy_batched(self._batch_memcpy, job.is_store, g, c, stream)
+        else:
+            with torch.cuda.stream(stream):
+                self._copy(job, job.is_store, g.tolist(), c.tolist())
+
+    def _copy_pitched(self, memcpy_2d: _cudart.Memcpy2D, is_store: bool, g: torch.Tensor,
+                      c: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # One copy-engine operation moves a run of blocks in every plane (rows = planes),
+        # where the per-layer layout would otherwise need one small copy per plane.
+        handle = stream.cuda_stream
+        for dst, dpitch, src, spitch, width, height in self._plan.pitched_copies(g, c, is_store):
+            rc = memcpy_2d(dst, dpitch, src, spitch, width, height, handle)
+            if rc != 0:
+                msg = f"cudaMemcpy2DAsync returned CUDA error {rc} ({height} rows of {width} bytes)"
+                raise RuntimeError(msg)
 
     def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g: torch.Tensor,
                       c: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -493,6 +462,9 @@ class KVBlockMover:
         done: list[TransferResult] = []
         pending: list[_Job] = []
         for job in self._jobs:
+            if job.issued is not None and not job.issued.is_set():
+                pending.append(job)  # still queued on the issue thread
+                continue
             finished = True
             if job.error is None and job.end_event is not None:
                 try:
@@ -511,7 +483,11 @@ class KVBlockMover:
         """Block until the given jobs (all pending jobs by default) have completed."""
         wanted = None if job_ids is None else set(job_ids)
         for job in self._jobs:
-            if job.end_event is not None and (wanted is None or job.job_id in wanted):
+            if wanted is not None and job.job_id not in wanted:
+                continue
+            if job.issued is not None:
+                job.issued.wait()
+            if job.end_event is not None:
                 try:
                     job.end_event.synchronize()
                 except Exception as exc:  # noqa: BLE001
@@ -531,8 +507,11 @@ class KVBlockMover:
             except RuntimeError:
                 pass
         return TransferResult(job.job_id, job.error is None, job.is_store, job.num_bytes,
-                              seconds)
+                              seconds, job.issue_seconds)
 
     def shutdown(self) -> None:
-        """Wait for in-flight jobs so no DMA touches freed memory."""
+        """Wait for in-flight jobs so no DMA touches freed memory; stop the issue thread."""
         self.wait()
+        if self._issuer is not None:
+            self._issuer.close()
+            self._issuer = None
