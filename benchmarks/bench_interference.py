@@ -192,9 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--methods", nargs="+",
-                   default=["auto", "auto, inline issue", "pitched, inline issue",
-                            "batched, inline issue", "coalesced, inline issue",
-                            "gather, inline issue", "auto, Tensor.copy_"],
+                   default=["auto", "pitched", "batched", "gather", "coalesced",
+                            "auto, inline issue", "auto, Tensor.copy_"],
                    help="transfer variants (see _transfer_variants.py)")
     p.add_argument("--layouts", nargs="+",
                    default=["cross-layer", "per-layer", "per-layer, one allocation"])

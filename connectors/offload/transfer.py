@@ -30,11 +30,12 @@ alone. Methods (``KVBlockMover(method=...)``):
                    descriptors computed from addresses prepared at registration
     ``coalesced``  one ``cudaMemcpyAsync`` per run of consecutive ids and plane
     ``per_block``  one copy per block and plane (the baseline the others must beat)
-    ``gather``     gather the scattered blocks on the device into a staging buffer,
-                   then copy runs of consecutive CPU ids (uses SMs and device memory)
-    ``auto``       the default: ``pitched``, else ``batched`` where the runtime has it; otherwise, per job
-                   and plane, ``gather`` when copies would average under 256 KiB
-                   (scattered per-layer pieces), else ``coalesced``
+    ``gather``     gather scattered rows on the device into staging buffers, a group of
+                   planes at a time, and move those with large DMAs, kernels and DMAs
+                   pipelined on two streams (:mod:`._staged`; uses some SM time)
+    ``auto``       the default: ``gather`` when the job's copies would average under
+                   256 KiB (scattered rows of the per-layer layout), else ``pitched``
+                   (which falls back to ``batched``, then ``coalesced``)
 
 Issue thread. On CUDA the copies are issued by a background thread (:mod:`._issuer`):
 the caller records one event on its current stream, which fixes where the copies sit in
@@ -65,8 +66,9 @@ from dataclasses import dataclass, field
 import torch
 
 from connectors.offload import _cudart
-from connectors.offload._copy_plan import CopyPlan
+from connectors.offload._copy_plan import CopyPlan, run_starts
 from connectors.offload._issuer import IssueThread
+from connectors.offload._staged import staged_copy
 from connectors.offload._layout import (
     BlockLayout,
     build_block_layout,
@@ -127,21 +129,26 @@ def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[
     return runs
 
 
-def _int64_tensor(ids: Sequence[int]) -> torch.Tensor:
-    """A flat int64 tensor of the ids.
+def _id_array(ids: Sequence[int]) -> array.array:
+    """A private int64 copy of the ids (the caller may reuse its list after submitting).
 
-    Through ``array.array`` because it is ~6x faster than ``torch.tensor`` on a list of
-    Python ints, and this runs twice per job on the engine's step.
+    ``array.array`` because building it from a list of Python ints is ~6x faster than
+    ``torch.tensor``, and this runs twice per job on the engine's step.
     """
     if isinstance(ids, torch.Tensor):
-        return ids.to(torch.int64).view(-1)
-    if not len(ids):
-        return torch.empty(0, dtype=torch.int64)
+        ids = ids.tolist()
     try:
-        return torch.frombuffer(array.array("q", ids), dtype=torch.int64)
+        return array.array("q", ids)
     except TypeError as exc:
         msg = f"block ids must be a flat sequence of ints, got {list(ids)[:4]!r}..."
         raise ValueError(msg) from exc
+
+
+def _as_tensor(ids: array.array) -> torch.Tensor:
+    """The ids as an int64 tensor sharing the array's memory."""
+    if not ids:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(ids, dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------- jobs
@@ -240,9 +247,13 @@ class KVBlockMover:
                 offset += size
             self.cpu_planes = tuple(planes)
         self._streams: dict[bool, torch.cuda.Stream] = {}
+        self._kernel_streams: dict[bool, torch.cuda.Stream] = {}
         if self.is_cuda:
             self._streams = {True: torch.cuda.Stream(self.device),
                              False: torch.cuda.Stream(self.device)}
+            # Gather / scatter kernels of the staged method, beside each direction's DMAs.
+            self._kernel_streams = {True: torch.cuda.Stream(self.device),
+                                    False: torch.cuda.Stream(self.device)}
         self._jobs: list[_Job] = []
         # Issue DMA copies through the CUDA runtime directly (None: when available).
         use_runtime = self.is_cuda and raw_memcpy is not False
@@ -292,7 +303,7 @@ class KVBlockMover:
         self._jobs.append(job)
         try:
             gpu_ids, cpu_ids = (src_ids, dst_ids) if is_store else (dst_ids, src_ids)
-            g, c = self._id_tensors(gpu_ids, cpu_ids)
+            g, c = self._checked_ids(gpu_ids, cpu_ids)
             ready = None
             if self.is_cuda:
                 # Fixes the copies' place in stream order now, whichever thread issues
@@ -309,11 +320,12 @@ class KVBlockMover:
             job.issued = threading.Event()
             self._issuer.submit(functools.partial(self._issue, job, ready, g, c))
 
-    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g: torch.Tensor,
-               c: torch.Tensor) -> None:
+    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g_ids: array.array,
+               c_ids: array.array) -> None:
         """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
         t0 = time.perf_counter()
         try:
+            g, c = _as_tensor(g_ids), _as_tensor(c_ids)
             if ready is None:  # CPU cache: plain synchronous copies
                 if g.numel():
                     self._copy(job, job.is_store, g.tolist(), c.tolist())
@@ -341,17 +353,17 @@ class KVBlockMover:
         logger.warning("KV %s job %d failed at submission: %s",
                        "store" if job.is_store else "load", job.job_id, job.error)
 
-    def _id_tensors(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids as int64 tensors, checked: equal lengths, every id in range."""
+    def _checked_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
+                     ) -> tuple[array.array, array.array]:
+        """The ids as private int64 arrays, checked: equal lengths, every id in range."""
         if len(gpu_ids) != len(cpu_ids):
             msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
             raise ValueError(msg)
-        g, c = _int64_tensor(gpu_ids), _int64_tensor(cpu_ids)
+        g, c = _id_array(gpu_ids), _id_array(cpu_ids)
         for name, ids, bound in (("device", g, self.layout.num_blocks),
                                  ("CPU", c, self.num_cpu_blocks)):
-            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < bound):
-                bad = ids[(ids < 0) | (ids >= bound)][:8].tolist()
+            if ids and not (0 <= min(ids) and max(ids) < bound):
+                bad = [i for i in ids if not 0 <= i < bound][:8]
                 msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)
         return g, c
@@ -361,13 +373,32 @@ class KVBlockMover:
         # Preference: one 2D copy per run (equally spaced planes), else one batch call for
         # the job, else the per-copy methods. A method names the most it may use.
         method = self.method
-        if self._memcpy_2d is not None and method in ("auto", "pitched"):
+        if method == "auto" and self._small_rows(g, c):
+            method = "gather"
+        if method == "gather":
+            cpu_runs = list(zip(*(t.tolist() for t in run_starts(torch.arange(len(c)), c)),
+                                strict=True))
+            staged_copy(job.is_store, self.layout.planes, self.cpu_planes, g, cpu_runs, stream,
+                        self._kernel_streams[job.is_store], self._memcpy, job.keep_alive)
+        elif self._memcpy_2d is not None and method in ("auto", "pitched"):
             self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
         elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
             self._copy_batched(self._batch_memcpy, job.is_store, g, c, stream)
         else:
             with torch.cuda.stream(stream):
                 self._copy(job, job.is_store, g.tolist(), c.tolist())
+
+    def _small_rows(self, g: torch.Tensor, c: torch.Tensor) -> bool:
+        """True when the job's DMAs would average under 256 KiB (scattered per-layer rows).
+
+        Measured on an H100: the copy engines lose a fixed cost per row, so such jobs
+        are gathered on the device first (see _staged).
+        """
+        planes = self.layout.planes
+        if len(planes) == 1 and planes[0].shape[1] >= _SMALL_ROW_BYTES:
+            return False  # cross-layer rows: never small, skip counting runs
+        num_runs = run_starts(g, c)[2].numel()
+        return g.numel() * self._block_bytes / (num_runs * len(planes)) < _SMALL_ROW_BYTES
 
     def _copy_pitched(self, memcpy_2d: _cudart.Memcpy2D, is_store: bool, g: torch.Tensor,
                       c: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -396,15 +427,6 @@ class KVBlockMover:
         runs = coalesce_runs(gpu_ids, cpu_ids)
         for gpu_plane, cpu_plane in zip(self.layout.planes, self.cpu_planes, strict=True):
             method = self.method
-            if method == "auto" and self.is_cuda:
-                # Without the batch API (CUDA < 12.8), measured on an H200: a DMA per copy
-                # is launch-bound below ~256 KiB, so small scattered pieces are gathered
-                # on the device first.
-                small = len(gpu_ids) * gpu_plane.shape[1] / len(runs) < _SMALL_ROW_BYTES
-                method = "gather" if small else "coalesced"
-            if method == "gather" and self.is_cuda:
-                self._copy_gather(job, is_store, gpu_plane, cpu_plane, gpu_ids, cpu_ids)
-                continue
             dense = gpu_plane.stride(0) == gpu_plane.shape[1]
             if method == "per_block" or not dense:
                 plane_runs = [(g, c, 1) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
@@ -434,27 +456,6 @@ class KVBlockMover:
             if rc != 0:
                 msg = f"cudaMemcpyAsync returned CUDA error {rc}"
                 raise RuntimeError(msg)
-
-    def _copy_gather(self, job: _Job, is_store: bool, gpu_plane: torch.Tensor,
-                     cpu_plane: torch.Tensor, gpu_ids: list[int], cpu_ids: list[int]) -> None:
-        # Scattered device rows <-> one dense staging buffer (SM work), then the
-        # staging buffer <-> CPU in as few DMAs as the CPU ids allow.
-        idx_host = torch.tensor(gpu_ids, dtype=torch.int64).pin_memory()
-        idx = idx_host.to(self.device, non_blocking=True)
-        staging = torch.empty((len(gpu_ids), gpu_plane.shape[1]), dtype=torch.uint8,
-                              device=self.device)
-        # Allocated on this side stream; kept until the job is reported done so the
-        # caching allocator cannot hand them out while the copies still use them.
-        job.keep_alive += [idx_host, idx, staging]
-        runs = coalesce_runs(range(len(cpu_ids)), cpu_ids)
-        if is_store:
-            torch.index_select(gpu_plane, 0, idx, out=staging)
-            for s, c, n in runs:
-                cpu_plane[c:c + n].copy_(staging[s:s + n], non_blocking=True)
-        else:
-            for s, c, n in runs:
-                staging[s:s + n].copy_(cpu_plane[c:c + n], non_blocking=True)
-            gpu_plane.index_copy_(0, idx, staging)
 
     # ------------------------------------------------------------------ completion
     def get_finished(self) -> list[TransferResult]:
