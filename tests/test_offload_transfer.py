@@ -438,3 +438,49 @@ def test_pitched_copies_are_byte_exact_on_cuda(method: str) -> None:
         assert torch.equal(whole[:, d].view(torch.int16), original[:, s_].view(torch.int16))
     assert bool((whole[:, [1, 3, 7]] == -7.0).all())
     mover.shutdown()
+
+
+def test_no_pitch_for_equally_spaced_planes_in_separate_allocations() -> None:
+    """Regression: a 2D copy may not span allocations, even evenly spaced ones (H100: error 1)."""
+    row, blocks = 64, NUM_BLOCKS
+    memory = bytearray(3 * blocks * row)  # three back-to-back tensors with their own storage
+    planes = [torch.frombuffer(memory, dtype=torch.uint8, offset=i * blocks * row,
+                               count=blocks * row).view(blocks, row) for i in range(3)]
+    assert planes[1].data_ptr() - planes[0].data_ptr() == planes[2].data_ptr() - planes[1].data_ptr()
+    mover = KVBlockMover(planes, num_cpu_blocks=2)
+    assert mover._plan.pitch is None
+    # the same spacing inside one allocation does get 2D copies
+    one = torch.frombuffer(memory, dtype=torch.uint8).view(3, blocks, row)
+    assert KVBlockMover(list(one.unbind(0)), num_cpu_blocks=2)._plan.pitch is not None
+
+
+@CUDA_ONLY
+def test_failed_runtime_copy_fails_the_job_and_leaves_torch_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a failed ctypes copy must not surface later as an error in torch's kernels."""
+    whole, layers = spaced_layers("cuda")
+    mover = KVBlockMover(layers, num_cpu_blocks=6, method="pitched", issue_thread=False)
+    real = mover._plan.pitched_copies
+
+    def bad(g: torch.Tensor, c: torch.Tensor, is_store: bool) -> list:
+        dst, dpitch, src, spitch, width, height = real(g, c, is_store)[0]
+        return [(dst, dpitch, src, spitch, dpitch + 1, height)]  # width > pitch: invalid
+
+    monkeypatch.setattr(mover._plan, "pitched_copies", bad)
+    mover.submit_store(1, [3], [0])
+    mover.wait()
+    assert [r.success for r in mover.get_finished()] == [False]
+    x = torch.arange(10, device="cuda")
+    assert int(torch.index_select(x, 0, x[:3]).sum().item()) == 3  # no stale "invalid argument"
+    torch.cuda.synchronize()
+
+
+@CUDA_ONLY
+def test_wait_releases_staging_memory_of_finished_jobs() -> None:
+    """A gather job's staging buffers go back to the allocator at wait(), not at get_finished()."""
+    _, layers = spaced_layers("cuda", num_layers=3)
+    mover = KVBlockMover(layers, num_cpu_blocks=6, method="gather")
+    mover.submit_store(1, [7, 2, 9], [0, 1, 2])
+    mover.wait()
+    assert all(not job.keep_alive for job in mover._jobs)
+    assert [r.success for r in mover.get_finished()] == [True]
+    mover.shutdown()

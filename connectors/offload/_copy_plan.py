@@ -76,11 +76,16 @@ class CopyPlan:
 
         Then block ``b`` of every plane is one 2D region (``num_planes`` rows of
         ``row_bytes``, ``gpu_pitch`` apart), so a run of blocks moves as ONE copy-engine
-        operation instead of one per plane. Separately allocated per-layer tensors of one
-        size (vLLM's layout) usually sit equally spaced; when not, batched copies remain.
+        operation instead of one per plane. The planes must also share one allocation on
+        each side (per-layer views of one tensor); otherwise batched copies remain.
         """
         if len(gpu_planes) < 2:
             return None
+        # A 2D copy must stay inside one allocation: equally spaced but separately
+        # allocated tensors are refused by the runtime (seen on an H100, error 1).
+        for planes in (gpu_planes, cpu_planes):
+            if len({p.untyped_storage().data_ptr() for p in planes}) != 1:
+                return None
         row = gpu_planes[0].shape[1]
         if any(p.shape[1] != row or p.stride(0) != row for p in (*gpu_planes, *cpu_planes)):
             return None

@@ -27,6 +27,7 @@ __all__ = [
     "Memcpy",
     "Memcpy2D",
     "batch_memcpy_async",
+    "clear_error",
     "max_pitch",
     "memcpy_2d_async",
     "memcpy_async",
@@ -167,3 +168,16 @@ def max_pitch(device_index: int) -> int:
     if lib.cudaDeviceGetAttribute(ctypes.byref(out), _DEV_ATTR_MAX_PITCH, device_index) != 0:
         return 0
     return out.value
+
+
+def clear_error() -> None:
+    """Reset the runtime's per-thread "last error" after a failed call made here.
+
+    Why: a failed ``cudaMemcpy*`` leaves its error as the thread's last error, and torch
+    checks that after its own next launch, raising there instead (seen on an H100: a
+    failed 2D copy surfaced as "invalid argument" in an unrelated ``index_select``).
+    The job that failed reports the error; nothing else should see it.
+    """
+    lib = _library()
+    if lib is not None:
+        lib.cudaGetLastError()

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from connectors.offload import _cudart
+
 __all__ = ["staged_copy"]
 
 _GROUPS = 8  # pipeline depth: planes are moved in this many groups
@@ -103,5 +105,6 @@ def _dma(memcpy: Callable[[int, int, int, int], int] | None, stream: torch.cuda.
 
 def _check(rc: int) -> None:
     if rc != 0:
+        _cudart.clear_error()
         msg = f"cudaMemcpyAsync returned CUDA error {rc}"
         raise RuntimeError(msg)

@@ -408,6 +408,7 @@ class KVBlockMover:
         for dst, dpitch, src, spitch, width, height in self._plan.pitched_copies(g, c, is_store):
             rc = memcpy_2d(dst, dpitch, src, spitch, width, height, handle)
             if rc != 0:
+                _cudart.clear_error()
                 msg = f"cudaMemcpy2DAsync returned CUDA error {rc} ({height} rows of {width} bytes)"
                 raise RuntimeError(msg)
 
@@ -420,6 +421,7 @@ class KVBlockMover:
         rc = batch_memcpy(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(),
                                 stream.cuda_stream)
         if rc != 0:
+            _cudart.clear_error()
             msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {dsts.numel()} copies"
             raise RuntimeError(msg)
 
@@ -454,6 +456,7 @@ class KVBlockMover:
             g_ptr, c_ptr, nbytes = g_base + g * g_stride, c_base + c * c_stride, n * row
             rc = memcpy(c_ptr, g_ptr, nbytes, stream) if is_store else memcpy(g_ptr, c_ptr, nbytes, stream)
             if rc != 0:
+                _cudart.clear_error()
                 msg = f"cudaMemcpyAsync returned CUDA error {rc}"
                 raise RuntimeError(msg)
 
@@ -493,6 +496,10 @@ class KVBlockMover:
                     job.end_event.synchronize()
                 except Exception as exc:  # noqa: BLE001
                     job.error = f"{type(exc).__name__}: {exc}"
+            # Done with its staging and index tensors: hand them back to the allocator now,
+            # not at the next get_finished (a caller that waits job by job would otherwise
+            # hold every job's staging memory).
+            job.keep_alive.clear()
 
     @property
     def num_pending(self) -> int:
