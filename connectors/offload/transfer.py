@@ -39,7 +39,8 @@ alone. Methods (``KVBlockMover(method=...)``):
 
 Issue thread. On CUDA the copies are issued by a background thread (:mod:`._issuer`):
 the caller records one event on its current stream, which fixes where the copies sit in
-stream order, and returns; a job counts as pending until the thread has queued it.
+stream order, and returns; ``get_finished`` and ``wait`` first wait until the thread has
+queued the jobs (so a caller polling in a loop cannot starve it of the GIL).
 
 Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loads and
 ``Tensor.copy_(non_blocking=True)`` otherwise (~3 vs ~26 us of host time per copy);
@@ -462,13 +463,21 @@ class KVBlockMover:
 
     # ------------------------------------------------------------------ completion
     def get_finished(self) -> list[TransferResult]:
-        """Return the jobs that completed (or failed) since the last call, in order."""
+        """Return the jobs that completed (or failed) since the last call, in order.
+
+        Blocks only until every submitted job has been issued (a few hundred
+        microseconds of the issue thread's work), never for the copies themselves.
+        """
         done: list[TransferResult] = []
         pending: list[_Job] = []
         for job in self._jobs:
-            if job.issued is not None and not job.issued.is_set():
-                pending.append(job)  # still queued on the issue thread
-                continue
+            if job.issued is not None:
+                # Wait (GIL released) until the issue thread has queued the job's copies.
+                # Without this, a caller polling in a tight loop starves the thread of the
+                # GIL and the copies are issued late or never (seen on an H100: an engine
+                # spun 10,000 empty steps waiting for loads). The engine polls after its
+                # forward is launched, so the wait overlaps device work.
+                job.issued.wait()
             finished = True
             if job.error is None and job.end_event is not None:
                 try:
