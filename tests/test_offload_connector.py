@@ -483,3 +483,8 @@ def test_fault_wrapper_forwards_worker_metadata_and_preemptions() -> None:
     inner_meta = OffloadingConnectorMetadata()
     wrapped.handle_preemptions(FaultMetadata(inner=encode_metadata(inner_meta)))
     assert len(seen) == 1 and isinstance(seen[0], OffloadingConnectorMetadata)
+
+
+def test_scheduler_side_stats_are_none_not_an_error():
+    """Regression: the engine asks the scheduler role for stats; `kvconnector run` printed a traceback."""
+    assert make({"num_cpu_blocks": 8}).get_kv_connector_stats() is None

@@ -678,6 +678,8 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Bytes and seconds moved since the last call (None when nothing moved)."""
+        if self.role == KVConnectorRole.SCHEDULER:  # the engine asks both roles; only workers move bytes
+            return None
         stats, self._stats = self._stats, {}
         return stats if any(stats.values()) else None
 
