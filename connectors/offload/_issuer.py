@@ -13,8 +13,10 @@ engine's thread releases it while it waits for the device.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -39,6 +41,7 @@ class IssueThread:
         self._thread = threading.Thread(target=self._run, args=(device, self._queue),
                                         name=name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     @staticmethod
     def _run(device: torch.device, work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
@@ -53,8 +56,21 @@ class IssueThread:
         """Run ``fn`` on the thread after everything submitted before it."""
         self._queue.put(fn)
 
-    def close(self, *, join: bool = True) -> None:
+    def close(self, *, join: bool = True, timeout: float | None = None) -> None:
         """Stop the thread once the queued work is done (and wait for it when ``join``)."""
         self._queue.put(None)
         if join and self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
+
+
+# Threads still alive at interpreter exit are stopped and joined first: a daemon thread
+# that finalization catches inside torch's C++ is unwound by pthread_exit and aborts the
+# process ("terminate called without an active exception", seen on an H100 at the end
+# of the test suite).
+_LIVE: weakref.WeakSet[IssueThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for issuer in list(_LIVE):
+        issuer.close(timeout=10.0)
