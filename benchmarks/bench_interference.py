@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from _transfer_variants import apply_variant, restore
+from _transfer_variants import add_kv_args, apply_variant, make_kv_caches, restore
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main", "run_rows"]
@@ -52,21 +52,6 @@ def _compute_fn(args: argparse.Namespace, device: torch.device) -> Callable[[], 
             (x @ w1) @ w2
 
     return compute
-
-
-def _caches(args: argparse.Namespace, device: torch.device, layout: str) -> dict[str, torch.Tensor]:
-    shape = (args.num_gpu_blocks, 2, args.block_size, args.kv_heads, args.head_size)
-    gen = torch.Generator(device=device).manual_seed(1)
-    if layout == "cross-layer":
-        base = torch.empty((shape[0], args.layers, *shape[1:]), dtype=torch.bfloat16, device=device)
-        base.normal_(generator=gen)  # never time zeros
-        return {f"layer.{i}": base[:, i] for i in range(args.layers)}
-    if layout == "per-layer, one allocation":
-        whole = torch.empty((args.layers, *shape), dtype=torch.bfloat16, device=device)
-        whole.normal_(generator=gen)
-        return {f"layer.{i}": whole[i] for i in range(args.layers)}
-    return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(generator=gen)
-            for i in range(args.layers)}
 
 
 class _Timer:
@@ -111,7 +96,7 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     store_gpu, load_gpu = perm[:B], perm[B:2 * B]
     store_cpu, load_cpu = list(range(B)), list(range(B, 2 * B))
     for layout in args.layouts:
-        caches = _caches(args, device, layout)
+        caches = make_kv_caches(args, device, layout)
         mover = KVBlockMover(caches, num_cpu_blocks=2 * B)
         for label in args.methods:
             apply_variant(mover, label)
@@ -178,11 +163,7 @@ def _table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print JSON rows, then a markdown table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    add_kv_args(p)
     p.add_argument("--num-gpu-blocks", type=int, default=2048)
     p.add_argument("--blocks", type=int, default=64, help="blocks stored and loaded per step")
     p.add_argument("--tokens", type=int, default=2048)
@@ -195,8 +176,6 @@ def main(argv: list[str] | None = None) -> int:
                    default=["auto", "pitched", "batched", "gather", "coalesced",
                             "auto, inline issue", "auto, Tensor.copy_"],
                    help="transfer variants (see _transfer_variants.py)")
-    p.add_argument("--layouts", nargs="+",
-                   default=["cross-layer", "per-layer", "per-layer, one allocation"])
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)

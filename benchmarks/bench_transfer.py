@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from _transfer_variants import DEFAULT_VARIANTS, apply_variant, restore
+from _transfer_variants import DEFAULT_VARIANTS, add_kv_args, apply_variant, make_kv_caches, restore
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main"]
@@ -107,27 +107,9 @@ def _contiguous_fns(nbytes: int, device: torch.device) -> dict[str, Callable[[],
     return fns
 
 
-def _make_cache(args: argparse.Namespace, device: torch.device, layout: str
-                ) -> dict[str, torch.Tensor]:
-    shape = (args.num_gpu_blocks, 2, args.block_size, args.kv_heads, args.head_size)
-    gen = torch.Generator(device=device).manual_seed(0)
-    if layout == "cross-layer":
-        base = torch.empty((shape[0], args.layers, *shape[1:]), dtype=torch.bfloat16, device=device)
-        base.normal_(generator=gen)  # never time zeros
-        return {f"layer.{i}": base[:, i] for i in range(args.layers)}
-    if layout == "per-layer, one allocation":
-        # Per-layer tensors carved from one allocation: equally spaced, so 2D copies apply.
-        whole = torch.empty((args.layers, *shape), dtype=torch.bfloat16, device=device)
-        whole.normal_(generator=gen)
-        return {f"layer.{i}": whole[i] for i in range(args.layers)}
-    # vLLM's layout: one allocation per layer, wherever the allocator puts it.
-    return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(generator=gen)
-            for i in range(args.layers)}
-
-
 def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                   rows: list[dict]) -> None:
-    caches = _make_cache(args, device, layout)
+    caches = make_kv_caches(args, device, layout)
     n = args.batch
     mover = KVBlockMover(caches, num_cpu_blocks=2 * n)
     nbytes = n * mover.layout.block_bytes
@@ -225,19 +207,13 @@ def _table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print JSON rows, then a markdown table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    add_kv_args(p)
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="device blocks per cache (default 4096 on CUDA, 256 on CPU)")
     p.add_argument("--batch", type=int, default=None, help="blocks per transfer (default 256; 64 on CPU)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--methods", nargs="+", default=DEFAULT_VARIANTS,
                    help="transfer variants (see _transfer_variants.py)")
-    p.add_argument("--layouts", nargs="+",
-                   default=["cross-layer", "per-layer", "per-layer, one allocation"])
     p.add_argument("--json", default=None, help="write results here (default $OUT/bench_transfer.json)")
     args = p.parse_args(argv)
     device = torch.device(args.device)

@@ -161,10 +161,17 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Append ``blocks`` in order."""
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Append ``blocks`` in order (linked in one pass, no call per block)."""
+        tail = self._tail
+        prev = tail.prev_free_block
         for b in blocks:
-            self.append(b)
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = tail
+        tail.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front, keeping their order (blocks[0] evicted first)."""
@@ -516,16 +523,7 @@ class BlockPool:
                 raise InvariantError(f"freeing {b!r} whose ref count is already {rc}")
         queue = self.free_block_queue
         if cached:
-            # FreeKVCacheBlockQueue.append_n inlined: link the run once, not per block.
-            tail = queue._tail
-            prev = tail.prev_free_block
-            for b in cached:
-                prev.next_free_block = b
-                b.prev_free_block = prev
-                prev = b
-            prev.next_free_block = tail
-            tail.prev_free_block = prev
-            queue.num_free_blocks += len(cached)
+            queue.append_n(cached)  # one call for the run, not one per block
         if uncached:
             queue.prepend_n(uncached)
 
