@@ -24,7 +24,7 @@ DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=[
         pytest.mark.cuda,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     ]),
 ]
 

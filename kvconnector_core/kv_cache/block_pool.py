@@ -163,20 +163,15 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Append ``blocks`` in order (linked in one pass, no call per block)."""
-        tail = self._tail
-        prev = tail.prev_free_block
-        for b in blocks:
-            prev.next_free_block = b
-            b.prev_free_block = prev
-            prev = b
-        prev.next_free_block = tail
-        tail.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+        self._link_run(self._tail.prev_free_block, blocks, self._tail)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front, keeping their order (blocks[0] evicted first)."""
-        nxt = self._head.next_free_block
-        prev = self._head
+        self._link_run(self._head, blocks, self._head.next_free_block)
+
+    def _link_run(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock],
+                  nxt: KVCacheBlock) -> None:
+        # Splice ``blocks`` between the adjacent nodes ``prev`` and ``nxt``.
         for b in blocks:
             prev.next_free_block = b
             b.prev_free_block = prev
