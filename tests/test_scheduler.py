@@ -240,6 +240,25 @@ def test_sync_load_failure_rolls_back_to_first_invalid_block():
     run_to_completion(s)
 
 
+def test_bad_block_beyond_the_loaded_prefix_rolls_back_to_the_steps_start():
+    """A bad block among the tokens this step computed (beyond the loaded prefix) rolls the
+    request back to where the step started, num_computed_tokens - num_scheduled_tokens: the
+    whole step ran on KV the worker reports as bad."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (12, False)  # blocks 0-2 loaded synchronously; the step computes 12..19
+    s.add_request(req("a", n=20))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 8}
+    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    s.update_from_output(out, fake_model_output(s, out, invalid_block_ids={blocks[4]}))  # tokens 16..19
+    r = s.requests["a"]
+    assert r.num_computed_tokens == 12  # min(first bad (16), 20 - 8), not 16
+    assert r.num_output_tokens == 0
+    run_to_completion(s)
+    assert r.num_output_tokens == 3
+
+
 def test_sync_loaded_blocks_are_cached_only_after_success():
     """Blocks written by a sync load enter the prefix cache only once the step reports no error."""
     c = make_connector()
@@ -528,3 +547,37 @@ def test_request_released_after_its_load_is_new_to_the_worker():
     result = eng.run(trace)  # used to raise: "cached request ... was never sent as a new request"
     assert result.outputs == baseline.outputs
     assert eng.scheduler.stats.num_preemptions > 0
+
+
+class AskAgainOnce(ScriptedConnector):
+    """Answers "ask again" (None) the first time a request in ``undecided`` is asked."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.undecided: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self.undecided:
+            self.undecided.discard(request.request_id)
+            self._rec("get_num_new_matched_tokens", request.request_id)
+            return None, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_finished_load_is_not_blocked_behind_a_request_that_cannot_fit():
+    """Regression: B asks again once, so A is admitted (async load) behind it. Once A's load
+    finished, B (first in line) cannot fit until A frees its blocks; A must still run."""
+    c = AskAgainOnce(KVConnectorConfig(name="Scripted"), KVConnectorRole.SCHEDULER,
+                     KVCacheConfig(11, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BS, 1, 1))]))
+    s = make_scheduler(num_blocks=11, connector=c, budget=64, max_model_len=40)
+    c.undecided.add("B")
+    c.external["A"] = (20, True)
+    s.add_request(req("B", n=25, max_tokens=3, base=100))
+    s.add_request(req("A", n=24, max_tokens=4))
+    out = s.schedule()
+    assert s.requests["A"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [r.request_id for r in s.waiting] == ["B", "A"]
+    s.update_from_output(out, fake_model_output(s, out, finished_recving={"A"}))
+    done = run_to_completion(s, max_steps=100)
+    assert sorted(r.request_id for r in done) == ["A", "B"]
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in done)

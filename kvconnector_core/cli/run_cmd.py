@@ -60,8 +60,8 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     registry = get_registry()
     name = args.connector
     if name is None:
-        if DEFAULT_CONNECTOR not in registry:
-            return None
+        if DEFAULT_CONNECTOR not in registry and registry.conflict(DEFAULT_CONNECTOR) is None:
+            return None  # not installed; a name claimed twice is an error (below), not absent
         name = DEFAULT_CONNECTOR
     if name.lower() == "none":
         return None

@@ -7,7 +7,7 @@ twice, once per role, as ``cls(config, role, kv_cache_config)``:
 - the **scheduler** side (:attr:`KVConnectorRole.SCHEDULER`) decides what to
   load and save: ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
   ``build_connector_meta``, ``update_connector_output``, ``request_finished``,
-  ``take_events``, ``bind_gpu_block_pool``;
+  ``take_events``, ``get_event_snapshot``, ``bind_gpu_block_pool``;
 - the **worker** side (:attr:`KVConnectorRole.WORKER`) moves the bytes:
   ``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``,
   ``save_kv_layer``, ``wait_for_save``, ``get_finished``,
@@ -78,11 +78,14 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "request_finished",
     "get_transfer_results",
     "take_events",
+    "get_event_snapshot",
     "register_kv_caches",
     "get_finished",
     "get_block_ids_with_load_errors",
     "get_kv_connector_stats",
     "handle_preemptions",
+    "forget_requests",
+    "plan_failed",
     "build_connector_worker_meta",
     "shutdown",
 )
@@ -118,7 +121,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     5. ``update_connector_output(output)`` with the worker's report of the step.
     6. ``request_finished(request, block_ids)`` exactly once per request,
        before its blocks are freed.
-    7. ``take_events()`` whenever the engine publishes KV events.
+    7. ``take_events()`` whenever the engine publishes KV events;
+       ``get_event_snapshot()`` instead, when ``take_events`` raised (the events
+       it drained are lost, so consumers are resynced from a snapshot).
 
     **Worker-side hooks, per step, in this order** (the same order runs with no
     forward on an empty step): ``bind_connector_metadata`` -> ``start_load_kv``
@@ -492,10 +497,65 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
         return False, None
 
+    def forget_requests(self, request_ids: set[str]) -> None:
+        """Stop planning for these requests (scheduler side, optional; called by the guard).
+
+        The guard calls this after a hook raised in a way that may have left this
+        connector's view of these requests wrong (see ``docs/failure-contract.md``).
+        From then on the requests are not shown to the connector again except in
+        ``request_finished``. A connector with per-request state must plan no new load
+        or store for them, drop loads it planned but did not hand to the worker yet
+        (releasing what they hold), and never make visible a store of theirs that has
+        not completed; it keeps tracking stores in flight so that ``request_finished``
+        can still delay the free. Default: does nothing.
+
+        Args:
+            request_ids: the requests to forget.
+        """
+
+    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+                    stores_failed: bool) -> None:
+        """The worker side could not carry out part of a plan (scheduler side, optional).
+
+        Called by the guard, before ``update_connector_output`` of the same step, with
+        the plan this connector built for that step. With ``loads_failed`` its loads may
+        never have started: the scheduler already treats them as failed (async loads
+        as failed receives), so release what they hold. With ``stores_failed`` its
+        stores may never have run, or read blocks that changed: never make them visible,
+        release what they hold, and make sure requests whose free you delayed are still
+        reported in ``finished_sending``. Default: does nothing.
+
+        Args:
+            connector_metadata: the failed plan (what ``build_connector_meta`` returned).
+            loads_failed: the plan's loads failed.
+            stores_failed: the plan's stores failed.
+        """
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Return the KV cache events produced since the last call (scheduler side).
 
         Default: no events.
+        """
+        return ()
+
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Describe everything the connector holds now, to resync event consumers (scheduler side).
+
+        The engine calls it in place of :meth:`take_events` after ``take_events``
+        raised: the events it had drained are lost, so a consumer replaying the
+        stream would stay wrong. The snapshot replaces them: for every medium the
+        connector reports events for, an ``AllBlocksCleared(medium=M)`` followed by
+        ``BlockStored`` events for every block it holds in ``M`` now, with the same
+        self-describing fields as its normal events. Events the connector produced
+        before the snapshot and has not returned yet must be dropped (the snapshot
+        already covers them), and the next :meth:`take_events` continues from the
+        snapshot's state. A consumer that applies the snapshot is then exact again.
+
+        If this raises too, the engine retries it at every later event take and
+        publishes nothing from the connector meanwhile: a gap a consumer cannot see
+        until the snapshot comes.
+
+        Default: no events (a connector that reports no events has nothing to resync).
         """
         return ()
 

@@ -151,8 +151,12 @@ def format_report(result: RunResult, baseline: RunResult | None = None) -> str:
         if cmp.identical:
             lines.append(f"outputs identical to baseline: yes ({cmp.num_requests} requests)")
         else:
-            lines.append(
-                f"outputs identical to baseline: NO ({cmp.num_differing} of {cmp.num_requests} "
-                f"requests differ; first: {cmp.first_differing_request!r} at token "
-                f"{cmp.first_differing_token}: expected {cmp.expected}, got {cmp.got})")
+            if cmp.got is None or cmp.expected is None:
+                where = "only in the baseline" if cmp.got is None else "missing from the baseline"
+                first = f"{cmp.first_differing_request!r} ({where})"
+            else:
+                first = (f"{cmp.first_differing_request!r} at token {cmp.first_differing_token}: "
+                         f"expected {cmp.expected}, got {cmp.got}")
+            lines.append(f"outputs identical to baseline: NO ({cmp.num_differing} of {cmp.num_requests} "
+                         f"requests differ; first: {first})")
     return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""The guarded worker side; see :mod:`kvconnector_core.connector.guard` and
+``docs/failure-contract.md``.
+
+Per step the model runner calls :meth:`GuardedWorker.begin_step`, then the hooks of the
+step (each a typed method); what failed is left in three flags that the runner puts into
+the step's :class:`KVConnectorOutput`:
+
+- ``loads_failed``: the step's loads may not have run or finished (``bind_connector_metadata``,
+  ``start_load_kv`` or ``wait_for_layer_load`` raised, or which loads failed is unknown).
+  Sync loads' blocks are reported invalid by the runner; the scheduler reports the async
+  loads it planned this step as failed receives, and the scheduler side gets
+  ``plan_failed(plan, loads_failed=True)``.
+- ``stores_failed``: the step's stores may not have run or may have read blocks that
+  changed (``bind_connector_metadata``, ``handle_preemptions``, ``save_kv_layer`` or
+  ``wait_for_save`` raised); the scheduler side gets ``plan_failed(plan, stores_failed=True)``
+  and must never make them visible.
+- ``load_errors_unknown``: ``get_block_ids_with_load_errors`` raised; every receive
+  reported finished this step is reported failed.
+
+Primitives: :class:`GuardedWorker`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvconnector_core.connector._guard_base import GuardBase
+from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvconnector_core.connector.base import KVConnectorBase_V1
+
+__all__ = ["GuardedWorker"]
+
+_LOADS_FAIL = "the step's loads fail"
+_STORES_FAIL = "the step's stores fail"
+_NEXT_STEP = "the connector reports it next step"
+
+
+class GuardedWorker(GuardBase):
+    """A worker-side connector behind the failure contract; one typed method per hook.
+
+    Args:
+        connector: the worker-role connector.
+        label: names the connector in log lines and errors (default: its ``name``).
+        errors: the dict to count errors in (hook name -> count); default: a new one.
+    """
+
+    def __init__(self, connector: KVConnectorBase_V1, *, label: str | None = None,
+                 errors: dict[str, int] | None = None) -> None:
+        super().__init__(connector, label=label, errors=errors)
+        self.loads_failed = False
+        """This step's loads may not have run (reset by :meth:`begin_step`)."""
+        self.stores_failed = False
+        """This step's stores may not have run or read changed blocks (reset each step)."""
+        self.load_errors_unknown = False
+        """``get_block_ids_with_load_errors`` raised this step: which loads failed is unknown."""
+        self._has_plan = False
+
+    @property
+    def has_sync_kv_loads(self) -> bool:
+        """The connector's capability (read on the instance)."""
+        return bool(self.connector.has_sync_kv_loads)
+
+    def begin_step(self) -> None:
+        """Reset the per-step failure flags."""
+        self.loads_failed = self.stores_failed = self.load_errors_unknown = False
+        self._has_plan = False
+
+    # ------------------------------------------------------------------ hooks
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Give the connector the KV tensors; not contained (a startup error).
+
+        Raises:
+            ConnectorHookError: the hook raised (the original is the cause).
+        """
+        self._not_contained("register_kv_caches", lambda: self.connector.register_kv_caches(kv_caches))
+
+    def bind_connector_metadata(self, plan: KVConnectorMetadata) -> bool:
+        """Bind the step's plan; False when it raised (the whole plan failed: the step's
+        loads and stores are skipped and reported failed)."""
+        _, ok = self._contained("bind_connector_metadata", "the step's loads and stores fail",
+                                lambda: self.connector.bind_connector_metadata(plan), None)
+        self._has_plan = ok
+        if not ok:
+            self.loads_failed = self.stores_failed = True
+        return ok
+
+    def handle_preemptions(self, plan: KVConnectorMetadata) -> None:
+        """Let the connector flush preempted requests' stores (called even when the bind
+        failed: the plan is the argument). A raise fails the step's stores."""
+        _, ok = self._contained("handle_preemptions", _STORES_FAIL,
+                                lambda: self.connector.handle_preemptions(plan), None)
+        self.stores_failed |= not ok
+
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Start the step's loads; skipped without a bound plan. A raise fails them."""
+        if self._has_plan:
+            _, ok = self._contained("start_load_kv", _LOADS_FAIL,
+                                    lambda: self.connector.start_load_kv(forward_context), None)
+            self.loads_failed |= not ok
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait for one layer's loads; a raise fails the step's loads (later layers skip it)."""
+        if self._has_plan and not self.loads_failed:
+            _, ok = self._contained("wait_for_layer_load", _LOADS_FAIL,
+                                    lambda: self.connector.wait_for_layer_load(layer_name), None)
+            self.loads_failed |= not ok
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
+        """Save one layer; a raise fails the step's stores (later layers are not saved)."""
+        if self._has_plan and not self.stores_failed:
+            _, ok = self._contained("save_kv_layer", _STORES_FAIL,
+                                    lambda: self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata),
+                                    None)
+            self.stores_failed |= not ok
+
+    def wait_for_save(self) -> None:
+        """End the step's saves (run even after a failed save_kv_layer: the connector may
+        keep bookkeeping there); a raise fails the step's stores."""
+        if self._has_plan:
+            _, ok = self._contained("wait_for_save", _STORES_FAIL, self.connector.wait_for_save, None)
+            self.stores_failed |= not ok
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished and failed transfers; empty on a raise (a connector keeps what it did
+        not return and reports it next step)."""
+        results, _ = self._contained("get_transfer_results", _NEXT_STEP,
+                                     lambda: self.connector.get_transfer_results(finished_req_ids),
+                                     KVConnectorTransferResults())
+        return KVConnectorTransferResults(
+            finished_sending=set(results.finished_sending),
+            finished_recving=set(results.finished_recving),
+            failed_recving=set(results.failed_recving) & set(results.finished_recving),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed. On a raise this is unknown: the step's loads fail and
+        :attr:`load_errors_unknown` is set."""
+        errors, ok = self._contained("get_block_ids_with_load_errors", "this step's loads count as failed",
+                                     lambda: set(self.connector.get_block_ids_with_load_errors()), set())
+        if not ok:
+            self.loads_failed = self.load_errors_unknown = True
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The step's stats; None on a raise."""
+        stats, _ = self._contained("get_kv_connector_stats", "no stats this step",
+                                   self.connector.get_kv_connector_stats, None)
+        return stats if isinstance(stats, dict) and stats else None
+
+    def get_kv_connector_kv_cache_events(self) -> list[Any]:
+        """Worker-side events of connectors that define this optional vLLM hook; [] on a raise."""
+        hook = getattr(self.connector, "get_kv_connector_kv_cache_events", None)  # not on the base
+        if hook is None:
+            return []
+        events, _ = self._contained("get_kv_connector_kv_cache_events", "events lost",
+                                    lambda: list(hook() or ()), [])
+        return events
+
+    def build_connector_worker_meta(self) -> Any:
+        """Records for the scheduler side; None on a raise (a connector keeps what it did
+        not return and reports it next step)."""
+        meta, _ = self._contained("build_connector_worker_meta", _NEXT_STEP,
+                                  self.connector.build_connector_worker_meta, None)
+        return meta
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind the plan; a raise is counted (the next bind replaces the plan)."""
+        self._contained("clear_connector_metadata", "the next bind replaces the plan",
+                        self.connector.clear_connector_metadata, None)
+        self._has_plan = False
+
+    def shutdown(self) -> None:
+        """Shut the connector down (not contained: the caller collects failures)."""
+        self.connector.shutdown()
