@@ -24,7 +24,7 @@ DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=[
         pytest.mark.cuda,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     ]),
 ]
 
@@ -430,7 +430,7 @@ def test_transfer_method_is_validated_with_the_config():
     from connectors.offload import connector as offload_connector
 
     assert offload_connector.TRANSFER_METHODS == tr.METHODS
-    with pytest.raises(ConfigError, match="transfer_method='xx'.*auto, coalesced, per_block, gather"):
+    with pytest.raises(ConfigError, match="transfer_method='xx'.*auto, pitched, batched, coalesced, per_block, gather"):
         make({"num_cpu_blocks": 8, "transfer_method": "xx"})
 
 
@@ -485,3 +485,8 @@ def test_fault_wrapper_forwards_worker_metadata_and_preemptions() -> None:
     inner_meta = OffloadingConnectorMetadata()
     wrapped.handle_preemptions(FaultMetadata(inner=encode_metadata(inner_meta)))
     assert len(seen) == 1 and isinstance(seen[0], OffloadingConnectorMetadata)
+
+
+def test_scheduler_side_stats_are_none_not_an_error():
+    """Regression: the engine asks the scheduler role for stats; `kvconnector run` printed a traceback."""
+    assert make({"num_cpu_blocks": 8}).get_kv_connector_stats() is None

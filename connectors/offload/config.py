@@ -23,7 +23,7 @@ __all__ = ["TRANSFER_METHODS", "OffloadConfig", "OffloadSettings"]
 
 # transfer.METHODS, repeated so that validating a config does not import torch
 # (a test checks the two agree).
-TRANSFER_METHODS = ("auto", "coalesced", "per_block", "gather")
+TRANSFER_METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -49,7 +49,7 @@ class OffloadSettings(ConnectorSettings):
     blocks_per_chunk: _Positive | None = None
     cache_policy: str = "lru"
     enable_events: bool = True
-    transfer_method: Literal["auto", "coalesced", "per_block", "gather"] = "auto"
+    transfer_method: Literal["auto", "pitched", "batched", "coalesced", "per_block", "gather"] = "auto"
 
 
 @dataclass(frozen=True, slots=True)
