@@ -7,14 +7,19 @@ the same number of bytes measured in the same run. Reports store (device -> CPU)
 load (CPU -> device) and store + load at once, in GB/s (1e9 bytes/s), for:
 
 * layouts: ``cross-layer`` (the engine's: one tensor, a block of all layers is one
-  chunk) and ``per-layer`` (one tensor per layer: 32 chunks of 64 KiB per block);
-* methods: ``per_block``, ``coalesced``, ``gather`` and ``auto`` (the default, which
-  picks coalesced or gather per job);
+  chunk), ``per-layer`` (vLLM's: one allocation per layer, 32 rows of 64 KiB per block)
+  and ``per-layer, one allocation`` (per-layer tensors carved from one allocation, so
+  equally spaced: what 2D copies need); ``[2D]`` marks a layout where they apply;
+* variants (``_transfer_variants.py``): ``per_block``, ``coalesced``, ``gather``,
+  ``batched``, ``pitched`` and ``auto`` (the default), each issued on the mover's issue
+  thread, plus ``auto, inline issue`` and ``auto, Tensor.copy_`` (every runtime shortcut
+  off and inline: the fallback path);
 * id patterns: ``scattered`` (random device blocks -> consecutive CPU blocks, the usual
   store) and ``runs`` (consecutive on both sides, the best case for coalescing).
 
-Each time is the median of ``--reps`` runs after a warm-up, from submission to
-completion (Python submission cost included). Needs only torch::
+Every time is a median of ``--reps`` runs after a warm-up, from submission to completion
+(submission cost included), timed alternately with a contiguous pinned copy of the same
+bytes; "x contig" is the ratio of the two medians of that pairing. Needs only torch::
 
     PYTHONPATH=. python3 benchmarks/bench_transfer.py            # CUDA if present
     PYTHONPATH=. python3 benchmarks/bench_transfer.py --device cpu --num-gpu-blocks 256 --batch 64
@@ -33,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 
+from _transfer_variants import DEFAULT_VARIANTS, add_kv_args, apply_variant, make_kv_caches, restore
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main"]
@@ -43,30 +49,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+def _time_once(fn: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
     fn()
     _sync(device)
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
 
 
-def _contiguous(nbytes: int, device: torch.device, reps: int) -> dict[str, float]:
+def _paired_medians(fn: Callable[[], None], baseline: Callable[[], None], device: torch.device,
+                    reps: int) -> tuple[float, float]:
+    """Median seconds of ``fn`` and of ``baseline``, timed alternately after a warm-up each.
+
+    Alternating (and swapping which goes first) makes both sides see the same clocks,
+    PCIe state and host noise, so their ratio is steadier than two separate medians.
+    """
+    fn()
+    baseline()
+    a, b = [], []
+    for r in range(reps):
+        if r % 2:
+            b.append(_time_once(baseline, device))
+            a.append(_time_once(fn, device))
+        else:
+            a.append(_time_once(fn, device))
+            b.append(_time_once(baseline, device))
+    return statistics.median(a), statistics.median(b)
+
+
+def _contiguous_fns(nbytes: int, device: torch.device) -> dict[str, Callable[[], None]]:
     """One pinned contiguous copy of ``nbytes`` each way, and both ways at once."""
     pin = device.type == "cuda"
     dev = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device) for _ in range(2)]
     host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-    out = {
-        "store": nbytes / _median_seconds(lambda: host[0].copy_(dev[0], non_blocking=True),
-                                          device, reps),
-        "load": nbytes / _median_seconds(lambda: dev[1].copy_(host[1], non_blocking=True),
-                                         device, reps),
-    }
+    fns = {"store": lambda: host[0].copy_(dev[0], non_blocking=True),
+           "load": lambda: dev[1].copy_(host[1], non_blocking=True)}
     if device.type == "cuda":
         s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
@@ -80,34 +97,23 @@ def _contiguous(nbytes: int, device: torch.device, reps: int) -> dict[str, float
             torch.cuda.current_stream(device).wait_stream(s1)
             torch.cuda.current_stream(device).wait_stream(s2)
 
-        out["both"] = 2 * nbytes / _median_seconds(both, device, reps)
+        fns["both"] = both
     else:
         def both_cpu() -> None:
             host[0].copy_(dev[0])
             dev[1].copy_(host[1])
 
-        out["both"] = 2 * nbytes / _median_seconds(both_cpu, device, reps)
-    return {k: v / 1e9 for k, v in out.items()}
-
-
-def _make_cache(args: argparse.Namespace, device: torch.device, layout: str
-                ) -> dict[str, torch.Tensor]:
-    shape = (args.num_gpu_blocks, 2, args.block_size, args.kv_heads, args.head_size)
-    gen = torch.Generator(device=device).manual_seed(0)
-    if layout == "cross-layer":
-        base = torch.empty((shape[0], args.layers, *shape[1:]), dtype=torch.bfloat16, device=device)
-        base.normal_(generator=gen)  # never time zeros
-        return {f"layer.{i}": base[:, i] for i in range(args.layers)}
-    return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(generator=gen)
-            for i in range(args.layers)}
+        fns["both"] = both_cpu
+    return fns
 
 
 def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                   rows: list[dict]) -> None:
-    caches = _make_cache(args, device, layout)
+    caches = make_kv_caches(args, device, layout)
     n = args.batch
     mover = KVBlockMover(caches, num_cpu_blocks=2 * n)
     nbytes = n * mover.layout.block_bytes
+    contig = _contiguous_fns(nbytes, device)
     gen = torch.Generator().manual_seed(1)
     perm = torch.randperm(args.num_gpu_blocks, generator=gen).tolist()
     patterns = {
@@ -116,15 +122,8 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
     }
     store_cpu, load_cpu = list(range(n)), list(range(n, 2 * n))
     job = iter(range(1 << 30))
-    raw_available = mover._memcpy is not None
-    variants = [(m, m, raw_available) for m in args.methods]
-    if raw_available and "auto" in args.methods:
-        # The same default method, issuing copies with Tensor.copy_ (the fallback path).
-        variants.append(("auto, Tensor.copy_", "auto", False))
-    raw_memcpy = mover._memcpy
-    for label, method, use_raw in variants:
-        mover.method = method
-        mover._memcpy = raw_memcpy if use_raw else None
+    for label in args.methods:
+        apply_variant(mover, label)
         for pattern, (store_gpu, load_gpu) in patterns.items():
             def store(gpu: list[int] = store_gpu) -> None:
                 mover.submit_store(next(job), gpu, store_cpu)
@@ -139,9 +138,12 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                 mover.submit_load(next(job), load_cpu, lg)
                 mover.wait()
 
-            row = {"layout": layout, "method": label, "pattern": pattern}
-            # Host time to *issue* one store job (the engine pays it before its forward).
+            row = {"layout": layout, "method": label, "pattern": pattern,
+                   "pitched_layout": mover._plan.pitch is not None}
+            # Host time to *issue* one store job on the caller's thread (the engine pays
+            # it before its forward), and on the issue thread where there is one.
             submit_s = []
+            mover.get_finished()
             for _ in range(args.reps):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -150,14 +152,19 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                 submit_s.append(time.perf_counter() - t0)
                 mover.wait()
             row["submit_ms"] = statistics.median(submit_s) * 1e3
+            row["worker_issue_ms"] = statistics.median(
+                r.issue_seconds or 0.0 for r in mover.get_finished()) * 1e3
             for name, fn, moved in (("store", store, nbytes), ("load", load, nbytes),
                                     ("both", both, 2 * nbytes)):
-                row[name] = moved / _median_seconds(fn, device, args.reps) / 1e9
+                t_fn, t_base = _paired_medians(fn, contig[name], device, args.reps)
+                row[name] = moved / t_fn / 1e9
+                row[f"contig_{name}"] = moved / t_base / 1e9
             results = mover.get_finished()
             row["ok"] = all(r.success for r in results) and _check(mover, caches, store_gpu,
                                                                    store_cpu)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    restore(mover)
     mover.shutdown()
 
 
@@ -175,37 +182,38 @@ def _check(mover: KVBlockMover, caches: dict[str, torch.Tensor], gpu: list[int],
     return True
 
 
-def _table(rows: list[dict], contig: dict[str, float]) -> str:
+def _table(rows: list[dict]) -> str:
     head = ("| layout | method | ids | store GB/s | x contig | load GB/s | x contig "
-            "| store+load GB/s | x one-way contig | store issue ms (host) | ok |")
-    lines = [head, "|" + "---|" * 11]
-    lines.append(f"| contiguous pinned copy | - | - | {contig['store']:.1f} | 1.00 | "
-                 f"{contig['load']:.1f} | 1.00 | {contig['both']:.1f} | "
-                 f"{contig['both'] / max(contig['store'], contig['load']):.2f} | - | - |")
+            "| store+load GB/s | x one-way contig | store issue ms (caller) "
+            "| store issue ms (issue thread) | ok |")
+    lines = [head, "|" + "---|" * 12]
+    med = statistics.median
+    c = {k: med(r[f"contig_{k}"] for r in rows) for k in ("store", "load", "both")}
+    lines.append(f"| contiguous pinned copy (median of all pairings) | - | - | {c['store']:.1f} | 1.00 | "
+                 f"{c['load']:.1f} | 1.00 | {c['both']:.1f} | "
+                 f"{c['both'] / max(c['store'], c['load']):.2f} | - | - | - |")
     for r in rows:
         method = r["method"] + (" (default)" if r["method"] == "auto" else "")
+        layout = r["layout"] + (" [2D]" if r["pitched_layout"] else "")
+        one_way = max(r["contig_store"], r["contig_load"])
         lines.append(
-            f"| {r['layout']} | {method} | {r['pattern']} | {r['store']:.1f} | "
-            f"{r['store'] / contig['store']:.2f} | {r['load']:.1f} | {r['load'] / contig['load']:.2f}"
-            f" | {r['both']:.1f} | {r['both'] / max(contig['store'], contig['load']):.2f} | "
-            f"{r['submit_ms']:.2f} | {'yes' if r['ok'] else 'NO'} |")
+            f"| {layout} | {method} | {r['pattern']} | {r['store']:.1f} | "
+            f"{r['store'] / r['contig_store']:.2f} | {r['load']:.1f} | "
+            f"{r['load'] / r['contig_load']:.2f} | {r['both']:.1f} | {r['both'] / one_way:.2f} | "
+            f"{r['submit_ms']:.3f} | {r['worker_issue_ms']:.3f} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print JSON rows, then a markdown table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    add_kv_args(p)
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="device blocks per cache (default 4096 on CUDA, 256 on CPU)")
     p.add_argument("--batch", type=int, default=None, help="blocks per transfer (default 256; 64 on CPU)")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--methods", nargs="+", default=["per_block", "coalesced", "gather", "auto"])
-    p.add_argument("--layouts", nargs="+", default=["cross-layer", "per-layer"])
+    p.add_argument("--methods", nargs="+", default=DEFAULT_VARIANTS,
+                   help="transfer variants (see _transfer_variants.py)")
     p.add_argument("--json", default=None, help="write results here (default $OUT/bench_transfer.json)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -219,19 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         "batch_MiB": args.batch * block_bytes / 2**20, "reps": args.reps,
     }
     print(json.dumps(info), flush=True)
-    contig = _contiguous(args.batch * block_bytes, device, args.reps)
-    print(json.dumps({"contiguous": contig}), flush=True)
     rows: list[dict] = []
     for layout in args.layouts:
         _bench_layout(args, device, layout, rows)
         if on_cuda:
             torch.cuda.empty_cache()
-    table = _table(rows, contig)
+    table = _table(rows)
     out_path = args.json or (os.path.join(os.environ["OUT"], "bench_transfer.json")
                              if os.environ.get("OUT") else None)
     if out_path:
         with open(out_path, "w") as f:
-            json.dump({"info": info, "contiguous": contig, "rows": rows, "table": table}, f, indent=1)
+            json.dump({"info": info, "rows": rows, "table": table}, f, indent=1)
     print(f"\n{info['device']}, torch {info['torch']}, {info['batch']} blocks of "
           f"{info['block_MiB']:.2f} MiB per transfer, median of {args.reps}")
     print(table)

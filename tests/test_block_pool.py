@@ -204,6 +204,27 @@ def test_free_skips_null_block():
     assert 0 not in free_ids(pool)
 
 
+def test_free_skips_a_touched_null_block():
+    """Regression: touch counts the null block too; freeing it once must not queue it."""
+    pool = make_pool(4)
+    (a,) = pool.get_new_blocks(1)
+    pool.touch([pool.null_block])  # ref count 1, like a sliding-window table entry
+    pool.free_blocks([pool.null_block, a])
+    assert pool.get_num_free_blocks() == 3
+    assert 0 not in free_ids(pool)
+
+
+def test_free_links_cached_blocks_in_order_and_counts_them():
+    """Several cached blocks freed in one call reach the back in order; counts stay right."""
+    pool = make_pool(8)
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(FakeRequest("r", range(4 * BS), BS), blocks, 0, 4, BS, 0)
+    pool.free_blocks([blocks[2], blocks[0], blocks[3], blocks[1]])
+    assert free_ids(pool)[-4:] == [blocks[i].block_id for i in (2, 0, 3, 1)]
+    assert pool.get_num_free_blocks() == 7
+    assert len(pool.free_block_queue.get_all_free_blocks()) == 7
+
+
 def test_prefill_free_order_matches_vllm():
     """Two requests sharing a 3-block prefix leave the free queue as [5,4,6..10,3,2,1] (vLLM test_prefill)."""
     pool = make_pool(11)
@@ -326,7 +347,7 @@ def test_cache_full_blocks_salt_in_first_block_extra_keys():
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
     (ev,) = pool.take_events()
-    assert ev.extra_keys == [("s1",), None]
+    assert ev.extra_keys == [(None, "s1"), None]
 
 
 def test_cache_full_blocks_group_idx_and_medium():
@@ -514,7 +535,7 @@ def test_reset_prefix_cache_clears_and_emits():
     assert list(pool.iter_cached_blocks()) == []
     assert all(b.block_hash is None for b in pool.blocks)
     assert pool.get_cached_block(req.block_hashes[0], [0]) is None
-    assert pool.take_events() == [AllBlocksCleared()]
+    assert pool.take_events() == [AllBlocksCleared(medium="GPU")]
     assert pool.get_num_free_blocks() == 10
 
 

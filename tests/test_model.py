@@ -111,7 +111,7 @@ def test_kv_values_are_residues_in_int32():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_matches_cpu():
     """Exact integer maths gives the same tokens on CUDA as on CPU."""
     prompts = _prompts(4)

@@ -16,13 +16,15 @@ never in the stats, so they survive wrapping in a MultiConnector).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.offload.config import TRANSFER_METHODS, OffloadConfig
+from connectors.offload.config import TRANSFER_METHODS, OffloadConfig, OffloadSettings
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
 from connectors.offload.scheduler_side import OffloadSchedulerSide
 from connectors.offload.worker_side import OffloadWorkerSide
 from kvconnector_core.connector.roles import RoleSplitConnector
+from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from connectors.offload.manager import CPUOffloadingManager
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TRANSFER_METHODS",
     "OffloadConfig",
+    "OffloadSettings",
     "OffloadWorkerMetadata",
     "OffloadingConnector",
     "OffloadingConnectorMetadata",
@@ -55,19 +58,40 @@ class OffloadingConnector(RoleSplitConnector):
         kv_cache_config: the engine's KV cache layout (one group).
 
     Raises:
-        ConfigError: invalid ``extra_config`` (see :meth:`OffloadConfig.from_extra`).
+        ConfigError: invalid ``extra_config`` (see :class:`OffloadSettings`, :meth:`OffloadConfig.from_settings`).
     """
 
     name: ClassVar[str] = "OffloadingConnector"
+    settings_type: ClassVar[type[Any] | None] = OffloadSettings
     metadata_type: ClassVar[type[KVConnectorMetadata]] = OffloadingConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = False
 
     def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
+        # Before the base class, which builds the role object from it; the base converts
+        # extra_config to settings_type again (cheap) and keeps it as self.settings.
         self.offload_config = OffloadConfig.from_extra(dict(config.extra_config), kv_cache_config)
         """The validated ``extra_config``."""
         super().__init__(config, role, kv_cache_config)
+
+    @classmethod
+    def demo_extra_config(cls, num_gpu_blocks: int, *, cpu_blocks: int | None = None,
+                          tiers: Sequence[str] = ()) -> dict[str, Any]:
+        """A CPU tier four times the GPU pool (what ``kvconnector run`` uses).
+
+        Args:
+            num_gpu_blocks: the run's GPU pool size.
+            cpu_blocks: ``kvconnector run --cpu-blocks``: the CPU tier's size instead.
+            tiers: ``kvconnector run --tier`` values, ``disk:PATH`` or ``redis:URL``, in order.
+
+        Raises:
+            ConfigError: a tier that is neither ``disk:PATH`` nor ``redis:URL``.
+        """
+        extra: dict[str, Any] = {"num_cpu_blocks": cpu_blocks or 4 * num_gpu_blocks}
+        if tiers:
+            extra["tiers"] = [_run_tier_settings(t) for t in tiers]
+        return extra
 
     def make_scheduler_side(self) -> OffloadSchedulerSide:
         """The scheduler-side object."""
@@ -96,3 +120,19 @@ class OffloadingConnector(RoleSplitConnector):
         side = self.worker_side
         assert isinstance(side, OffloadWorkerSide)  # noqa: S101 - built by make_worker_side
         return side.mover
+
+
+# The tiny model of `kvconnector run`: the Redis key namespace names it.
+_RUN_MODEL = "kvconnector-run"
+_RUN_DISK_BYTES = 1 << 30
+
+
+def _run_tier_settings(text: str) -> dict[str, Any]:
+    """``disk:PATH`` or ``redis:URL`` (``kvconnector run --tier``) as tier settings."""
+    kind, _, where = text.partition(":")
+    if kind == "disk" and where:
+        return {"type": "disk", "path": where, "capacity_bytes": _RUN_DISK_BYTES}
+    if kind == "redis" and where:
+        return {"type": "redis", "url": where, "model": _RUN_MODEL}
+    msg = f"--tier {text!r} is not valid; expected disk:PATH or redis:redis://HOST:PORT"
+    raise ConfigError(msg)

@@ -14,19 +14,33 @@ block hash, the held chunks holding it: a hash is announced only when its count 
 0 -> 1 and removed only when it goes 1 -> 0, so a consumer replaying the stream as a
 set is exact.
 
-Primitives: ChunkInfo, ChunkInfoTable, to_wire_events.
+After lost events (the connector's ``take_events`` raised after draining the tier's
+events) :func:`snapshot_events` resyncs consumers: a clear of the medium, then one
+``BlockStored`` per ready chunk's blocks, and the table's counts rebuilt to match, so
+later events continue from the snapshot. Token ids are kept (compactly) for every held
+chunk so that a snapshot is as self-describing as the events it replaces.
+
+Primitives: ChunkInfo, ChunkInfoTable, to_wire_events, snapshot_events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from connectors.offload.manager import OffloadingEvent
+from connectors.offload.manager import OffloadingEvent, OffloadingManager
 from connectors.offload.policies import OffloadKey
-from kvconnector_core.kv_events import BlockRemoved, BlockStored, KVCacheEvent, to_external_hash
+from kvconnector_core.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    to_external_hash,
+)
 
-__all__ = ["ChunkInfo", "ChunkInfoTable", "to_wire_events"]
+__all__ = ["ChunkInfo", "ChunkInfoTable", "snapshot_events", "to_wire_events"]
 
 
 @dataclass(slots=True)
@@ -36,13 +50,13 @@ class ChunkInfo:
     Attributes:
         block_hashes: hashes of the GPU blocks the chunk holds, in prefix order.
         parent_block_hash: hash of the GPU block before the chunk (None at the start).
-        token_ids: the chunk's tokens (dropped once the stored event is emitted).
+        token_ids: the chunk's tokens (None where unknown).
         lora_name: LoRA adapter that is part of the hashes, if any.
     """
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_ids: list[int] | None
+    token_ids: Sequence[int] | None
     lora_name: str | None = None
 
 
@@ -52,6 +66,7 @@ class ChunkInfoTable:
     def __init__(self) -> None:
         self._info: dict[OffloadKey, ChunkInfo] = {}
         self._refs: dict[bytes, int] = {}  # GPU block hash -> held chunks holding it
+        self._announced: set[OffloadKey] = set()  # keys whose stored event went out
 
     def hold(self, hashes: Iterable[bytes]) -> list[int]:
         """Count one more held chunk for each hash; return the positions that went 0 -> 1."""
@@ -82,13 +97,23 @@ class ChunkInfoTable:
         return len(self._refs)
 
     def add(self, key: OffloadKey, info: ChunkInfo) -> None:
-        """Remember ``info`` for ``key`` (a store was planned)."""
+        """Remember ``info`` for ``key`` (a store was planned).
+
+        The token ids are kept as a machine-int array (8 bytes a token rather than a
+        list's pointer plus int object): a snapshot may need them as long as the
+        chunk is held.
+        """
+        if info.token_ids is not None and not isinstance(info.token_ids, array):
+            info.token_ids = array("q", info.token_ids)
         self._info[key] = info
+        # A store of a key that still counts as announced means its removal event was lost.
+        self._announced.discard(key)
 
     def discard(self, keys: Iterable[OffloadKey]) -> None:
         """Forget keys whose store failed (they never appeared on the wire)."""
         for key in keys:
             self._info.pop(key, None)
+            self._announced.discard(key)
 
     def __len__(self) -> int:
         return len(self._info)
@@ -98,17 +123,28 @@ class ChunkInfoTable:
         return self._info.get(key)
 
     def stored(self, key: OffloadKey) -> ChunkInfo | None:
-        """Info for a stored event; the token ids are released afterwards."""
+        """Info for a stored event (None for a key never added); the key counts as announced."""
         info = self._info.get(key)
-        if info is None:
-            return None
-        out = ChunkInfo(info.block_hashes, info.parent_block_hash, info.token_ids, info.lora_name)
-        info.token_ids = None  # only needed once; keep the hashes for the removal
-        return out
+        if info is not None:
+            self._announced.add(key)
+        return info
 
     def removed(self, key: OffloadKey) -> ChunkInfo | None:
         """Info for a removal event; the key is forgotten."""
+        self._announced.discard(key)
         return self._info.pop(key, None)
+
+    def restart(self, ready: Iterable[OffloadKey]) -> None:
+        """Forget every count, before a snapshot re-announces the ``ready`` keys.
+
+        Info is kept for the ready keys and for keys never announced (stores still in
+        flight, whose stored event is yet to come); an announced key that is no longer
+        ready was removed by an event that was lost, so its info goes.
+        """
+        keep = set(ready)
+        self._info = {k: v for k, v in self._info.items() if k in keep or k not in self._announced}
+        self._announced.clear()
+        self._refs.clear()
 
 
 def to_wire_events(events: Iterable[OffloadingEvent], table: ChunkInfoTable,
@@ -140,29 +176,76 @@ def to_wire_events(events: Iterable[OffloadingEvent], table: ChunkInfoTable,
                                         medium=event.medium, group_idx=group_idx))
             continue
         for key in event.keys:
-            info = table.stored(key)
-            if info is None:
-                if table.hold((key,)):
-                    out.append(BlockStored(block_hashes=[to_external_hash(key)], parent_block_hash=None,
-                                           token_ids=[], block_size=block_size, lora_id=None,
-                                           medium=event.medium, lora_name=None, group_idx=group_idx))
-                continue
-            new = table.hold(info.block_hashes)
-            if not new:
-                continue
-            # Held positions of a chunk are a prefix (the hashes are chained), so the new
-            # ones are its tail: its parent is the block before the first new one.
-            first = new[0]
-            parent = info.block_hashes[first - 1] if first else info.parent_block_hash
-            tokens = info.token_ids or []
-            out.append(BlockStored(
-                block_hashes=[to_external_hash(info.block_hashes[i]) for i in new],
-                parent_block_hash=to_external_hash(parent) if parent is not None else None,
-                token_ids=[t for i in new for t in tokens[i * block_size:(i + 1) * block_size]],
-                block_size=block_size,
-                lora_id=None,
-                medium=event.medium,
-                lora_name=info.lora_name,
-                group_idx=group_idx,
-            ))
+            stored = _announce(key, table, block_size, event.medium, group_idx)
+            if stored is not None:
+                out.append(stored)
+    return out
+
+
+def _announce(key: OffloadKey, table: ChunkInfoTable, block_size: int, medium: str,
+              group_idx: int) -> BlockStored | None:
+    """The stored event of one chunk: its GPU blocks no other held chunk announced (None if none)."""
+    info = table.stored(key)
+    if info is None:
+        if not table.hold((key,)):
+            return None
+        return BlockStored(block_hashes=[to_external_hash(key)], parent_block_hash=None, token_ids=[],
+                           block_size=block_size, lora_id=None, medium=medium, lora_name=None,
+                           group_idx=group_idx)
+    new = table.hold(info.block_hashes)
+    if not new:
+        return None
+    # Held positions of a chunk are a prefix (the hashes are chained), so the new
+    # ones are its tail: its parent is the block before the first new one.
+    first = new[0]
+    parent = info.block_hashes[first - 1] if first else info.parent_block_hash
+    tokens = info.token_ids if info.token_ids is not None else ()
+    return BlockStored(
+        block_hashes=[to_external_hash(info.block_hashes[i]) for i in new],
+        parent_block_hash=to_external_hash(parent) if parent is not None else None,
+        token_ids=[t for i in new for t in tokens[i * block_size:(i + 1) * block_size]],
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=info.lora_name,
+        group_idx=group_idx,
+    )
+
+
+def snapshot_events(manager: OffloadingManager, table: ChunkInfoTable, block_size: int, *,
+                    medium: str = MEDIUM_CPU, group_idx: int = 0) -> list[KVCacheEvent]:
+    """Resync consumers with what the tier holds now, after events were lost.
+
+    The snapshot supersedes every event the manager recorded and the caller has not
+    returned yet: the manager's pending events are drained and dropped here, and the
+    caller must drop the wire events it still holds (translated, not yet returned).
+    The table's counts are rebuilt so that later :func:`to_wire_events` calls continue
+    from the snapshot's state. Call it only with events enabled (the table is filled
+    only then).
+
+    Args:
+        manager: the tier; it must implement ``ready_keys``.
+        table: chunk information recorded when the stores were planned.
+        block_size: tokens per GPU block.
+        medium: the tier's medium.
+        group_idx: KV cache group of the blocks.
+
+    Returns:
+        ``AllBlocksCleared(medium=medium)``, then per ready chunk one ``BlockStored``
+        for its GPU blocks not already in the snapshot (parent hash, token ids and LoRA
+        name as in normal events). A consumer applying it holds exactly the tier's
+        ready blocks.
+
+    Raises:
+        NotImplementedError: the manager cannot list its keys; nothing was changed,
+            so the snapshot can be retried.
+    """
+    ready = manager.ready_keys()  # first: if it raises, nothing has changed
+    manager.take_events()  # superseded by the snapshot
+    table.restart(ready)
+    out: list[KVCacheEvent] = [AllBlocksCleared(medium=medium)]
+    for key in ready:
+        stored = _announce(key, table, block_size, medium, group_idx)
+        if stored is not None:
+            out.append(stored)
     return out

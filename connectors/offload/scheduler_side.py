@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
+from connectors.offload.events import ChunkInfo, ChunkInfoTable, snapshot_events, to_wire_events
 from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
@@ -38,6 +38,7 @@ from connectors.offload.tiering import SchedulerTiers, make_tiers
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 from kvconnector_core.errors import InvariantError
 from kvconnector_core.kv_events import MEDIUM_CPU
+from kvconnector_core.request import lora_name_of
 from kvconnector_core.scheduler.output import yield_req_data
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self._wire_events: list[KVCacheEvent] = []
         self._reqs: dict[str, _ReqState] = {}
         self._jobs: dict[int, _JobRecord] = {}
+        self._job_reports: dict[int, tuple[int, bool]] = {}  # job -> (worker reports, all ok)
         self._job_ids = itertools.count()
         self._pending_loads: list[TransferJobSpec] = []
         self._delayed_free: list[str] = []
@@ -262,7 +264,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         hashes = request.block_hashes
         tokens = request.all_token_ids[chunk * f * bs:(chunk + 1) * f * bs]
         return ChunkInfo(tuple(hashes[chunk * f:(chunk + 1) * f]),
-                         hashes[chunk * f - 1] if chunk else None, list(tokens), request.lora_name)
+                         hashes[chunk * f - 1] if chunk else None, list(tokens), lora_name_of(request))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Complete the stores and loads the worker finished; forget sent requests.
@@ -276,9 +278,16 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         for job_id, success in itertools.chain(
                 ((j, True) for j in meta.done_job_ids),
                 ((j, False) for j in meta.failed_job_ids)):
-            record = self._jobs.pop(job_id, None)
-            if record is None:
+            if job_id not in self._jobs:
                 continue
+            # Every worker moves its shard of a job: done once all have reported.
+            count, ok = self._job_reports.pop(job_id, (0, True))
+            count, ok = count + 1, ok and success
+            if count < self.config.world_size:
+                self._job_reports[job_id] = (count, ok)
+                continue
+            success = ok
+            record = self._jobs.pop(job_id)
             if job_id in self._poisoned:
                 self._poisoned.discard(job_id)
                 success = False
@@ -300,6 +309,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             for job_id, record in list(self._jobs.items()):
                 if not record.is_store and record.req_id in connector_output.failed_recving:
                     del self._jobs[job_id]
+                    self._job_reports.pop(job_id, None)
                     self._complete_load(record, success=False)
         self._translate_events()
         for rid in connector_output.finished_sending:
@@ -424,3 +434,13 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """Close the tiers' connections (their lookups run on their own threads)."""
         if self.tiers is not None:
             self.tiers.close()
+
+    def get_event_snapshot(self) -> list[KVCacheEvent]:
+        """A clear of the CPU medium, then every block the tier serves now; it supersedes
+        every event not yet returned (the guard's resync after a failed ``take_events``).
+        Nothing with events off."""
+        if not self.offload_config.enable_events:
+            return []
+        events = snapshot_events(self.manager, self._chunk_info, self.offload_config.gpu_block_size)
+        self._wire_events = []  # superseded by the snapshot
+        return events

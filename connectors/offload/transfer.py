@@ -18,17 +18,33 @@ recovers that chunk from the views. Other layouts fall back to one plane per lay
 
 CUDA path. Each direction has its own stream; a job first waits for the compute stream
 (the data it reads was produced there, the blocks it writes may still be read there),
-then issues its copies (``cudaMemcpyAsync`` through ctypes when the CUDA runtime loads,
-``Tensor.copy_(non_blocking=True)`` otherwise: ~3 vs ~26 us of host time per copy) and
-records an end event; completion is polled with ``event.query()``. Copies go through the DMA copy engines so they do not
-take SMs from the model. Methods (``KVBlockMover(method=...)``):
+then issues its copies and records an end event; completion is polled with
+``event.query()``. Copies go through the DMA copy engines, which leave the model's SMs
+alone. Methods (``KVBlockMover(method=...)``):
 
-    ``coalesced``  runs of consecutive source AND destination ids in one copy (default)
+    ``pitched``    where the planes are equally spaced on both sides (per-layer tensors
+                   of one size, allocated back to back): one ``cudaMemcpy2DAsync`` per
+                   run of blocks, its rows the planes; else as ``batched``
+    ``batched``    the whole job (every plane, every run of consecutive source AND
+                   destination ids) in one ``cudaMemcpyBatchAsync`` (CUDA 12.8+), its
+                   descriptors computed from addresses prepared at registration
+    ``coalesced``  one ``cudaMemcpyAsync`` per run of consecutive ids and plane
     ``per_block``  one copy per block and plane (the baseline the others must beat)
-    ``gather``     gather the scattered blocks on the device into a staging buffer,
-                   then copy runs of consecutive CPU ids (uses SMs and device memory)
-    ``auto``       per job and plane: ``gather`` when the copies would average under
-                   256 KiB (scattered per-layer pieces), else ``coalesced`` (the default)
+    ``gather``     gather scattered rows on the device into staging buffers, a group of
+                   planes at a time, and move those with large DMAs, kernels and DMAs
+                   pipelined on two streams (:mod:`._staged`; uses some SM time)
+    ``auto``       the default: ``gather`` when the job's copies would average under
+                   256 KiB (scattered rows of the per-layer layout), else ``pitched``
+                   (which falls back to ``batched``, then ``coalesced``)
+
+Issue thread. On CUDA the copies are issued by a background thread (:mod:`._issuer`):
+the caller records one event on its current stream, which fixes where the copies sit in
+stream order, and returns; ``get_finished`` and ``wait`` first wait until the thread has
+queued the jobs (so a caller polling in a loop cannot starve it of the GIL).
+
+Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loads and
+``Tensor.copy_(non_blocking=True)`` otherwise (~3 vs ~26 us of host time per copy);
+``batched`` without the batch API behaves as ``coalesced``.
 
 On CPU tensors the same code runs with plain synchronous ``copy_`` (what CI tests).
 
@@ -39,17 +55,26 @@ is logged and reported through :meth:`KVBlockMover.get_finished` with
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import array
 import functools
-import glob
 import logging
-import os
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from connectors.offload import _cudart
+from connectors.offload._copy_plan import CopyPlan, run_starts
+from connectors.offload._issuer import IssueThread
+from connectors.offload._staged import staged_copy
+from connectors.offload._layout import (
+    BlockLayout,
+    build_block_layout,
+    cross_layer_planes,
+)
 
 __all__ = [
     "BlockLayout",
@@ -63,155 +88,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("auto", "coalesced", "per_block", "gather")
-_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) pointers
-
-
-@functools.cache
-def _raw_memcpy_async() -> Callable[[int, int, int, int], int] | None:
-    """``cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)`` through ctypes, or None.
-
-    Why: ``Tensor.copy_`` costs about 26 us of host time per call (two slice views
-    plus the dispatcher); a scattered batch of 256 blocks then spends ~7 ms of the
-    engine's step just *issuing* copies, before the forward. The runtime call
-    itself costs ~3 us (measured on an H200: 0.7 ms for 256). It uses the same
-    primary context and streams as torch. Looked up in the CUDA runtime that torch
-    ships (``nvidia/*/lib``) first, then the system's; None if none loads, and the
-    mover falls back to ``Tensor.copy_``.
-    """
-    torch_dir = os.path.dirname(torch.__file__)
-    candidates = sorted(glob.glob(os.path.join(torch_dir, "lib", "libcudart.so*")))
-    candidates += sorted(glob.glob(os.path.join(os.path.dirname(torch_dir), "nvidia", "*", "lib",
-                                                "libcudart.so*")), reverse=True)
-    found = ctypes.util.find_library("cudart")
-    if found:
-        candidates.append(found)
-    for path in candidates:
-        try:
-            fn = ctypes.CDLL(path).cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        return lambda dst, src, nbytes, stream: fn(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
-    return None
+METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 _SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
-
-
-# ---------------------------------------------------------------------------- layout
-@dataclass(frozen=True, slots=True)
-class BlockLayout:
-    """The device KV cache as byte planes.
-
-    Attributes:
-        planes: uint8 tensors ``(num_blocks, row_bytes)``; block ``b`` of plane ``p`` is
-            ``planes[p][b]``, one contiguous row. A row may be followed by a gap
-            (``stride(0) > row_bytes``), in which case runs are not coalesced.
-        cross_layer: True when one plane holds all layers of a block.
-    """
-
-    planes: tuple[torch.Tensor, ...]
-    cross_layer: bool
-
-    @property
-    def num_blocks(self) -> int:
-        """Number of device blocks."""
-        return self.planes[0].shape[0]
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all planes."""
-        return sum(p.shape[1] for p in self.planes)
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the KV cache."""
-        return self.planes[0].device
-
-
-def _byte_rows(storage_tensor: torch.Tensor, offset_bytes: int, num_rows: int,
-               row_bytes: int, row_stride_bytes: int) -> torch.Tensor:
-    """A uint8 (num_rows, row_bytes) view of ``storage_tensor``'s storage."""
-    out = torch.empty(0, dtype=torch.uint8, device=storage_tensor.device)
-    return out.set_(storage_tensor.untyped_storage(), offset_bytes, (num_rows, row_bytes),
-                    (row_stride_bytes, 1))
-
-
-def _plane_of(t: torch.Tensor) -> torch.Tensor:
-    """One layer tensor ``(num_blocks, ...)`` as a byte plane; each block must be dense."""
-    if t.dim() < 2 or not t[0].is_contiguous():
-        msg = (f"KV cache tensor of shape {tuple(t.shape)} and strides {t.stride()}: "
-               "each block (t[i]) must be one contiguous chunk")
-        raise ValueError(msg)
-    elt = t.element_size()
-    return _byte_rows(t, t.storage_offset() * elt, t.shape[0], t[0].numel() * elt,
-                      t.stride(0) * elt)
-
-
-def cross_layer_planes(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Recover the cross-layer block view of per-layer views of one tensor.
-
-    Args:
-        tensors: per-layer views ``base[:, i]`` of a ``(num_blocks, num_layers, ...)``
-            tensor, in any order.
-
-    Returns:
-        A uint8 ``(num_blocks, num_layers * layer_block_bytes)`` view in which a row is
-        all layers of one block, or None when the views are not laid out that way.
-    """
-    if not tensors:
-        return None
-    first = tensors[0]
-    if first.dim() < 2 or not first[0].is_contiguous():
-        return None
-    same = all(
-        t.device == first.device and t.dtype == first.dtype and t.shape == first.shape
-        and t.stride() == first.stride()
-        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        for t in tensors
-    )
-    if not same:
-        return None
-    elt = first.element_size()
-    layer_bytes = first[0].numel() * elt
-    ordered = sorted(tensors, key=lambda t: t.storage_offset())
-    offsets = [t.storage_offset() * elt for t in ordered]
-    # Layers must sit back to back inside a block, and blocks back to back after that.
-    if any(b - a != layer_bytes for a, b in zip(offsets, offsets[1:], strict=False)):
-        return None
-    row_bytes = layer_bytes * len(ordered)
-    if first.stride(0) * elt < row_bytes:
-        return None
-    return _byte_rows(ordered[0], offsets[0], first.shape[0], row_bytes, first.stride(0) * elt)
-
-
-def build_block_layout(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
-                       ) -> BlockLayout:
-    """Describe the KV cache as byte planes, cross-layer when possible.
-
-    Args:
-        kv_caches: layer name -> per-layer tensor ``(num_blocks, ...)`` (as given to
-            ``register_kv_caches``), or a sequence of such tensors, or one cross-layer
-            tensor ``(num_blocks, num_layers, ...)`` in a one-element sequence.
-
-    Raises:
-        ValueError: no tensors, tensors on different devices or with different block
-            counts, or a block that is not one contiguous chunk.
-    """
-    tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-    if not tensors:
-        msg = "no KV cache tensors to register"
-        raise ValueError(msg)
-    if len({t.device for t in tensors}) != 1 or len({t.shape[0] for t in tensors}) != 1:
-        msg = ("KV cache tensors must share one device and one block count, got "
-               f"{sorted({(str(t.device), t.shape[0]) for t in tensors})}")
-        raise ValueError(msg)
-    base = cross_layer_planes(tensors) if len(tensors) > 1 else None
-    if base is not None:
-        return BlockLayout((base,), cross_layer=True)
-    # Sorting by address keeps the CPU layout independent of dict order.
-    ordered = sorted(tensors, key=lambda t: (t.untyped_storage().data_ptr(), t.storage_offset()))
-    return BlockLayout(tuple(_plane_of(t) for t in ordered), cross_layer=len(tensors) == 1)
 
 
 # ---------------------------------------------------------------------------- id helpers
@@ -252,6 +130,28 @@ def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[
     return runs
 
 
+def _id_array(ids: Sequence[int]) -> array.array:
+    """A private int64 copy of the ids (the caller may reuse its list after submitting).
+
+    ``array.array`` because building it from a list of Python ints is ~6x faster than
+    ``torch.tensor``, and this runs twice per job on the engine's step.
+    """
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    try:
+        return array.array("q", ids)
+    except TypeError as exc:
+        msg = f"block ids must be a flat sequence of ints, got {list(ids)[:4]!r}..."
+        raise ValueError(msg) from exc
+
+
+def _as_tensor(ids: array.array) -> torch.Tensor:
+    """The ids as an int64 tensor sharing the array's memory."""
+    if not ids:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(ids, dtype=torch.int64)
+
+
 # ---------------------------------------------------------------------------- jobs
 @dataclass(frozen=True, slots=True)
 class TransferResult:
@@ -263,6 +163,8 @@ class TransferResult:
         is_store: True for device -> CPU, False for CPU -> device.
         num_bytes: bytes the job moved (or would have moved).
         seconds: time from submission to completion as observed (None if unknown).
+        issue_seconds: host time spent issuing the copies (on CPU: making them), on the
+            issue thread where one is used; None if the job failed before that.
     """
 
     job_id: int
@@ -270,6 +172,7 @@ class TransferResult:
     is_store: bool
     num_bytes: int
     seconds: float | None
+    issue_seconds: float | None = None
 
 
 @dataclass(slots=True)
@@ -282,6 +185,8 @@ class _Job:
     start_event: torch.cuda.Event | None = None
     end_event: torch.cuda.Event | None = None
     error: str | None = None
+    issued: threading.Event | None = None  # set by the issue thread once the copies are queued
+    issue_seconds: float | None = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # staging, index tensors
 
 
@@ -292,10 +197,14 @@ class KVBlockMover:
         kv_caches: the KV cache (see :func:`build_block_layout`).
         num_cpu_blocks: number of CPU sub-blocks (one GPU block each) to allocate.
         pin_memory: pin the CPU buffer; defaults to True when the cache is on CUDA.
-        method: one of ``auto``, ``coalesced``, ``per_block``, ``gather``.
+        method: one of ``auto``, ``pitched``, ``batched``, ``coalesced``, ``per_block``,
+            ``gather``.
         raw_memcpy: issue DMA copies with ``cudaMemcpyAsync`` through ctypes instead of
             ``Tensor.copy_`` (about 10x less host time per copy). None (default): when
             the CUDA runtime library loads; False: never; True: required.
+        issue_thread: issue the copies on a background thread, so that the caller pays
+            only for one CUDA event and a queue put (None: on CUDA only; on CPU the
+            thread makes the synchronous copies, which tests use).
 
     Attributes:
         layout: the device KV cache as byte planes.
@@ -309,7 +218,8 @@ class KVBlockMover:
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
                  num_cpu_blocks: int, *, pin_memory: bool | None = None,
-                 method: str = "auto", raw_memcpy: bool | None = None) -> None:
+                 method: str = "auto", raw_memcpy: bool | None = None,
+                 issue_thread: bool | None = None) -> None:
         if method not in METHODS:
             msg = f"unknown transfer method {method!r}; valid: {', '.join(METHODS)}"
             raise ValueError(msg)
@@ -338,17 +248,43 @@ class KVBlockMover:
                 offset += size
             self.cpu_planes = tuple(planes)
         self._streams: dict[bool, torch.cuda.Stream] = {}
+        self._kernel_streams: dict[bool, torch.cuda.Stream] = {}
         if self.is_cuda:
             self._streams = {True: torch.cuda.Stream(self.device),
                              False: torch.cuda.Stream(self.device)}
+            # Gather / scatter kernels of the staged method, beside each direction's DMAs.
+            self._kernel_streams = {True: torch.cuda.Stream(self.device),
+                                    False: torch.cuda.Stream(self.device)}
         self._jobs: list[_Job] = []
         # Issue DMA copies through the CUDA runtime directly (None: when available).
-        memcpy = _raw_memcpy_async() if self.is_cuda and raw_memcpy is not False else None
+        use_runtime = self.is_cuda and raw_memcpy is not False
+        memcpy = _cudart.memcpy_async() if use_runtime else None
         if raw_memcpy and memcpy is None:
             msg = ("raw_memcpy=True needs a CUDA KV cache" if not self.is_cuda
                    else "raw_memcpy=True but no CUDA runtime library could be loaded")
             raise ValueError(msg)
         self._memcpy = memcpy
+        self._batch_memcpy = _cudart.batch_memcpy_async() if use_runtime else None
+        # Addresses and strides of every plane on both sides, computed once here so that
+        # a job only adds block offsets (see _copy_plan).
+        self._plan = CopyPlan(self.layout.planes, self.cpu_planes)
+        self._memcpy_2d = None
+        if use_runtime and self._plan.pitch is not None:
+            limit = _cudart.max_pitch(self.device.index if self.device.index is not None
+                                      else torch.cuda.current_device())
+            if max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
+                self._memcpy_2d = _cudart.memcpy_2d_async()
+        self._block_bytes = self.layout.block_bytes
+        self._issuer: IssueThread | None = None
+        if issue_thread or (self.is_cuda and issue_thread is None):
+            self._issuer = IssueThread(self.device, name=f"kv-transfer-issue-{id(self):x}")
+            # A mover dropped without shutdown() still stops its thread.
+            weakref.finalize(self, self._issuer.close, join=False)
+
+    @property
+    def batched_available(self) -> bool:
+        """True when jobs can be issued as one ``cudaMemcpyBatchAsync`` (CUDA 12.8+)."""
+        return self._batch_memcpy is not None
 
     # ------------------------------------------------------------------ submission
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int],
@@ -363,59 +299,141 @@ class KVBlockMover:
 
     def _submit(self, job_id: int, is_store: bool, src_ids: Sequence[int],
                 dst_ids: Sequence[int]) -> None:
-        job = _Job(job_id, is_store, len(src_ids) * self.layout.block_bytes, time.perf_counter())
+        # The engine pays every microsecond here before its forward: keep it lean.
+        job = _Job(job_id, is_store, len(src_ids) * self._block_bytes, time.perf_counter())
         self._jobs.append(job)
         try:
             gpu_ids, cpu_ids = (src_ids, dst_ids) if is_store else (dst_ids, src_ids)
-            self._check_ids(gpu_ids, cpu_ids)
+            g, c = self._checked_ids(gpu_ids, cpu_ids)
+            ready = None
             if self.is_cuda:
-                stream = self._streams[is_store]
-                # Ordered after everything the model has queued so far: a store reads
-                # what this step wrote; a load overwrites blocks earlier kernels may read.
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    job.start_event = torch.cuda.Event(enable_timing=True)
-                    job.start_event.record(stream)
-                    self._copy(job, is_store, list(gpu_ids), list(cpu_ids))
-                    job.end_event = torch.cuda.Event(enable_timing=True)
-                    job.end_event.record(stream)
-            else:
-                self._copy(job, is_store, list(gpu_ids), list(cpu_ids))
-                job.host_seconds = time.perf_counter() - job.submitted_at
+                # Fixes the copies' place in stream order now, whichever thread issues
+                # them: a store reads what the model queued so far; a load overwrites
+                # blocks that earlier kernels may still read.
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
-            job.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("KV %s job %d failed at submission: %s",
-                           "store" if is_store else "load", job_id, job.error)
+            self._fail(job, exc)
+            return
+        if self._issuer is None:
+            self._issue(job, ready, g, c)
+        else:
+            job.issued = threading.Event()
+            self._issuer.submit(functools.partial(self._issue, job, ready, g, c))
 
-    def _check_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]) -> None:
+    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g_ids: array.array,
+               c_ids: array.array) -> None:
+        """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
+        t0 = time.perf_counter()
+        try:
+            g, c = _as_tensor(g_ids), _as_tensor(c_ids)
+            if ready is None:  # CPU cache: plain synchronous copies
+                if g.numel():
+                    self._copy(job, job.is_store, g.tolist(), c.tolist())
+                job.host_seconds = time.perf_counter() - job.submitted_at
+                return
+            stream = self._streams[job.is_store]
+            stream.wait_event(ready)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            if g.numel():
+                self._copy_cuda(job, g, c, stream)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            job.start_event, job.end_event = start, end
+        except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
+            self._fail(job, exc)
+        finally:
+            job.issue_seconds = time.perf_counter() - t0
+            if job.issued is not None:
+                job.issued.set()  # last: the fields above are complete when it is seen
+
+    @staticmethod
+    def _fail(job: _Job, exc: Exception) -> None:
+        job.error = f"{type(exc).__name__}: {exc}"
+        logger.warning("KV %s job %d failed at submission: %s",
+                       "store" if job.is_store else "load", job.job_id, job.error)
+
+    def _checked_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
+                     ) -> tuple[array.array, array.array]:
+        """The ids as private int64 arrays, checked: equal lengths, every id in range."""
         if len(gpu_ids) != len(cpu_ids):
             msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
             raise ValueError(msg)
-        for name, ids, bound in (("device", gpu_ids, self.layout.num_blocks),
-                                 ("CPU", cpu_ids, self.num_cpu_blocks)):
-            bad = [i for i in ids if not 0 <= i < bound]
-            if bad:
-                msg = f"{name} block ids {bad[:8]} out of range [0, {bound})"
+        g, c = _id_array(gpu_ids), _id_array(cpu_ids)
+        for name, ids, bound in (("device", g, self.layout.num_blocks),
+                                 ("CPU", c, self.num_cpu_blocks)):
+            if ids and not (0 <= min(ids) and max(ids) < bound):
+                bad = [i for i in ids if not 0 <= i < bound][:8]
+                msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)
+        return g, c
+
+    def _copy_cuda(self, job: _Job, g: torch.Tensor, c: torch.Tensor,
+                   stream: torch.cuda.Stream) -> None:
+        # Preference: one 2D copy per run (equally spaced planes), else one batch call for
+        # the job, else the per-copy methods. A method names the most it may use.
+        method = self.method
+        if method == "auto" and self._small_rows(g, c):
+            method = "gather"
+        if method == "gather":
+            cpu_runs = list(zip(*(t.tolist() for t in run_starts(torch.arange(len(c)), c)),
+                                strict=True))
+            staged_copy(job.is_store, self.layout.planes, self.cpu_planes, g, cpu_runs, stream,
+                        self._kernel_streams[job.is_store], self._memcpy, job.keep_alive)
+        elif self._memcpy_2d is not None and method in ("auto", "pitched"):
+            self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
+        elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
+            self._copy_batched(self._batch_memcpy, job.is_store, g, c, stream)
+        else:
+            with torch.cuda.stream(stream):
+                self._copy(job, job.is_store, g.tolist(), c.tolist())
+
+    def _small_rows(self, g: torch.Tensor, c: torch.Tensor) -> bool:
+        """True when the job's DMAs would average under 256 KiB (scattered per-layer rows).
+
+        Measured on an H100: the copy engines lose a fixed cost per row, so such jobs
+        are gathered on the device first (see _staged).
+        """
+        planes = self.layout.planes
+        if len(planes) == 1 and planes[0].shape[1] >= _SMALL_ROW_BYTES:
+            return False  # cross-layer rows: never small, skip counting runs
+        num_runs = run_starts(g, c)[2].numel()
+        return g.numel() * self._block_bytes / (num_runs * len(planes)) < _SMALL_ROW_BYTES
+
+    def _copy_pitched(self, memcpy_2d: _cudart.Memcpy2D, is_store: bool, g: torch.Tensor,
+                      c: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # One copy-engine operation moves a run of blocks in every plane (rows = planes),
+        # where the per-layer layout would otherwise need one small copy per plane.
+        handle = stream.cuda_stream
+        for dst, dpitch, src, spitch, width, height in self._plan.pitched_copies(g, c, is_store):
+            rc = memcpy_2d(dst, dpitch, src, spitch, width, height, handle)
+            if rc != 0:
+                _cudart.clear_error()
+                msg = f"cudaMemcpy2DAsync returned CUDA error {rc} ({height} rows of {width} bytes)"
+                raise RuntimeError(msg)
+
+    def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g: torch.Tensor,
+                      c: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # Every plane and run of the job in one runtime call: thousands of DMA copies for
+        # the per-layer layout cost one call's host time, and the copy engines see the
+        # whole batch at once instead of a trickle of single copies.
+        dsts, srcs, sizes = self._plan.descriptors(g, c, is_store)
+        rc = batch_memcpy(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(),
+                                stream.cuda_stream)
+        if rc != 0:
+            _cudart.clear_error()
+            msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {dsts.numel()} copies"
+            raise RuntimeError(msg)
 
     def _copy(self, job: _Job, is_store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
-        if not gpu_ids:
-            return
         runs = coalesce_runs(gpu_ids, cpu_ids)
         for gpu_plane, cpu_plane in zip(self.layout.planes, self.cpu_planes, strict=True):
             method = self.method
-            if method == "auto":
-                # Measured on an H200: a DMA per copy is launch-bound below ~256 KiB, so
-                # small scattered pieces are gathered on the device first.
-                small = len(gpu_ids) * gpu_plane.shape[1] / len(runs) < _SMALL_ROW_BYTES
-                method = "gather" if small else "coalesced"
-            if method == "gather" and self.is_cuda:
-                self._copy_gather(job, is_store, gpu_plane, cpu_plane, gpu_ids, cpu_ids)
-                continue
             dense = gpu_plane.stride(0) == gpu_plane.shape[1]
             if method == "per_block" or not dense:
                 plane_runs = [(g, c, 1) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
-            else:
+            else:  # coalesced, and batched / auto where there is no batch API or no CUDA
                 plane_runs = runs
             if self._memcpy is not None:
                 self._copy_raw(self._memcpy, is_store, gpu_plane, cpu_plane, plane_runs)
@@ -426,7 +444,7 @@ class KVBlockMover:
                 else:
                     gpu_plane[g:g + n].copy_(cpu_plane[c:c + n], non_blocking=True)
 
-    def _copy_raw(self, memcpy: Callable[[int, int, int, int], int], is_store: bool,
+    def _copy_raw(self, memcpy: _cudart.Memcpy, is_store: bool,
                   gpu_plane: torch.Tensor, cpu_plane: torch.Tensor,
                   runs: list[tuple[int, int, int]]) -> None:
         # Each run is contiguous on both sides: whole rows of a dense plane, or a single
@@ -439,36 +457,27 @@ class KVBlockMover:
             g_ptr, c_ptr, nbytes = g_base + g * g_stride, c_base + c * c_stride, n * row
             rc = memcpy(c_ptr, g_ptr, nbytes, stream) if is_store else memcpy(g_ptr, c_ptr, nbytes, stream)
             if rc != 0:
+                _cudart.clear_error()
                 msg = f"cudaMemcpyAsync returned CUDA error {rc}"
                 raise RuntimeError(msg)
 
-    def _copy_gather(self, job: _Job, is_store: bool, gpu_plane: torch.Tensor,
-                     cpu_plane: torch.Tensor, gpu_ids: list[int], cpu_ids: list[int]) -> None:
-        # Scattered device rows <-> one dense staging buffer (SM work), then the
-        # staging buffer <-> CPU in as few DMAs as the CPU ids allow.
-        idx_host = torch.tensor(gpu_ids, dtype=torch.int64).pin_memory()
-        idx = idx_host.to(self.device, non_blocking=True)
-        staging = torch.empty((len(gpu_ids), gpu_plane.shape[1]), dtype=torch.uint8,
-                              device=self.device)
-        # Allocated on this side stream; kept until the job is reported done so the
-        # caching allocator cannot hand them out while the copies still use them.
-        job.keep_alive += [idx_host, idx, staging]
-        runs = coalesce_runs(range(len(cpu_ids)), cpu_ids)
-        if is_store:
-            torch.index_select(gpu_plane, 0, idx, out=staging)
-            for s, c, n in runs:
-                cpu_plane[c:c + n].copy_(staging[s:s + n], non_blocking=True)
-        else:
-            for s, c, n in runs:
-                staging[s:s + n].copy_(cpu_plane[c:c + n], non_blocking=True)
-            gpu_plane.index_copy_(0, idx, staging)
-
     # ------------------------------------------------------------------ completion
     def get_finished(self) -> list[TransferResult]:
-        """Return the jobs that completed (or failed) since the last call, in order."""
+        """Return the jobs that completed (or failed) since the last call, in order.
+
+        Blocks only until every submitted job has been issued (a few hundred
+        microseconds of the issue thread's work), never for the copies themselves.
+        """
         done: list[TransferResult] = []
         pending: list[_Job] = []
         for job in self._jobs:
+            if job.issued is not None:
+                # Wait (GIL released) until the issue thread has queued the job's copies.
+                # Without this, a caller polling in a tight loop starves the thread of the
+                # GIL and the copies are issued late or never (seen on an H100: an engine
+                # spun 10,000 empty steps waiting for loads). The engine polls after its
+                # forward is launched, so the wait overlaps device work.
+                job.issued.wait()
             finished = True
             if job.error is None and job.end_event is not None:
                 try:
@@ -487,11 +496,19 @@ class KVBlockMover:
         """Block until the given jobs (all pending jobs by default) have completed."""
         wanted = None if job_ids is None else set(job_ids)
         for job in self._jobs:
-            if job.end_event is not None and (wanted is None or job.job_id in wanted):
+            if wanted is not None and job.job_id not in wanted:
+                continue
+            if job.issued is not None:
+                job.issued.wait()
+            if job.end_event is not None:
                 try:
                     job.end_event.synchronize()
                 except Exception as exc:  # noqa: BLE001
                     job.error = f"{type(exc).__name__}: {exc}"
+            # Done with its staging and index tensors: hand them back to the allocator now,
+            # not at the next get_finished (a caller that waits job by job would otherwise
+            # hold every job's staging memory).
+            job.keep_alive.clear()
 
     @property
     def num_pending(self) -> int:
@@ -507,8 +524,11 @@ class KVBlockMover:
             except RuntimeError:
                 pass
         return TransferResult(job.job_id, job.error is None, job.is_store, job.num_bytes,
-                              seconds)
+                              seconds, job.issue_seconds)
 
     def shutdown(self) -> None:
-        """Wait for in-flight jobs so no DMA touches freed memory."""
+        """Wait for in-flight jobs so no DMA touches freed memory; stop the issue thread."""
         self.wait()
+        if self._issuer is not None:
+            self._issuer.close()
+            self._issuer = None

@@ -50,6 +50,11 @@ __all__ = [
 ]
 
 
+# Group-id suffixes of block hash keys (make_block_hash_with_group_id), precomputed.
+_NUM_SUFFIXES = 256
+_GROUP_SUFFIX = tuple(i.to_bytes(4, "big") for i in range(_NUM_SUFFIXES))
+
+
 class KVCacheBlock:
     """One physical KV block: id, ref count, cached hash and free-list links.
 
@@ -156,15 +161,17 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Append ``blocks`` in order."""
-        for b in blocks:
-            self.append(b)
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Append ``blocks`` in order (linked in one pass, no call per block)."""
+        self._link_run(self._tail.prev_free_block, blocks, self._tail)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front, keeping their order (blocks[0] evicted first)."""
-        nxt = self._head.next_free_block
-        prev = self._head
+        self._link_run(self._head, blocks, self._head.next_free_block)
+
+    def _link_run(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock],
+                  nxt: KVCacheBlock) -> None:
+        # Splice ``blocks`` between the adjacent nodes ``prev`` and ``nxt``.
         for b in blocks:
             prev.next_free_block = b
             b.prev_free_block = prev
@@ -328,14 +335,16 @@ class BlockPool:
         self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
         """Return the cached block for ``block_hash`` in every group, or None on any miss."""
+        # BlockHashToBlockMap.get_one_block and make_block_hash_with_group_id, inlined:
+        # this runs once per prompt block on every admission.
+        cache = self.cached_block_hash_to_block._cache
         cached = []
         for gid in kv_cache_group_ids:
-            block = self.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(block_hash, gid)
-            )
-            if block is None:
+            entry = cache.get(block_hash + (_GROUP_SUFFIX[gid] if gid < _NUM_SUFFIXES
+                                            else gid.to_bytes(4, "big")))
+            if entry is None:
                 return None
-            cached.append(block)
+            cached.append(entry if entry.__class__ is KVCacheBlock else next(iter(entry.values())))
         return cached
 
     def iter_cached_blocks(self) -> Iterator[KVCacheBlock]:
@@ -430,8 +439,18 @@ class BlockPool:
             raise NoFreeBlocksError(num_blocks, self.free_block_queue.num_free_blocks)
         ret = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
+            cache = self.cached_block_hash_to_block._cache
+            quiet = not self.enable_kv_cache_events
             for b in ret:
-                self._maybe_evict_cached_block(b)
+                key = b._block_hash
+                if key is not None:
+                    # Hot path inlined (the usual case: the only block under its hash,
+                    # no events); duplicates and events take the full method.
+                    if quiet and cache.get(key) is b:
+                        del cache[key]
+                        b._block_hash = None
+                    else:
+                        self._maybe_evict_cached_block(b)
                 b.ref_cnt += 1
         else:
             for b in ret:
@@ -461,18 +480,20 @@ class BlockPool:
         A block at ref count 0 leaves the free queue, so it cannot be evicted
         while referenced. The null block is skipped.
         """
-        queue = self.free_block_queue
+        revived = 0
         for b in blocks:
             if b.ref_cnt == 0 and not b.is_null:
                 # FreeKVCacheBlockQueue.remove, inlined: one frame less per block.
                 prev, nxt = b.prev_free_block, b.next_free_block
                 if prev is None or nxt is None:
+                    self.free_block_queue.num_free_blocks -= revived
                     raise InvariantError(f"{b!r} has ref count 0 but is not in the free queue")
                 prev.next_free_block = nxt
                 nxt.prev_free_block = prev
                 b.prev_free_block = b.next_free_block = None
-                queue.num_free_blocks -= 1
+                revived += 1
             b.ref_cnt += 1
+        self.free_block_queue.num_free_blocks -= revived  # once, not per block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given (eviction) order.
@@ -485,18 +506,21 @@ class BlockPool:
             InvariantError: a block's ref count would go negative.
         """
         uncached: list[KVCacheBlock] = []
-        queue = self.free_block_queue
+        cached: list[KVCacheBlock] = []
         for b in ordered_blocks:
-            if b.is_null:
+            if b.is_null:  # touched like any block, but never freed
                 continue
-            if b.ref_cnt <= 0:
-                raise InvariantError(f"freeing {b!r} whose ref count is already {b.ref_cnt}")
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                if b._block_hash is None:
-                    uncached.append(b)
-                else:
-                    queue.append(b)
+            rc = b.ref_cnt
+            if rc > 1:
+                b.ref_cnt = rc - 1
+            elif rc == 1:
+                b.ref_cnt = 0
+                (uncached if b._block_hash is None else cached).append(b)
+            else:
+                raise InvariantError(f"freeing {b!r} whose ref count is already {rc}")
+        queue = self.free_block_queue
+        if cached:
+            queue.append_n(cached)  # one call for the run, not one per block
         if uncached:
             queue.prepend_n(uncached)
 
@@ -519,7 +543,7 @@ class BlockPool:
         for b in self.blocks:
             b.reset_hash()
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared())
+            self.kv_event_queue.append(AllBlocksCleared(medium=self.medium))
         return True
 
     # -- accounting -----------------------------------------------------------

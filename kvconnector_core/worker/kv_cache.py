@@ -113,8 +113,16 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: str | torch.devic
             raise ConfigError(msg)
         shape = (kv_cache_config.num_blocks, len(group.layer_names), 2, spec.block_size,
                  spec.num_kv_heads, spec.head_size)
-        tensor = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=device,
-                             pin_memory=pin_memory and device.type == "cpu")
+        dtype = torch_dtype(spec.dtype)
+        try:
+            tensor = torch.zeros(shape, dtype=dtype, device=device,
+                                 pin_memory=pin_memory and device.type == "cpu")
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            size = torch.Size(shape).numel() * dtype.itemsize
+            msg = (f"cannot allocate the KV cache of group {g} on {device}: "
+                   f"{kv_cache_config.num_blocks} blocks of {size // kv_cache_config.num_blocks} "
+                   f"bytes = {size / 2**30:.1f} GiB ({type(exc).__name__}); use fewer blocks")
+            raise ConfigError(msg) from None
         result.group_tensors.append(tensor)
         result.block_sizes.append(spec.block_size)
         for i, name in enumerate(group.layer_names):

@@ -1,0 +1,79 @@
+"""What bench_transfer.py and bench_interference.py share: variants, KV shapes, caches.
+
+A variant is a label: a :class:`KVBlockMover` method name, optionally followed by
+``, inline issue`` (copies issued on the caller's thread instead of the issue thread) or
+``, Tensor.copy_`` (every CUDA runtime shortcut off and inline issue: the fallback path,
+which is how ``auto`` issued copies before the runtime calls existed).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from connectors.offload.transfer import METHODS, KVBlockMover
+
+__all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "add_kv_args", "apply_variant", "make_kv_caches", "restore"]
+
+LAYOUTS = ["cross-layer", "per-layer", "per-layer, one allocation"]
+
+DEFAULT_VARIANTS = ["per_block", "coalesced", "gather", "batched", "pitched", "auto",
+                    "auto, inline issue", "auto, Tensor.copy_"]
+
+
+def apply_variant(mover: KVBlockMover, label: str) -> None:
+    """Configure ``mover`` for the variant ``label`` (reversible: originals are kept)."""
+    method, _, option = (part.strip() for part in label.partition(","))
+    if method not in METHODS or option not in ("", "inline issue", "Tensor.copy_"):
+        msg = f"unknown transfer variant {label!r}; methods: {', '.join(METHODS)}"
+        raise ValueError(msg)
+    saved = mover.__dict__.setdefault("_bench_saved", (
+        mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer))
+    memcpy, batch, memcpy_2d, issuer = saved
+    mover.method = method
+    fallback = option == "Tensor.copy_"
+    mover._memcpy, mover._batch_memcpy, mover._memcpy_2d = (
+        (None, None, None) if fallback else (memcpy, batch, memcpy_2d))
+    mover._issuer = None if option else issuer
+
+
+def restore(mover: KVBlockMover) -> None:
+    """Undo :func:`apply_variant` so that ``shutdown`` stops the issue thread."""
+    apply_variant(mover, "auto")
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    """The device and KV cache shape options (Llama-3-8B by default: 2 MiB per block)."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layouts", nargs="+", default=LAYOUTS, help=f"any of {LAYOUTS}")
+
+
+def make_kv_caches(args: argparse.Namespace, device: torch.device, layout: str
+                   ) -> dict[str, torch.Tensor]:
+    """Per-layer KV tensors of ``args.num_gpu_blocks`` blocks in one of :data:`LAYOUTS`.
+
+    ``cross-layer``: views of one ``(blocks, layers, ...)`` tensor (the engine's layout);
+    ``per-layer``: one allocation per layer (vLLM's); ``per-layer, one allocation``: views of
+    one ``(layers, blocks, ...)`` tensor, equally spaced, so 2D copies apply. Filled with
+    random values: never time zeros.
+    """
+    shape = (args.num_gpu_blocks, 2, args.block_size, args.kv_heads, args.head_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    if layout == "cross-layer":
+        base = torch.empty((shape[0], args.layers, *shape[1:]), dtype=torch.bfloat16, device=device)
+        base.normal_(generator=gen)
+        return {f"layer.{i}": base[:, i] for i in range(args.layers)}
+    if layout == "per-layer, one allocation":
+        whole = torch.empty((args.layers, *shape), dtype=torch.bfloat16, device=device)
+        whole.normal_(generator=gen)
+        return {f"layer.{i}": whole[i] for i in range(args.layers)}
+    if layout == "per-layer":
+        return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device=device)
+                .normal_(generator=gen) for i in range(args.layers)}
+    msg = f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}"
+    raise ValueError(msg)

@@ -1,0 +1,203 @@
+"""Benchmark: what a connector costs the engine per step, on CPU.
+
+Runs the engine the way ``kvconnector run`` does (default workload ``mixed``, its GPU pool
+sizing, the tiny model on CPU with one thread) twice per repeat, alternating: without a
+connector and with the default ``cpu_offload`` connector. Timers wrap, without changing
+them, the scheduler's ``schedule`` and ``update_from_output`` (which call the
+scheduler-side hooks) and every worker-side hook. Reported per engine step:
+
+* ``scheduler`` - ``schedule + update_from_output``, connector hooks included;
+* ``scheduler hooks`` - the part of it spent inside the connector's scheduler-side hooks;
+* ``worker hooks`` - the worker-side hooks (the model runner calls them);
+* the ratio *(scheduler + worker hooks) with the connector / scheduler without*
+  (target <= 1.1; the forward is left out on both sides).
+
+Second table: connector cost per request against prompt length. Each row runs N requests
+with unique prompts of L tokens, then the same N prompts again (so the second half loads
+from the CPU tier); the connector's hook time is divided by requests, by request-steps
+(each step a request is scheduled in) and by prompt blocks. Flat per request-step and per
+block means no hook rescans a request's whole history each step.
+
+    python benchmarks/bench_connector_cost.py [--repeats 5] [--json out.json]
+
+Nothing is asserted; the numbers go to RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from kvconnector_core.cli import run_cmd  # noqa: E402
+from kvconnector_core.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvconnector_core.engine.workloads import Trace, TraceRequest, get_workload  # noqa: E402
+
+__all__ = ["main", "measure"]
+
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "update_connector_output", "request_finished", "take_events",
+                   "get_kv_connector_stats")
+WORKER_HOOKS = ("bind_connector_metadata", "handle_preemptions", "start_load_kv",
+                "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+                "get_block_ids_with_load_errors", "get_kv_connector_stats",
+                "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
+                "clear_connector_metadata")
+
+
+class _Clock:
+    """Accumulates nanoseconds per label."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = {}
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name, None)
+        if not callable(fn):
+            return
+        ns = self.ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns[label] = ns.get(label, 0) + time.perf_counter_ns() - t0
+
+        setattr(obj, name, timed)
+
+
+def _sizing(trace: Trace) -> dict[str, Any]:
+    # The same pool and length sizing as `kvconnector run` (see run_cmd.main).
+    max_model_len = max(512, 16 + max(len(r.prompt_token_ids) + r.max_new_tokens for r in trace))
+    sizing = EngineConfig(max_num_batched_tokens=run_cmd.MAX_NUM_BATCHED_TOKENS,
+                          max_model_len=max_model_len)
+    blocks = max(run_cmd.DEFAULT_NUM_GPU_BLOCKS,
+                 sizing.min_num_gpu_blocks + -(-run_cmd.MAX_NUM_BATCHED_TOKENS // sizing.block_size))
+    return dict(num_gpu_blocks=blocks, max_num_batched_tokens=run_cmd.MAX_NUM_BATCHED_TOKENS,
+                max_num_seqs=run_cmd.MAX_NUM_SEQS, device="cpu", max_model_len=max_model_len)
+
+
+def measure(trace: Trace, with_connector: bool) -> dict[str, float]:
+    """Run ``trace`` once; return step count, request-steps and per-label nanoseconds."""
+    base = _sizing(trace)
+    connector = None
+    if with_connector:
+        args = argparse.Namespace(config=None, connector=None, tier=[], cpu_blocks=None)
+        connector = run_cmd._connector_config(args, base["num_gpu_blocks"])  # noqa: SLF001
+    clock = _Clock()
+    with Engine(EngineConfig(**base, connector=connector)) as engine:
+        clock.wrap(engine.scheduler, "schedule", "scheduler")
+        clock.wrap(engine.scheduler, "update_from_output", "scheduler")
+        if engine.scheduler_connector is not None:
+            for name in SCHEDULER_HOOKS:
+                clock.wrap(engine.scheduler_connector, name, "scheduler hooks")
+            for name in WORKER_HOOKS:
+                clock.wrap(engine.worker_connector, name, "worker hooks")
+        request_steps = 0
+        schedule = engine.scheduler.schedule
+
+        def counting_schedule() -> Any:
+            nonlocal request_steps
+            out = schedule()
+            request_steps += len(out.num_scheduled_tokens)
+            return out
+
+        engine.scheduler.schedule = counting_schedule
+        result = engine.run(trace)
+        steps = engine.num_steps
+    out = {k: v / 1e3 for k, v in clock.ns.items()}  # microseconds
+    out.update(steps=steps, request_steps=request_steps, requests=len(trace),
+               hit_rate=getattr(result.metrics, "prefix_hit_rate", float("nan")))
+    return out
+
+
+def _alternating(trace: Trace, repeats: int) -> dict[bool, list[dict[str, float]]]:
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    measure(trace, True)  # warm-up: imports, registry, allocator
+    measure(trace, False)
+    for r in range(repeats):
+        for conn in ((False, True) if r % 2 == 0 else (True, False)):
+            runs[conn].append(measure(trace, conn))
+    return runs
+
+
+def _med(runs: list[dict[str, float]], key: str, per: Callable[[dict[str, float]], float]) -> float:
+    return statistics.median(r.get(key, 0.0) / per(r) for r in runs)
+
+
+def step_table(repeats: int) -> tuple[str, dict[str, Any]]:
+    """Per-step cost on the default workload, with and without the connector."""
+    trace = get_workload(run_cmd.DEFAULT_WORKLOAD, 0)
+    runs = _alternating(trace, repeats)
+    per_step = lambda r: r["steps"]  # noqa: E731
+    base = _med(runs[False], "scheduler", per_step)
+    sched = _med(runs[True], "scheduler", per_step)
+    hooks = _med(runs[True], "scheduler hooks", per_step)
+    worker = _med(runs[True], "worker hooks", per_step)
+    total = statistics.median((r["scheduler"] + r.get("worker hooks", 0.0)) / r["steps"]
+                              for r in runs[True])
+    lines = ["| run | steps | scheduler us/step | of which scheduler hooks | worker hooks us/step "
+             "| scheduler + worker hooks us/step | x no connector |", "|---|---|---|---|---|---|---|",
+             f"| no connector | {runs[False][0]['steps']} | {base:.1f} | - | - | {base:.1f} | 1.00 |",
+             f"| cpu_offload | {runs[True][0]['steps']} | {sched:.1f} | {hooks:.1f} | {worker:.1f} "
+             f"| {total:.1f} | {total / base:.2f} |"]
+    return "\n".join(lines), {"trace": trace.name, "runs": runs}
+
+
+def length_table(repeats: int, lengths: list[int], num_requests: int) -> tuple[str, dict[str, Any]]:
+    """Connector hook time per request, request-step and prompt block, by prompt length."""
+    lines = ["| prompt tokens | requests | steps | hook us / request | hook us / request-step "
+             "| hook us / prompt block |", "|---|---|---|---|---|---|"]
+    data: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(0)
+    vocab = EngineConfig().model.vocab_size
+    for length in lengths:
+        prompts = [torch.randint(0, vocab, (length,), generator=gen).tolist()
+                   for _ in range(num_requests)]
+        reqs = [TraceRequest(arrival=float(i), prompt_token_ids=p, max_new_tokens=4)
+                for i, p in enumerate(prompts + prompts)]
+        trace = Trace(name=f"unique_{length}_twice", requests=reqs)
+        runs = [measure(trace, True) for _ in range(repeats)]
+        hooks = [r.get("scheduler hooks", 0.0) + r.get("worker hooks", 0.0) for r in runs]
+        blocks = 2 * num_requests * length / EngineConfig().block_size
+        med = statistics.median
+        lines.append(f"| {length} | {2 * num_requests} | {runs[0]['steps']} | "
+                     f"{med(h / r['requests'] for h, r in zip(hooks, runs)):.0f} | "
+                     f"{med(h / r['request_steps'] for h, r in zip(hooks, runs)):.1f} | "
+                     f"{med(h / blocks for h in hooks):.2f} |")
+        data[str(length)] = runs
+    return "\n".join(lines), data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both tables; print them (and write JSON when asked)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # as `kvconnector run` does on CPU
+    t0 = time.perf_counter()
+    steps, step_data = step_table(args.repeats)
+    print(steps, flush=True)
+    lengths, length_data = length_table(max(1, args.repeats // 2), args.lengths, args.requests)
+    print(lengths)
+    print(f"(median of {args.repeats} alternating repeats after a warm-up; {time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"steps": step_data, "lengths": length_data}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
