@@ -97,6 +97,15 @@ class CachePolicy(ABC):
         recent and the tail is evicted first.
         """
 
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """Learn from ``keys`` being offered for storing while the tier does not hold them.
+
+        Called by the manager's ``prepare_store`` before it evicts, also when the store
+        is then refused. A policy that adapts (ARC) uses it: under the offload protocol
+        a block that left the tier is usually *stored again*, not looked up again, so a
+        store miss is where the re-reference of an evicted key shows. Default: nothing.
+        """
+
     @abstractmethod
     def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
         """Remove and return ``n`` evictable entries not in ``protected``.
@@ -174,9 +183,23 @@ class ARCCachePolicy(CachePolicy):
 
     Live entries sit in T1 (seen once) or T2 (seen again); evicted keys are remembered
     in the ghost lists B1 / B2, each bounded by ``capacity``. ``target`` is the size T1
-    should have: a touch that hits a B1 ghost raises it (recency is paying off), one
-    that hits a B2 ghost lowers it. Adaptation happens in :meth:`touch` only (the
-    classic vLLM behaviour); ``prepare_store`` never changes the target.
+    should have: a re-reference of a B1 ghost raises it (recency is paying off), one of
+    a B2 ghost lowers it.
+
+    A re-reference of a ghost shows in two places:
+
+    - :meth:`touch` of a key that is a ghost (a hit the GPU prefix cache served while
+      the tier had evicted the key), as in the classic algorithm;
+    - :meth:`on_store_miss`, which ``prepare_store`` calls for the keys it is asked to
+      store and does not hold, as vLLM 0.33 does. Our connector touches only the keys
+      a request hits, so without this the ghosts of the blocks it stores again would
+      never be seen and the target would stay at 0.
+
+    A stored key enters T1 even when it comes back from a ghost list (as in vLLM 0.33;
+    Megiddo & Modha put it in T2). Measured on the reference chat trace
+    (``benchmarks/bench_offload_hits.py``), T2 insertion lost 3-15 points of hit rate:
+    blocks that are only ever stored again, never hit, crowded out of T2 the blocks
+    that lookups actually hit.
 
     Attributes:
         target: the adaptive target size of T1, in ``[0, capacity]``.
@@ -241,14 +264,24 @@ class ARCCachePolicy(CachePolicy):
                     self._t1.move_to_end(key)
             elif key in self._t2:
                 self._t2.move_to_end(key)
-            elif key in self._b1:
-                step = max(1.0, len(self._b2) / len(self._b1))
-                self.target = min(self.target + step, float(self.capacity))
-                self._b1.move_to_end(key)
-            elif key in self._b2:
-                step = max(1.0, len(self._b1) / len(self._b2))
-                self.target = max(self.target - step, 0.0)
-                self._b2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`CachePolicy.on_store_miss`; adapts the target on ghost keys."""
+        for key in keys:
+            self._ghost_hit(key)
+
+    def _ghost_hit(self, key: OffloadKey) -> None:
+        """Adapt the target if ``key`` is a ghost (classic ARC's cases II and III)."""
+        if key in self._b1:
+            step = max(1.0, len(self._b2) / len(self._b1))
+            self.target = min(self.target + step, float(self.capacity))
+            self._b1.move_to_end(key)
+        elif key in self._b2:
+            step = max(1.0, len(self._b1) / len(self._b2))
+            self.target = max(self.target - step, 0.0)
+            self._b2.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
         """See :meth:`CachePolicy.evict`.
