@@ -69,6 +69,9 @@ class EngineConfig:
         connector: the connector to create (both roles), or None.
         load_failure_policy: ``"recompute"`` or ``"fail"``; None takes the connector
             config's policy (``"recompute"`` without a connector).
+        reserve_full_output: admit a request only when its whole output fits (fewer
+            preemptions, fewer requests at once); default False counts the tokens a
+            request has now, as vLLM 0.33 does (``docs/admission.md``).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -82,6 +85,7 @@ class EngineConfig:
     device: str = "cpu"
     connector: KVConnectorConfig | None = None
     load_failure_policy: str | None = None
+    reserve_full_output: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -279,6 +283,7 @@ class Engine:
             enable_kv_cache_events=config.enable_kv_cache_events,
             connector=self.scheduler_connector,
             load_failure_policy=config.effective_load_failure_policy,
+            reserve_full_output=config.reserve_full_output,
         )
         self.num_steps = 0
         self.event_counts: dict[str, int] = {}
