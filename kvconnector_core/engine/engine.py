@@ -24,7 +24,11 @@ import msgspec
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.workloads import Trace, TraceRequest
 from kvconnector_core.errors import ConfigError, InvariantError
-from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
+from kvconnector_core.kv_cache.kv_cache_spec import (
+    KVCacheConfig,
+    get_kv_cache_config,
+    kv_cache_bytes_per_block,
+)
 from kvconnector_core.request import Request
 from kvconnector_core.worker.model import ModelConfig
 
@@ -124,7 +128,7 @@ class EngineConfig:
             ConfigError: the pool cannot hold one request of ``max_model_len`` tokens.
         """
         specs = self.model.kv_cache_specs(self.block_size)
-        bytes_per_block = sum(s.page_size_bytes for s in specs.values())
+        bytes_per_block = kv_cache_bytes_per_block(specs)
         try:
             return get_kv_cache_config(specs, self.num_gpu_blocks * bytes_per_block,
                                        self.max_model_len, self.max_num_batched_tokens)
