@@ -253,11 +253,11 @@ class KvconnectorSide(Side):
         m = CPUOffloadingManager(num_blocks, cache_policy=policy)
 
         def run(keys: list[bytes], req_id: str, local: int = 0) -> int:
-            # As OffloadingConnector does: recency for the keys the request hits, on
-            # the GPU or in the tier (update_state_after_alloc), then a store of every
-            # key not loaded (build_connector_meta; held keys are skipped).
+            # As OffloadingConnector does: load the leading ready keys after the GPU hit
+            # (update_state_after_alloc), store every key not loaded (build_connector_meta;
+            # held keys are skipped), and record the use of the keys the request hit, on
+            # the GPU or in the tier, when it finishes (request_finished).
             hits = m.lookup(keys[local:])
-            m.touch(keys[:local + hits])
             if hits:
                 loaded = keys[local:local + hits]
                 m.prepare_load(loaded)
@@ -265,6 +265,7 @@ class KvconnectorSide(Side):
             out = m.prepare_store(keys[:local] + keys[local + hits:])
             if out is not None and out.keys_to_store:
                 m.complete_store(out.keys_to_store)
+            m.touch(keys[:local + hits])
             return hits
 
         return run

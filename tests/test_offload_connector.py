@@ -406,6 +406,27 @@ def test_arc_does_not_promote_a_requests_own_chunks() -> None:
     eng.shutdown()
 
 
+def test_recency_of_hit_chunks_is_recorded_when_the_request_finishes() -> None:
+    """As in vLLM 0.33, a request's hits are touched after its stores, at finish: while
+    it runs its GPU-hit chunks stay where they were (ARC: T1); then they move to T2."""
+    rng = random.Random(1)
+    eng = Engine(EngineConfig(num_gpu_blocks=40, block_size=16, max_model_len=512, connector={
+        "name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "cache_policy": "arc"}}))
+    prompt = [rng.randrange(1000) for _ in range(100)]
+    eng.add_request(prompt, 4, request_id="first")
+    while eng.has_unfinished_requests():
+        eng.step()
+    policy = eng.scheduler_connector.manager.policy
+    assert len(policy.t2) == 0
+    eng.add_request(prompt + [1, 2, 3], 8, request_id="again")  # a GPU prefix hit
+    eng.step()
+    assert eng.has_unfinished_requests() and len(policy.t2) == 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(policy.t2) == 100 // 16
+    eng.shutdown()
+
+
 # ------------------------------------------------------------------------------ contract
 from kvconnector_core.testing import ConnectorContract  # noqa: E402
 
