@@ -229,6 +229,7 @@ class RunResult(msgspec.Struct):
         outputs: request id -> generated tokens, in trace order.
         statuses: request id -> final status name.
         metrics: the run's metrics.
+        model: the model's KV shape (:meth:`ModelConfig.describe`).
     """
 
     workload: str
@@ -237,6 +238,7 @@ class RunResult(msgspec.Struct):
     outputs: dict[str, list[int]]
     statuses: dict[str, str]
     metrics: RunMetrics
+    model: str = ""
 
 
 def _gbps(num_bytes: float, seconds: float) -> float:
@@ -515,6 +517,7 @@ class Engine:
             outputs={rid: results[rid].output_token_ids if rid in results else [] for rid in ids},
             statuses={rid: results[rid].status if rid in results else "UNFINISHED" for rid in ids},
             metrics=metrics,
+            model=self.config.model.describe(self.config.block_size),
         )
 
     def _connector_errors(self) -> dict[str, int]:

@@ -31,7 +31,8 @@ __all__ = [
 ]
 
 DTYPE_SIZES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "int8": 1, "uint8": 1,
+    "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "int16": 2, "int8": 1,
+    "uint8": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 """Bytes per element of every dtype name a spec accepts."""

@@ -50,7 +50,8 @@ __all__ = [
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8,
+    "int32": torch.int32, "int64": torch.int64, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8,
 }
 
 
