@@ -315,7 +315,7 @@ def test_completions_survive_an_exception_while_polling(monkeypatch: pytest.Monk
     worker.clear_connector_metadata()
     _run_worker_step(worker, OffloadingConnectorMetadata())
     calls = []
-    real = worker._add_stat
+    real = worker.worker_side._add_stat
 
     def flaky(key: str, value: float) -> None:
         calls.append(key)
@@ -323,7 +323,7 @@ def test_completions_survive_an_exception_while_polling(monkeypatch: pytest.Monk
             raise RuntimeError("injected")
         real(key, value)
 
-    monkeypatch.setattr(worker, "_add_stat", flaky)
+    monkeypatch.setattr(worker.worker_side, "_add_stat", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         worker.get_transfer_results(set())
     worker.get_transfer_results(set())
@@ -383,7 +383,7 @@ def test_no_chunk_info_is_kept_without_events() -> None:
     eng = engine("cpu", {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4, "enable_events": False}})
     result = eng.run(trace)
     assert result.metrics.bytes_stored > 0
-    assert len(eng.scheduler_connector._chunk_info) == 0
+    assert len(eng.scheduler_connector.scheduler_side._chunk_info) == 0
     assert list(eng.scheduler_connector.take_events()) == []
 
 
@@ -473,7 +473,7 @@ def test_failed_start_load_unpins_the_cpu_entries(monkeypatch: pytest.MonkeyPatc
     original = OffloadingConnector.start_load_kv
 
     def flaky(self, forward_context=None):
-        if self._meta().loads and calls["n"] == 0:
+        if self.worker_side.plan.loads and calls["n"] == 0:
             calls["n"] += 1
             raise RuntimeError("injected: start_load_kv failed")
         return original(self, forward_context)
@@ -487,7 +487,7 @@ def test_failed_start_load_unpins_the_cpu_entries(monkeypatch: pytest.MonkeyPatc
     result = eng.run(trace)
     assert calls["n"] == 1 and result.metrics.num_finished == 2
     conn = eng.scheduler_connector
-    assert not conn._jobs  # every planned job completed, the failed load included
+    assert not conn.scheduler_side._jobs  # every planned job completed, the failed load included
     assert all(entry.ref_cnt == 0 for _, entry in conn.manager.policy)  # nothing left pinned
 
 

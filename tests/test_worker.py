@@ -339,9 +339,9 @@ def test_failed_sync_load_spares_shared_prefix_blocks_and_freed_blocks():
                          has_sync_kv_loads=True)
     out = runner.execute_model(so)
     assert out.kv_connector_output.invalid_block_ids == {5, 9}
-    assert runner.start_load_failed
+    assert out.kv_connector_output.loads_failed
     # Without sync loads in the step, a failed load hook invalidates nothing the batch read.
     so = SchedulerOutput([NewRequestData("c", [*prefix, 60, 61], ([1, 2, 7],), 8)],
                          CachedRequestData.make_empty(), {"c": 2}, 2, set(), set(), _Meta())
     out = runner.execute_model(so)
-    assert out.kv_connector_output.invalid_block_ids == set() and runner.start_load_failed
+    assert out.kv_connector_output.invalid_block_ids == set() and out.kv_connector_output.loads_failed

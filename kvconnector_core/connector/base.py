@@ -83,6 +83,8 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "get_block_ids_with_load_errors",
     "get_kv_connector_stats",
     "handle_preemptions",
+    "forget_requests",
+    "plan_failed",
     "build_connector_worker_meta",
     "shutdown",
 )
@@ -491,6 +493,40 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             caller of the engine. Default: ``(False, None)``.
         """
         return False, None
+
+    def forget_requests(self, request_ids: set[str]) -> None:
+        """Stop planning for these requests (scheduler side, optional; called by the guard).
+
+        The guard calls this after a hook raised in a way that may have left this
+        connector's view of these requests wrong (see ``docs/failure-contract.md``).
+        From then on the requests are not shown to the connector again except in
+        ``request_finished``. A connector with per-request state must plan no new load
+        or store for them, drop loads it planned but did not hand to the worker yet
+        (releasing what they hold), and never make visible a store of theirs that has
+        not completed; it keeps tracking stores in flight so that ``request_finished``
+        can still delay the free. Default: does nothing.
+
+        Args:
+            request_ids: the requests to forget.
+        """
+
+    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+                    stores_failed: bool) -> None:
+        """The worker side could not carry out part of a plan (scheduler side, optional).
+
+        Called by the guard, before ``update_connector_output`` of the same step, with
+        the plan this connector built for that step. With ``loads_failed`` its loads may
+        never have started: the scheduler already treats them as failed (async loads
+        as failed receives), so release what they hold. With ``stores_failed`` its
+        stores may never have run, or read blocks that changed: never make them visible,
+        release what they hold, and make sure requests whose free you delayed are still
+        reported in ``finished_sending``. Default: does nothing.
+
+        Args:
+            connector_metadata: the failed plan (what ``build_connector_meta`` returned).
+            loads_failed: the plan's loads failed.
+            stores_failed: the plan's stores failed.
+        """
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Return the KV cache events produced since the last call (scheduler side).

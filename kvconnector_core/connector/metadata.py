@@ -102,6 +102,10 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
             side, such as ids of finished transfer jobs. A typed channel, unlike
             the stats, which a wrapper aggregates and an engine reports. A
             MultiConnector carries one entry per child, by position.
+        loads_failed: a worker hook failed so that this step's loads may not have
+            run (set by the guard; see ``docs/failure-contract.md``).
+        stores_failed: a worker hook failed so that this step's stores may not have
+            run or may have read changed blocks; they must never become visible.
     """
 
     finished_sending: set[str] = msgspec.field(default_factory=set)
@@ -111,6 +115,8 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     kv_connector_stats: dict[str, Any] | None = None
     kv_cache_events: list[WireKVCacheEvent] = msgspec.field(default_factory=list)
     kv_connector_worker_meta: Any = None
+    loads_failed: bool = False
+    stores_failed: bool = False
 
     def is_empty(self) -> bool:
         """Return True when the output carries nothing for the scheduler to act on."""
@@ -122,6 +128,8 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
             or self.kv_connector_stats
             or self.kv_cache_events
             or self.kv_connector_worker_meta is not None
+            or self.loads_failed
+            or self.stores_failed
         )
 
 

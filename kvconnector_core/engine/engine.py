@@ -355,21 +355,9 @@ class Engine:
         Returns:
             The requests that finished in this step.
         """
-        loading_before = self._async_loading_ids() if self.worker_connector is not None else set()
         scheduler_output = self.scheduler.schedule()
         self._last_num_scheduled = scheduler_output.total_num_scheduled_tokens
         runner_output = self.model_runner.execute_model(scheduler_output)
-        if self.model_runner.start_load_failed and runner_output.kv_connector_output is not None:
-            # start_load_kv raised: the async loads planned in this step may never start,
-            # so the connector may never report them and they would wait forever. Report
-            # them as finished and failed; the scheduler recomputes them. (The worker does
-            # not know these ids; the engine does, as the requests this schedule() put in
-            # WAITING_FOR_REMOTE_KVS.) Loads planned in earlier steps are left to the
-            # connector.
-            started = self._async_loading_ids() - loading_before
-            kv_out = runner_output.kv_connector_output
-            kv_out.finished_recving |= started
-            kv_out.failed_recving |= started
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         kv_out = runner_output.kv_connector_output
@@ -458,22 +446,9 @@ class Engine:
 
     def _scheduler_connector_stats(self) -> dict[str, float]:
         connector = self.scheduler.connector
-        if connector is None:
-            return {}
-        try:
-            stats = connector.get_kv_connector_stats() or {}
-        except Exception:  # noqa: BLE001 - stats are informational; never fail a run for them
-            logger.exception("scheduler-side get_kv_connector_stats raised")
-            return {}
+        stats = (connector.get_kv_connector_stats() if connector is not None else None) or {}
         return {k: v for k, v in stats.items()
                 if isinstance(v, int | float) and not isinstance(v, bool)}
-
-    def _async_loading_ids(self) -> set[str]:
-        from kvconnector_core.request import RequestStatus
-
-        # Requests waiting for async loads stay in the waiting queue.
-        return {r.request_id for r in self.scheduler.waiting
-                if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
 
     def _result(self, name: str, requests: list[TraceRequest], ids: list[str],
                 results: dict[str, RequestOutput], steps: int, wall: float) -> RunResult:

@@ -13,9 +13,10 @@ tells the connector (``update_state_after_alloc``). The plan ends with
 blocks first (roll the affected requests back to their first invalid block, or
 fail them), then sampled tokens, then the connector's finished transfers.
 
-Failure contract: a connector hook that raises is contained (logged, counted,
-treated as a miss); blocks written by a connector load become visible in the
-prefix cache only after the load is known to have succeeded.
+Failure contract: the connector is called only through a
+:class:`~kvconnector_core.connector.guard.GuardedScheduler`, which contains what a hook
+raises (see ``docs/failure-contract.md``); blocks written by a connector load become
+visible in the prefix cache only after the load is known to have succeeded.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kvconnector_core.connector.guard import GuardedScheduler
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -38,11 +40,12 @@ from kvconnector_core.scheduler.output import (
     SchedulerOutput,
 )
 
+if TYPE_CHECKING:
+    from kvconnector_core.connector.base import KVConnectorBase_V1
+
 __all__ = ["LOAD_FAILURE_POLICIES", "Scheduler", "SchedulerStats"]
 
 logger = logging.getLogger(__name__)
-
-_FAILED = object()  # sentinel: a contained connector hook raised
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 """What to do with a request whose KV load failed: recompute from the first bad block, or fail it."""
@@ -113,7 +116,7 @@ class Scheduler:
         hash_block_size: int,
         enable_prefix_caching: bool = True,
         enable_kv_cache_events: bool = False,
-        connector: Any = None,
+        connector: KVConnectorBase_V1 | None = None,
         load_failure_policy: str = "recompute",
         reserve_full_output: bool = False,
     ) -> None:
@@ -142,7 +145,11 @@ class Scheduler:
             reserve_full_output=reserve_full_output,
         )
         self.block_size = scheduler_block_size
-        self.connector = connector
+        self.stats = SchedulerStats()
+        self.connector: GuardedScheduler | None = None
+        """The scheduler-side connector behind its guard, or None."""
+        if connector is not None:
+            self.connector = GuardedScheduler(connector, errors=self.stats.connector_errors)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -168,23 +175,13 @@ class Scheduler:
         self._sent_to_worker: set[str] = set()
         # Requests aborted while loading whose connector also asked to delay the free.
         self._delay_free_after_load: set[str] = set()
-        self.stats = SchedulerStats()
-        if connector is not None:
+        # Requests this step's schedule() put in WAITING_FOR_REMOTE_KVS: failed receives
+        # if the worker reports that the step's loads failed.
+        self._step_async_loads: set[str] = set()
+        if self.connector is not None:
             # Unconditionally, right after the KV cache manager exists (opt-in hook;
-            # the base class default does nothing). Not contained: a connector that
-            # cannot bind is misconfigured, and running without it would hide that.
-            connector.bind_gpu_block_pool(self.kv_cache_manager.block_pool)
-
-    # -- connector calls -------------------------------------------------------
-
-    def _call(self, hook: str, default: Any, *args: Any) -> Any:
-        """Call a connector hook, containing any exception (logged, counted, ``default`` returned)."""
-        try:
-            return getattr(self.connector, hook)(*args)
-        except Exception:
-            logger.exception("connector %r raised in %s; treated as a miss/failure", self.connector, hook)
-            self.stats.connector_errors[hook] = self.stats.connector_errors.get(hook, 0) + 1
-            return default
+            # the base class default does nothing).
+            self.connector.bind_gpu_block_pool(self.kv_cache_manager.block_pool)
 
     # -- requests --------------------------------------------------------------
 
@@ -284,6 +281,7 @@ class Scheduler:
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
+        self._step_async_loads = set()
 
         # 1. Running requests.
         i = 0
@@ -346,12 +344,12 @@ class Scheduler:
             if fresh:
                 computed_blocks, num_local = kvm.get_computed_blocks(req)
                 if self.connector is not None and req.request_id not in self._recompute_only:
-                    ext, load_async = self._call("get_num_new_matched_tokens", (0, False), req, num_local)
+                    ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                     if ext is None:  # the connector has not decided yet: ask next step
                         skipped.append(self.waiting.popleft())
                         continue
                     # At least the last token is always computed (its logits are needed).
-                    num_external = max(0, min(int(ext), req.num_tokens - 1 - num_local))
+                    num_external = max(0, min(ext, req.num_tokens - 1 - num_local))
                     load_async = bool(load_async) and num_external > 0
             num_computed = (num_local + num_external) if fresh else req.num_computed_tokens
             num_new = 0 if load_async else min(req.num_tokens - num_computed, budget)
@@ -402,6 +400,7 @@ class Scheduler:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = num_computed
                 req.num_external_computed_tokens = num_external
+                self._step_async_loads.add(req.request_id)
                 reserved += self._remaining_need(req)
                 skipped.append(req)
                 continue
@@ -448,8 +447,9 @@ class Scheduler:
 
     def _call_update_state(self, req: Request, num_external: int) -> bool:
         """Tell the connector about an admitted request; False if the hook raised."""
+        assert self.connector is not None  # noqa: S101 - checked by the caller
         blocks = self.kv_cache_manager.get_blocks(req.request_id)
-        return self._call("update_state_after_alloc", _FAILED, req, blocks, num_external) is not _FAILED
+        return self.connector.update_state_after_alloc(req, blocks, num_external)
 
     def _make_output(self, new: list[Request], resumed: list[Request], running: list[Request],
                      new_blocks_of: dict[str, KVCacheBlocks], num_scheduled: dict[str, int],
@@ -487,7 +487,7 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         if self.connector is not None:
-            out.kv_connector_metadata = self._call("build_connector_meta", None, out)
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     # -- async loads -------------------------------------------------------------
@@ -589,7 +589,16 @@ class Scheduler:
             bad_reqs = self._handle_invalid_blocks(set(kv_out.invalid_block_ids), num_scheduled)
         # 2. Failed async receives that named no block: recompute everything loaded.
         if kv_out is not None:
-            for rid in kv_out.failed_recving:
+            failed_recving = set(kv_out.failed_recving)
+            finished_recving = set(kv_out.finished_recving)
+            if kv_out.loads_failed:
+                # The step's loads may never have started, so the connector may never
+                # report the async loads this step planned: they fail now (recomputed).
+                started = {rid for rid in self._step_async_loads if rid in self.requests
+                           and self.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+                failed_recving |= started
+                finished_recving |= started
+            for rid in failed_recving:
                 req = self.requests.get(rid)
                 if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                     continue
@@ -626,7 +635,7 @@ class Scheduler:
 
         # 4. The connector's finished transfers.
         if kv_out is not None:
-            for rid in kv_out.finished_recving:
+            for rid in finished_recving:
                 req = self.requests.get(rid)
                 if req is None:
                     continue
@@ -647,7 +656,7 @@ class Scheduler:
                     self.requests.pop(rid, None)
             self._worker_events.extend(kv_out.kv_cache_events)
             if self.connector is not None:
-                self._call("update_connector_output", None, kv_out)
+                self.connector.update_connector_output(kv_out, scheduler_output.kv_connector_metadata)
         if self._finished_out_of_band:
             finished = self._finished_out_of_band + finished
             self._finished_out_of_band = []
@@ -672,8 +681,7 @@ class Scheduler:
         delay = False
         if self.connector is not None:
             block_ids = self.kv_cache_manager.get_block_ids(rid)
-            res = self._call("request_finished", (False, None), req, block_ids[0] if block_ids else [])
-            delay, params = res if isinstance(res, tuple) else (False, None)
+            delay, params = self.connector.request_finished(req, block_ids[0] if block_ids else [])
             req.kv_transfer_params = params
         self.finished_req_ids.add(rid)
         self._recompute_only.discard(rid)
@@ -693,7 +701,7 @@ class Scheduler:
         """Block-pool events, then the connector's (scheduler side, then worker side), since the last call."""
         events = self.kv_cache_manager.take_events()
         if self.connector is not None:
-            events.extend(self._call("take_events", (), ) or ())
+            events.extend(self.connector.take_events())
         if self._worker_events:
             events.extend(self._worker_events)
             self._worker_events = []

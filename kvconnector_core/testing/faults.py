@@ -193,6 +193,19 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._lookups.pop(request.request_id, None)
         return self.inner.request_finished(request, block_ids)
 
+    def forget_requests(self, request_ids: set[str]) -> None:
+        """Forward (or raise)."""
+        self._maybe_raise("forget_requests")
+        self.inner.forget_requests(request_ids)
+
+    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+                    stores_failed: bool) -> None:
+        """Forward the inner plan (or raise)."""
+        self._maybe_raise("plan_failed")
+        if isinstance(connector_metadata, FaultMetadata):
+            inner = decode_metadata(connector_metadata.inner, self.inner.metadata_type)
+            self.inner.plan_failed(inner, loads_failed=loads_failed, stores_failed=stores_failed)
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Forward (or raise)."""
         self._maybe_raise("take_events")

@@ -5,7 +5,7 @@ Per step, with a connector (the reference order; the same order runs with no for
 nothing is scheduled)::
 
     bind_connector_metadata(meta)
-    [handle_preemptions(meta)            if the connector defines it]
+    handle_preemptions(meta)
     [start_load_kv()                     if the step has sync loads: before the forward]
     forward: per layer wait_for_layer_load(layer) ... write KV, attend ... save_kv_layer(...)
     [start_load_kv()                     otherwise: after the forward was launched]
@@ -14,25 +14,27 @@ nothing is scheduled)::
     get_block_ids_with_load_errors()
     get_kv_connector_stats()
     [get_kv_connector_kv_cache_events()  if the connector defines it]
-    [build_connector_worker_meta()       if the connector defines it]
+    build_connector_worker_meta()
     clear_connector_metadata()
 
 "The step has sync loads" is ``scheduler_output.has_sync_kv_loads`` (the scheduler sets
 it when a request admitted this step loads with ``load_async=False``) or the connector's
 class attribute ``has_sync_kv_loads`` (a static override: always load before the forward).
 
-A worker hook that raises is contained: it is logged and counted in
-:attr:`ModelRunner.connector_errors`, and treated as a failed transfer:
+The connector is called only through a
+:class:`~kvconnector_core.connector.guard.GuardedWorker`, which contains what a hook raises
+(logged, counted in :attr:`ModelRunner.connector_errors`) and records what failed; the
+runner turns that into the step's report (``docs/failure-contract.md`` has the table):
 
-- A *load* hook (``start_load_kv``, ``wait_for_layer_load``) raising in a step with sync
-  loads: the blocks those loads may have been writing are reported as invalid (see
+- the step's loads failed (``loads_failed``) in a step with sync loads: the blocks those
+  loads may have been writing are reported as invalid (see
   :meth:`ModelRunner._blocks_of_loaded_prefixes` for which), so the scheduler rolls the
-  owners back and recomputes; the cost is recomputation, never wrong output.
-- ``start_load_kv`` raising at all: the async loads it was to start may never be reported
-  by the connector. The runner cannot name those requests (the scheduler does not send
-  them to the worker), so it sets :attr:`ModelRunner.start_load_failed`; the engine then
-  reports the requests the scheduler put in WAITING_FOR_REMOTE_KVS this step as finished
-  and failed receives, so they are recomputed instead of waiting forever.
+  owners back and recomputes; the cost is recomputation, never wrong output. The flag
+  travels in the :class:`KVConnectorOutput`; the scheduler also fails the async loads
+  it planned this step (the worker cannot name them).
+- which loads failed is unknown (``get_block_ids_with_load_errors`` raised): every
+  receive reported finished this step is reported failed too.
+- the step's stores failed (``stores_failed``): the flag travels to the scheduler side.
 
 The runner keeps, per request, its token ids (prompt + the tokens it sampled) and block
 ids per KV cache group; see :mod:`kvconnector_core.scheduler.output` for how the
@@ -46,10 +48,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.kv_cache.kv_cache_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec
@@ -69,8 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["ModelRunner"]
 
 logger = logging.getLogger(__name__)
-
-_LOAD_HOOKS = frozenset({"start_load_kv", "wait_for_layer_load"})
 
 
 @dataclass(slots=True)
@@ -171,7 +172,11 @@ class ModelRunner:
         self.kv_cache_config = kv_cache_config
         self.kv_caches: KVCacheTensors = allocate_kv_caches(kv_cache_config, self.device)
         self.model = PagedIntModel(model_config, self.kv_caches.layer_to_group, self.device)
-        self.connector = connector
+        #: Per worker hook name, how many times the connector raised (contained).
+        self.connector_errors: dict[str, int] = {}
+        #: The worker-side connector behind its guard, or None.
+        self.connector: GuardedWorker | None = (
+            GuardedWorker(connector, errors=self.connector_errors) if connector is not None else None)
         self._windows = [
             g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
             for g in kv_cache_config.kv_cache_groups
@@ -183,18 +188,12 @@ class ModelRunner:
         ]
         self._check_windows(model_config)
         self.requests: dict[str, _RequestState] = {}
-        #: Per worker hook name, how many times the connector raised (contained).
-        self.connector_errors: dict[str, int] = {}
-        self._load_failed = False
-        #: True when this step's ``start_load_kv`` raised (reset every step); the engine
-        #: then fails the async loads planned this step (see the module docstring).
-        self.start_load_failed = False
         self._sync_loads = False
         # Preempted requests keep their worker state (tokens) but their blocks were freed;
         # they hold no block until resumed with a new block table.
         self._preempted: set[str] = set()
-        if connector is not None:
-            connector.register_kv_caches(self.kv_caches.layer_tensors)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_caches.layer_tensors)
 
     def _check_windows(self, model_config: ModelConfig) -> None:
         for name, (kind, size) in zip(model_config.layer_names(), model_config.layer_attention()):
@@ -310,23 +309,22 @@ class ModelRunner:
         self._update_states(so)
         work = self._scheduled(so)
         connector = self.connector
-        self._load_failed = False
-        self.start_load_failed = False
         # The per-step flag is authoritative; the class attribute forces sync behaviour.
-        sync = connector is not None and (so.has_sync_kv_loads or bool(connector.has_sync_kv_loads))
+        sync = connector is not None and (so.has_sync_kv_loads or connector.has_sync_kv_loads)
         self._sync_loads = sync
         if connector is not None:
-            if so.kv_connector_metadata is not None:
-                self._call("bind_connector_metadata", None, so.kv_connector_metadata)
-            if hasattr(connector, "handle_preemptions") and so.kv_connector_metadata is not None:
-                self._call("handle_preemptions", None, so.kv_connector_metadata)
+            connector.begin_step()
+            plan = so.kv_connector_metadata
+            if plan is not None:  # None: the scheduler side built no plan (see the guard)
+                connector.bind_connector_metadata(plan)
+                connector.handle_preemptions(plan)
             if sync:
-                self._call("start_load_kv", None, None)
+                connector.start_load_kv(None)
         sampled: dict[str, list[int]] = {}
         if work:
             sampled = self._forward(work)
         elif connector is not None and not sync:
-            self._call("start_load_kv", None, None)  # empty step: no forward, same hook order
+            connector.start_load_kv(None)  # empty step: no forward, same hook order
         kv_output = self._finish_connector_step(so) if connector is not None else None
         return ModelRunnerOutput(
             req_ids=[state.req_id for state, _, _ in work],
@@ -339,17 +337,16 @@ class ModelRunner:
         connector = self.connector
         before = after = None
         if connector is not None:
-            def before(name: str) -> None:
-                self._call("wait_for_layer_load", None, name)
+            before = connector.wait_for_layer_load
 
             def after(name: str, kv_layer: torch.Tensor, meta: GroupAttentionMetadata) -> None:
-                self._call("save_kv_layer", None, name, kv_layer, meta)
+                connector.save_kv_layer(name, kv_layer, meta)
         hidden = self.model.forward(batch, self.kv_caches.layer_tensors,
                                     before_layer=before, after_layer=after)
         if connector is not None and not self._sync_loads:
             # Async loads target blocks of requests that are not in this batch, so they
             # may start once the forward is launched (on CPU: once it returned).
-            self._call("start_load_kv", None, None)
+            connector.start_load_kv(None)
         tokens = self.model.sample(hidden[batch.sample_rows]).tolist()
         sampled: dict[str, list[int]] = {}
         for req_id, token in zip(sample_req_ids, tokens):
@@ -360,45 +357,31 @@ class ModelRunner:
     def _finish_connector_step(self, so: SchedulerOutput) -> KVConnectorOutput:
         connector = self.connector
         assert connector is not None  # noqa: S101 - checked by the caller
-        self._call("wait_for_save", None)
-        results = self._call("get_transfer_results", None, set(so.finished_req_ids))
-        invalid = set(self._call("get_block_ids_with_load_errors", None) or ())
-        stats = self._call("get_kv_connector_stats", None)
-        events: list[Any] = []
-        if hasattr(connector, "get_kv_connector_kv_cache_events"):
-            events = list(self._call("get_kv_connector_kv_cache_events", None) or ())
-        worker_meta = None
-        if hasattr(connector, "build_connector_worker_meta"):  # optional on duck-typed connectors
-            # Reference order: after the events, before clear; travels to the scheduler
-            # side's update_connector_output as KVConnectorOutput.kv_connector_worker_meta.
-            worker_meta = self._call("build_connector_worker_meta", None)
-        self._call("clear_connector_metadata", None)
-        if self._load_failed and self._sync_loads:
-            # Without sync loads this step, no block the forward read was being loaded, so a
-            # failed load hook invalidates nothing the batch used (async loads: see
-            # start_load_failed).
+        connector.wait_for_save()
+        results = connector.get_transfer_results(set(so.finished_req_ids))
+        invalid = connector.get_block_ids_with_load_errors()
+        stats = connector.get_kv_connector_stats()
+        events = connector.get_kv_connector_kv_cache_events()
+        # Reference order: after the events, before clear; travels to the scheduler
+        # side's update_connector_output as KVConnectorOutput.kv_connector_worker_meta.
+        worker_meta = connector.build_connector_worker_meta()
+        connector.clear_connector_metadata()
+        if connector.loads_failed and self._sync_loads:
+            # Without sync loads this step, no block the forward read was being loaded, so
+            # failed loads invalidate nothing the batch used (async loads: the scheduler
+            # fails the ones it planned this step).
             invalid |= self._blocks_of_loaded_prefixes(so)
+        failed_recving = results.failed_recving
+        if connector.load_errors_unknown:
+            failed_recving = set(results.finished_recving)
         return KVConnectorOutput(
-            finished_sending=set(results.finished_sending) if results else set(),
-            finished_recving=set(results.finished_recving) if results else set(),
-            failed_recving=set(results.failed_recving) if results else set(),
-            invalid_block_ids=invalid, kv_connector_stats=stats or None,
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=failed_recving,
+            invalid_block_ids=invalid, kv_connector_stats=stats,
             kv_cache_events=events, kv_connector_worker_meta=worker_meta,
+            loads_failed=connector.loads_failed, stores_failed=connector.stores_failed,
         )
-
-    def _call(self, hook: str, default: Any, *args: Any) -> Any:
-        """Call a worker-side connector hook, containing any exception."""
-        try:
-            return getattr(self.connector, hook)(*args)
-        except Exception:
-            logger.exception("connector %r raised in %s; treated as a failed transfer",
-                             self.connector, hook)
-            self.connector_errors[hook] = self.connector_errors.get(hook, 0) + 1
-            if hook in _LOAD_HOOKS:
-                self._load_failed = True
-            if hook == "start_load_kv":
-                self.start_load_failed = True
-            return default
 
     def _blocks_of_loaded_prefixes(self, so: SchedulerOutput) -> set[int]:
         """Blocks a failed sync load may have been writing.

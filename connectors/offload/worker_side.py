@@ -1,0 +1,217 @@
+"""Worker side of the CPU offloading connector.
+
+One :class:`~connectors.offload.transfer.KVBlockMover` (one pinned CPU buffer allocated
+in ``register_kv_caches``). Stores planned in step N are submitted at the start of step
+N+1 (``bind_connector_metadata``, before the forward) so they never delay step N; loads
+are submitted in ``start_load_kv`` and are asynchronous. Preempted requests' stores are
+waited for in ``handle_preemptions`` before their blocks can be overwritten. Job
+completions travel to the scheduler side as :class:`OffloadWorkerMetadata`.
+
+Primitives: :class:`OffloadWorkerSide`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
+from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
+from kvconnector_core.connector.roles import KVConnectorWorkerSide
+from kvconnector_core.errors import ConfigError, InvariantError
+
+if TYPE_CHECKING:
+    import torch
+
+    from connectors.offload.config import OffloadConfig
+    from connectors.offload.transfer import KVBlockMover, TransferResult
+
+__all__ = ["OffloadWorkerSide"]
+
+
+@dataclass(slots=True)
+class _WorkerJob:
+    spec: TransferJobSpec
+    is_store: bool
+
+
+
+class OffloadWorkerSide(KVConnectorWorkerSide):
+    """Worker side of the CPU offloading connector (see the module docstring).
+
+    Args:
+        offload_config: the validated ``extra_config``.
+    """
+
+    def __init__(self, offload_config: OffloadConfig) -> None:
+        self.offload_config = offload_config
+        self.mover: KVBlockMover | None = None
+        self._worker_jobs: dict[int, _WorkerJob] = {}
+        self._unsubmitted: list[TransferJobSpec] = []  # stores of the previous step
+        self._req_jobs: dict[str, set[int]] = {}  # store jobs per request (both states)
+        self._awaiting_send: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        self._stats: dict[str, Any] = {}
+        # Completions popped from the mover but not yet reported: kept on the instance
+        # so an exception halfway through a poll loses none of them.
+        self._results: collections.deque[TransferResult] = collections.deque()
+        self._done_jobs: list[int] = []
+        self._failed_jobs: list[int] = []
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Allocate the (pinned on CUDA) CPU buffer next to the KV cache.
+
+        Raises:
+            ConfigError: the layers live in tensors of different block counts or devices.
+        """
+        from connectors.offload.transfer import KVBlockMover
+
+        cfg = self.offload_config
+        try:
+            self.mover = KVBlockMover(kv_caches, cfg.num_cpu_blocks * cfg.sub_blocks_per_chunk,
+                                      method=cfg.transfer_method)
+        except ValueError as exc:
+            msg = f"OffloadingConnector cannot use this KV cache: {exc}"
+            raise ConfigError(msg) from exc
+
+    def _mover(self) -> KVBlockMover:
+        if self.mover is None:
+            msg = "OffloadingConnector: register_kv_caches() was not called"
+            raise InvariantError(msg)
+        return self.mover
+
+    def _submit(self, job: TransferJobSpec, is_store: bool) -> None:
+        self._worker_jobs[job.job_id] = _WorkerJob(job, is_store)
+        if is_store:
+            self._mover().submit_store(job.job_id, job.gpu_block_ids, job.cpu_block_ids)
+        else:
+            self._mover().submit_load(job.job_id, job.cpu_block_ids, job.gpu_block_ids)
+
+    def _submit_stores(self, req_ids: set[str] | None = None) -> None:
+        keep = []
+        for job in self._unsubmitted:
+            if req_ids is None or job.req_id in req_ids:
+                self._submit(job, is_store=True)
+            else:
+                keep.append(job)
+        self._unsubmitted = keep
+
+    def _meta(self) -> OffloadingConnectorMetadata:
+        # No plan bound (the scheduler side failed to build one): an empty step.
+        meta = self.plan
+        if not isinstance(meta, OffloadingConnectorMetadata):
+            return OffloadingConnectorMetadata()
+        return meta
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the plan and submit the previous step's stores, before this step's forward."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.mover is not None:
+            self._submit_stores()
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Finish preempted requests' stores before their blocks can be rewritten."""
+        if not isinstance(connector_metadata, OffloadingConnectorMetadata):
+            return
+        preempted = set(connector_metadata.preempted_req_ids)
+        if not preempted:
+            return
+        self._submit_stores(preempted)
+        jobs = [j for r in preempted for j in self._req_jobs.get(r, ())]
+        self._mover().wait(jobs)
+
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Submit this step's loads (async); stores were submitted when the plan was bound."""
+        self._submit_stores()  # no-op unless bind_connector_metadata could not submit
+        for job in self._meta().loads:
+            self._submit(job, is_store=False)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads complete before their request is scheduled."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
+        """Nothing per layer: whole blocks of all layers move once per step."""
+
+    def wait_for_save(self) -> None:
+        """Queue this step's stores; they are submitted at the start of the next step."""
+        meta = self._meta()
+        for job in meta.stores:
+            self._req_jobs.setdefault(job.req_id, set()).add(job.job_id)
+        self._unsubmitted += meta.stores
+        self._awaiting_send.update(meta.delayed_free_req_ids)
+
+    def _poll(self) -> KVConnectorTransferResults:
+        if self._awaiting_send:
+            # A finished request waits on these stores: no later step is coming to
+            # submit them for free, so submit now (after this step's forward).
+            self._submit_stores(self._awaiting_send)
+        if self.mover is not None:
+            self._results.extend(self.mover.get_finished())
+        while self._results:
+            self._record(self._results.popleft())
+        out = KVConnectorTransferResults(finished_recving=self._recv_done,
+                                         failed_recving=self._recv_failed)
+        self._recv_done, self._recv_failed = set(), set()
+        for rid in list(self._awaiting_send):
+            if not self._req_jobs.get(rid):
+                self._awaiting_send.discard(rid)
+                self._req_jobs.pop(rid, None)
+                out.finished_sending.add(rid)
+        return out
+
+    def _record(self, result: TransferResult) -> None:
+        """Book one finished job (pending report state lives on the instance)."""
+        job = self._worker_jobs.pop(result.job_id, None)
+        if job is None:
+            return
+        (self._done_jobs if result.success else self._failed_jobs).append(result.job_id)
+        if job.is_store:
+            jobs = self._req_jobs.get(job.spec.req_id)
+            if jobs is not None:
+                jobs.discard(result.job_id)
+                if not jobs and job.spec.req_id not in self._awaiting_send:
+                    del self._req_jobs[job.spec.req_id]
+        else:
+            self._recv_done.add(job.spec.req_id)
+            if not result.success:
+                self._recv_failed.add(job.spec.req_id)
+                self._invalid_block_ids.update(job.spec.gpu_block_ids)
+        if result.success:
+            bytes_key, seconds_key = (("bytes_stored", "store_seconds") if job.is_store
+                                      else ("bytes_loaded", "load_seconds"))
+            self._add_stat(bytes_key, result.num_bytes)
+            self._add_stat(seconds_key, result.seconds or 0.0)
+
+    def _add_stat(self, key: str, value: float) -> None:
+        self._stats[key] = self._stats.get(key, 0) + value
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished stores (per delayed-free request) and loads, failed loads included."""
+        return self._poll()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks of loads that failed since the last call."""
+        ids, self._invalid_block_ids = self._invalid_block_ids, set()
+        return ids
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """Bytes and seconds moved since the last call (None when nothing moved)."""
+        stats, self._stats = self._stats, {}
+        return stats if any(stats.values()) else None
+
+    def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
+        """The jobs finished since the last call, for the scheduler side (None if none)."""
+        if not (self._done_jobs or self._failed_jobs):
+            return None
+        meta = OffloadWorkerMetadata(done_job_ids=self._done_jobs, failed_job_ids=self._failed_jobs)
+        self._done_jobs, self._failed_jobs = [], []
+        return meta
+
+    def shutdown(self) -> None:
+        """Wait for in-flight transfers (safe to call twice)."""
+        if self.mover is not None:
+            self._submit_stores()
+            self.mover.shutdown()

@@ -1,0 +1,287 @@
+"""The failure contract's one home: a guarded scheduler side and a guarded worker side.
+
+The scheduler, the model runner and MultiConnector's children never call a connector
+hook directly; they call the typed method of the same name on a
+:class:`GuardedScheduler` or a :class:`GuardedWorker`. Each method runs the hook,
+contains what it raises (logged with the connector's label, counted per hook in
+:attr:`GuardedScheduler.errors` / :attr:`GuardedWorker.errors`) and returns the
+documented safe answer, then makes the connector's state safe again. The per-hook table
+is ``docs/failure-contract.md``; this module does what it says.
+
+The model: a hook that raises is treated as if it had not run (the built-in connectors
+check before they change state), and whatever it was for is treated as failed - a miss,
+a failed load (its blocks reported invalid, recomputed), or a failed store (never made
+visible). Where that is not enough to keep the connector's own bookkeeping right, the
+guard tells it through two optional scheduler-side hooks of
+:class:`~kvconnector_core.connector.base.KVConnectorBase_V1`:
+
+- ``forget_requests(ids)``: plan nothing more for these requests and never make a store
+  of theirs visible that has not completed yet (the guard also stops showing them to the
+  connector: they are *detached*; only ``request_finished`` still reaches it).
+- ``plan_failed(plan, loads_failed=, stores_failed=)``: the worker side could not carry
+  out part of a plan; release what its loads or stores hold.
+
+Primitives: :class:`GuardedScheduler`, :class:`GuardedWorker` (in
+:mod:`kvconnector_core.connector._guard_worker`), :data:`MAX_UNDELIVERED_OUTPUTS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvconnector_core.connector._guard_worker import GuardedWorker, count_error
+from kvconnector_core.connector.base import KVConnectorBase_V1
+from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
+from kvconnector_core.errors import ConnectorHookError
+
+if TYPE_CHECKING:
+    from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.kv_events import KVCacheEvent
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import SchedulerOutput
+
+__all__ = ["MAX_UNDELIVERED_OUTPUTS", "GuardedScheduler", "GuardedWorker"]
+
+logger = logging.getLogger(__name__)
+
+MAX_UNDELIVERED_OUTPUTS = 64
+"""Worker reports kept for redelivery after ``update_connector_output`` raised; beyond
+this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
+
+
+class GuardedScheduler:
+    """A scheduler-side connector behind the failure contract; one typed method per hook.
+
+    Args:
+        connector: the scheduler-role connector.
+        label: names the connector in log lines and errors (default: its ``name``).
+        errors: the dict to count errors in (hook name -> count); default: a new one.
+    """
+
+    def __init__(self, connector: KVConnectorBase_V1, *, label: str | None = None,
+                 errors: dict[str, int] | None = None) -> None:
+        self.connector = connector
+        self.label = label or connector.name
+        self.errors: dict[str, int] = {} if errors is None else errors
+        """Per hook name, how many times the connector raised (contained)."""
+        self.detached: set[str] = set()
+        """Requests the connector is no longer shown (see the module docstring)."""
+        self._undelivered: list[KVConnectorOutput] = []
+        self._resync_events = False
+
+    def __repr__(self) -> str:
+        return f"<GuardedScheduler {self.label}>"
+
+    @property
+    def supports_async_load(self) -> bool:
+        """The connector's capability (read on the instance: wrappers set it per instance)."""
+        return bool(self.connector.supports_async_load)
+
+    def _failed(self, hook: str, consequence: str) -> None:
+        count_error(self.errors, self.label, hook, consequence)
+
+    def _forget(self, request_ids: Iterable[str]) -> None:
+        ids = set(request_ids) - self.detached
+        if not ids:
+            return
+        self.detached |= ids
+        try:
+            self.connector.forget_requests(ids)
+        except Exception:  # noqa: BLE001 - the requests stay detached either way
+            self._failed("forget_requests", "the requests stay detached")
+
+    # ------------------------------------------------------------------ hooks
+
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
+        """Give the connector the block pool; not contained (a connector that cannot
+        bind is misconfigured, and running without it would hide that).
+
+        Raises:
+            ConnectorHookError: the hook raised (the original is the cause).
+        """
+        try:
+            self.connector.bind_gpu_block_pool(gpu_block_pool)
+        except Exception as exc:
+            msg = f"connector {self.label} raised in bind_gpu_block_pool: {type(exc).__name__}: {exc}"
+            raise ConnectorHookError(msg, self.label, "bind_gpu_block_pool") from exc
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """The connector's hit beyond the local one; a raise or a malformed answer is a miss.
+
+        Detached requests get a miss without asking.
+        """
+        if request.request_id in self.detached:
+            return 0, False
+        hook = "get_num_new_matched_tokens"
+        try:
+            answer = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # noqa: BLE001 - contained by contract
+            self._failed(hook, "treated as a miss")
+            return 0, False
+        if not (isinstance(answer, tuple) and len(answer) == 2
+                and (answer[0] is None or isinstance(answer[0], int))):
+            logger.error("connector %s: %s returned %r, not (int | None, bool); treated as a miss",
+                         self.label, hook, answer)
+            self.errors[hook] = self.errors.get(hook, 0) + 1
+            return 0, False
+        num, load_async = answer
+        if num is None:
+            return None, False
+        return max(0, num), bool(load_async) and num > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> bool:
+        """Tell the connector about an admission; False when it raised.
+
+        On a raise the request is forgotten (no load, no store by this connector); the
+        caller must not count on the ``num_external_tokens`` it offered.
+        """
+        rid = request.request_id
+        if rid in self.detached:
+            return num_external_tokens == 0
+        try:
+            self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:  # noqa: BLE001 - contained by contract
+            self._failed("update_state_after_alloc", "the request is forgotten; nothing is loaded")
+            self._forget((rid,))
+            return False
+        return True
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
+        """The step's plan, or None when the hook raised.
+
+        On a raise every request of the step (scheduled and preempted) is forgotten: the
+        connector's view of their blocks may have missed this step, so storing them later
+        could store wrong blocks under a hash. Detached requests are left out of the
+        output the connector sees.
+        """
+        try:
+            return self.connector.build_connector_meta(self._visible(scheduler_output))
+        except Exception:  # noqa: BLE001 - contained by contract
+            self._failed("build_connector_meta", "no plan this step; the step's requests are forgotten")
+            cached = scheduler_output.scheduled_cached_reqs.req_ids
+            self._forget([*(r.req_id for r in scheduler_output.scheduled_new_reqs), *cached,
+                          *scheduler_output.preempted_req_ids])
+            return None
+
+    def _visible(self, so: SchedulerOutput) -> SchedulerOutput:
+        """``so`` without the detached requests' scheduled work (finished and preempted
+        ids stay: the connector may hold transfers for them)."""
+        hidden = self.detached
+        cached = so.scheduled_cached_reqs
+        if not hidden or not (any(n.req_id in hidden for n in so.scheduled_new_reqs)
+                              or any(r in hidden for r in cached.req_ids)):
+            return so
+        keep = [i for i, r in enumerate(cached.req_ids) if r not in hidden]
+        shown = msgspec.structs.replace(
+            cached,
+            req_ids=[cached.req_ids[i] for i in keep],
+            resumed_req_ids=cached.resumed_req_ids - hidden,
+            new_token_ids=[cached.new_token_ids[i] for i in keep] if cached.new_token_ids else [],
+            new_block_ids=[cached.new_block_ids[i] for i in keep],
+            num_computed_tokens=[cached.num_computed_tokens[i] for i in keep],
+            num_output_tokens=[cached.num_output_tokens[i] for i in keep] if cached.num_output_tokens else [],
+        )
+        num_scheduled = {r: n for r, n in so.num_scheduled_tokens.items() if r not in hidden}
+        return msgspec.structs.replace(
+            so, scheduled_new_reqs=[n for n in so.scheduled_new_reqs if n.req_id not in hidden],
+            scheduled_cached_reqs=shown, num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()))
+
+    def plan_failed(self, plan: KVConnectorMetadata, *, loads_failed: bool, stores_failed: bool) -> None:
+        """Tell the connector the worker could not carry out part of ``plan``."""
+        try:
+            self.connector.plan_failed(plan, loads_failed=loads_failed, stores_failed=stores_failed)
+        except Exception:  # noqa: BLE001 - contained by contract
+            self._failed("plan_failed", "what the plan held may stay held")
+
+    def update_connector_output(self, connector_output: KVConnectorOutput,
+                                plan: KVConnectorMetadata | None = None) -> None:
+        """Deliver the worker's report; a report the connector raised on is delivered
+        again, before the next one, so no completion is ever lost.
+
+        Args:
+            connector_output: the worker's report of the step.
+            plan: the plan of that step; with ``loads_failed`` / ``stores_failed`` set in
+                the report, the connector first gets ``plan_failed(plan, ...)``.
+        """
+        if plan is not None and (connector_output.loads_failed or connector_output.stores_failed):
+            self.plan_failed(plan, loads_failed=connector_output.loads_failed,
+                             stores_failed=connector_output.stores_failed)
+        self._undelivered.append(connector_output)
+        while self._undelivered:
+            try:
+                self.connector.update_connector_output(self._undelivered[0])
+            except Exception:  # noqa: BLE001 - contained by contract
+                self._failed("update_connector_output", "the report is delivered again next step")
+                break
+            self._undelivered.pop(0)
+        if len(self._undelivered) > MAX_UNDELIVERED_OUTPUTS:
+            self._undelivered.pop(0)
+            self._failed("update_connector_output.dropped", "the oldest undelivered report is dropped")
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)``; on a raise ``(False, None)`` and the request
+        is forgotten first, so stores still reading its blocks never become visible."""
+        rid = request.request_id
+        try:
+            answer = self.connector.request_finished(request, block_ids)
+        except Exception:  # noqa: BLE001 - contained by contract
+            self._failed("request_finished", "blocks freed now; its pending stores never become visible")
+            self._forget((rid,))
+            answer = (False, None)
+        self.detached.discard(rid)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            logger.error("connector %s: request_finished returned %r, not (bool, dict | None)",
+                         self.label, answer)
+            self._forget((rid,))
+            self.detached.discard(rid)
+            return False, None
+        delay, params = answer
+        return bool(delay), params if isinstance(params, dict) else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The connector's events; after a raise, a resync instead (see the docs).
+
+        When ``take_events`` raises, its events may be lost, so a replica could stay
+        wrong. The guard then drains what is left (discarded) and returns the
+        connector's ``get_event_snapshot()``: per medium a clear and every block it
+        holds now. If that fails too, it returns nothing and tries again on every later
+        call until a resync succeeds (a documented gap).
+        """
+        if not self._resync_events:
+            try:
+                return list(self.connector.take_events())
+            except Exception:  # noqa: BLE001 - contained by contract
+                self._failed("take_events", "events replaced by a snapshot")
+                self._resync_events = True
+        try:
+            list(self.connector.take_events())  # stale once the snapshot is taken
+            # getattr: the hook is optional and older connectors may not define it.
+            snapshot = getattr(self.connector, "get_event_snapshot", None)
+            events = list(snapshot()) if snapshot is not None else []
+        except Exception:  # noqa: BLE001 - contained by contract
+            self._failed("get_event_snapshot", "no events until a resync succeeds")
+            return []
+        self._resync_events = False
+        return events
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The connector's scheduler-side stats; None on a raise."""
+        try:
+            stats = self.connector.get_kv_connector_stats()
+        except Exception:  # noqa: BLE001 - stats are informational
+            self._failed("get_kv_connector_stats", "no stats")
+            return None
+        return stats if isinstance(stats, dict) else None
+
+    def shutdown(self) -> None:
+        """Shut the connector down (not contained: the caller collects failures)."""
+        self.connector.shutdown()
