@@ -59,6 +59,7 @@ __all__ = [
     "run_manager_trace",
     "run_offload_trace",
     "machine_info",
+    "emit_table",
     "record_section",
     "stopwatch",
 ]
@@ -884,3 +885,16 @@ def record_section(path: Path, section: str, text: str) -> None:
     before = "".join(lines[:end]).rstrip("\n") + "\n\n"
     after = "".join(lines[end:])
     path.write_text(before + block + ("\n" + after if after else ""))
+
+
+def emit_table(lines: Sequence[str], record: Path | None, section: str) -> int:
+    """Print a Markdown table (one line per entry) and append it to ``record``'s section.
+
+    Returns:
+        0, the exit code of a benchmark's ``main``.
+    """
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if record is not None:
+        record_section(record, section, table)
+    return 0

@@ -128,11 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lines.append(f"| {blocks} | {name} | {st.steps} | {st.mean_running:.1f} | "
                          f"{st.peak_running} | {st.preemptions} | {st.recomputed_tokens:,} | "
                          f"{st.finished} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.record:
-        d.record_section(args.record, SECTION, table)
-    return 0
+    return d.emit_table(lines, args.record, SECTION)
 
 
 if __name__ == "__main__":

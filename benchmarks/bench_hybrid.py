@@ -112,11 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              "| model | tokens served by the connector | MiB loaded | MiB if every group's "
              "blocks moved | ratio | MiB stored | outputs identical |",
              "|---|---:|---:|---:|---:|---:|---|", *offload_rows()]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.record:
-        d.record_section(args.record, SECTION, table)
-    return 0
+    return d.emit_table(lines, args.record, SECTION)
 
 
 if __name__ == "__main__":

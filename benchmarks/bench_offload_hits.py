@@ -7,8 +7,8 @@ use, store the rest (``_drivers.run_offload_trace``). kvconnector's side follows
 own connector (per-request context, recency committed at request finish). Hit rate = keys
 served by the tier / keys offered.
 
-Rows: kvconnector LRU, kvconnector ARC, kvconnector ARC *classic* (the ARC of main before
-issue 12: adapts only on touches of ghosts, re-inserted ghosts go to T1), and, where vLLM
+Rows: kvconnector LRU, kvconnector ARC, kvconnector ARC without store-miss adaptation (the
+ARC of main before issue 12: adapts only on touches of ghosts), and, where vLLM
 0.33 is importable (``.vllm-venv``), vLLM's LRU and ARC. Only hit rates are reported; the
 offload manager's speed is in ``compare_vllm.py``.
 
@@ -41,7 +41,7 @@ DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 
 
 class ClassicARCCachePolicy(ARCCachePolicy):
-    """The ARC of main before issue 12, as a baseline: store misses teach it nothing."""
+    """ARC without store-miss adaptation (main before issue 12): store misses teach it nothing."""
 
     def on_store_miss(self, keys: Sequence[bytes]) -> None:
         """Ignore store misses (no adaptation, ghosts re-enter T1)."""
@@ -68,7 +68,7 @@ def hit_rates(chains: list[list[bytes]], sizes: Sequence[int], with_vllm: bool =
     runs: list[tuple[str, d.Side, str]] = [
         ("kvconnector LRU", ours, "lru"),
         ("kvconnector ARC", ours, "arc"),
-        ("kvconnector ARC classic (main before #12)", ours, "arc-classic"),
+        ("kvconnector ARC, no store-miss adaptation", ours, "arc-classic"),
     ]
     if with_vllm:
         try:

@@ -123,11 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours, old = measure(n, args.steps)
         lines.append(f"| {n:,} | {ours / 1e3:.1f} | {old / 1e3:.1f} | {old / ours:.1f}x |")
         print(lines[-1], file=sys.stderr)
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.record:
-        d.record_section(args.record, SECTION, table)
-    return 0
+    return d.emit_table(lines, args.record, SECTION)
 
 
 if __name__ == "__main__":
