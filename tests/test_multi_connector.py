@@ -289,14 +289,24 @@ def test_child_with_undeclared_metadata_type_is_skipped():
     assert sched.get_kv_connector_stats()["hook_errors"] == {"WrongMetaType.build_connector_meta": 1}
 
 
-def test_save_hook_failure_propagates_after_all_children():
-    """A child raising in wait_for_save raises ConnectorHookError naming it, after the others ran."""
+def test_save_hook_failure_fails_that_childs_stores_and_tells_its_scheduler_side():
+    """A child raising in wait_for_save is contained: the others still save, and the child's
+    scheduler side is told that its plan's stores failed (they must never become visible)."""
     sched, worker = pair(child("Raising", raise_in=["wait_for_save"]), child())
-    worker.bind_connector_metadata(sched.build_connector_meta(empty_scheduler_output()))
-    with pytest.raises(ConnectorHookError, match="Raising") as info:
-        worker.wait_for_save()
-    assert info.value.hook == "wait_for_save"
+    meta = sched.build_connector_meta(empty_scheduler_output())
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
     assert "wait_for_save" in worker.children[1].hooks_called()
+    worker_meta = worker.build_connector_worker_meta()
+    assert worker_meta is not None and worker_meta.stores_failed == (0,) and worker_meta.loads_failed == ()
+    failed: list[tuple[object, bool, bool]] = []
+    first = sched.children[0]
+    first.plan_failed = lambda plan, *, loads_failed, stores_failed: failed.append(  # type: ignore[method-assign]
+        (plan, loads_failed, stores_failed))
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker_meta))
+    assert len(failed) == 1 and failed[0][1:] == (False, True)
+    assert isinstance(failed[0][0], first.metadata_type)
+    assert worker.get_kv_connector_stats()["hook_errors"] == {"Raising.wait_for_save": 1}
 
 
 def test_update_connector_output_reaches_every_child():
@@ -409,10 +419,16 @@ def test_worker_report_hook_failure_is_contained(hook):
     admit(sched, manager, request)
     delay, _ = sched.request_finished(request, manager.get_block_ids(request.request_id)[0])
     assert delay
-    res, errors = step(sched, worker, finished=[request.request_id])
     if hook == "get_transfer_results":
+        res, errors = step(sched, worker, finished=[request.request_id])
         assert res.finished_sending == {request.request_id}
-    assert 5 in errors
+        assert 5 in errors
+    else:
+        # Which loads failed is unknown: the multi says so, and the guard above it then
+        # fails every load of the step (the others' sends still come back).
+        with pytest.raises(ConnectorHookError, match="Raising") as info:
+            step(sched, worker, finished=[request.request_id])
+        assert info.value.hook == hook
     assert worker.get_kv_connector_stats()["hook_errors"][f"Raising.{hook}"] == 1
 
 

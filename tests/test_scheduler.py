@@ -531,3 +531,37 @@ def test_request_released_after_its_load_is_new_to_the_worker():
     result = eng.run(trace)  # used to raise: "cached request ... was never sent as a new request"
     assert result.outputs == baseline.outputs
     assert eng.scheduler.stats.num_preemptions > 0
+
+
+class AskAgainOnce(ScriptedConnector):
+    """Answers "ask again" (None) the first time a request in ``undecided`` is asked."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.undecided: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self.undecided:
+            self.undecided.discard(request.request_id)
+            self._rec("get_num_new_matched_tokens", request.request_id)
+            return None, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_finished_load_is_not_blocked_behind_a_request_that_cannot_fit():
+    """Regression: B asks again once, so A is admitted (async load) behind it. Once A's load
+    finished, B (first in line) cannot fit until A frees its blocks; A must still run."""
+    c = AskAgainOnce(KVConnectorConfig(name="Scripted"), KVConnectorRole.SCHEDULER,
+                     KVCacheConfig(11, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BS, 1, 1))]))
+    s = make_scheduler(num_blocks=11, connector=c, budget=64, max_model_len=40)
+    c.undecided.add("B")
+    c.external["A"] = (20, True)
+    s.add_request(req("B", n=25, max_tokens=3, base=100))
+    s.add_request(req("A", n=24, max_tokens=4))
+    out = s.schedule()
+    assert s.requests["A"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [r.request_id for r in s.waiting] == ["B", "A"]
+    s.update_from_output(out, fake_model_output(s, out, finished_recving={"A"}))
+    done = run_to_completion(s, max_steps=100)
+    assert sorted(r.request_id for r in done) == ["A", "B"]
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in done)

@@ -360,6 +360,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 state = self._reqs.get(record.req_id)
                 if state is not None:
                     state.store_jobs.discard(job_id)
+                    self._drop_if_done(state)
             else:
                 self.manager.complete_load(record.keys)
         if connector_output.failed_recving:
@@ -402,6 +403,14 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             if state is not None:
                 state.forgotten = True
                 self._poisoned |= state.store_jobs
+                self._drop_if_done(state)
+
+    def _drop_if_done(self, state: _ReqState) -> None:
+        """Forget a forgotten request's state once no store of it is in flight (nothing
+        then needs a delayed free; a later request_finished finds no state)."""
+        rid = state.request.request_id
+        if state.forgotten and not state.store_jobs and rid not in self._delayed_free:
+            self._reqs.pop(rid, None)
 
     def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
                     stores_failed: bool) -> None:
@@ -439,6 +448,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         state = self._reqs.get(record.req_id)
         if state is not None:
             state.store_jobs.discard(job_id)
+            self._drop_if_done(state)
 
     def _group_of(self, key: bytes) -> int:
         return int.from_bytes(key[-4:], "big")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
 
 __all__ = ["main"]
@@ -37,6 +38,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvconnector`` console script."""
+    # torch warns at import when numpy is missing; the project does not use numpy, so a
+    # normal run must not print that (a test checks stderr has no warning).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     parser = _build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "_handler", None)

@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvconnector_core.connector._guard_worker import GuardedWorker, count_error
-from kvconnector_core.connector.base import KVConnectorBase_V1
+from kvconnector_core.connector._guard_base import GuardBase
+from kvconnector_core.connector._guard_worker import GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
-from kvconnector_core.errors import ConnectorHookError
 
 if TYPE_CHECKING:
+    from kvconnector_core.connector.base import KVConnectorBase_V1
     from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_events import KVCacheEvent
@@ -54,7 +54,7 @@ MAX_UNDELIVERED_OUTPUTS = 64
 this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
 
 
-class GuardedScheduler:
+class GuardedScheduler(GuardBase):
     """A scheduler-side connector behind the failure contract; one typed method per hook.
 
     Args:
@@ -65,35 +65,24 @@ class GuardedScheduler:
 
     def __init__(self, connector: KVConnectorBase_V1, *, label: str | None = None,
                  errors: dict[str, int] | None = None) -> None:
-        self.connector = connector
-        self.label = label or connector.name
-        self.errors: dict[str, int] = {} if errors is None else errors
-        """Per hook name, how many times the connector raised (contained)."""
+        super().__init__(connector, label=label, errors=errors)
         self.detached: set[str] = set()
         """Requests the connector is no longer shown (see the module docstring)."""
         self._undelivered: list[KVConnectorOutput] = []
         self._resync_events = False
-
-    def __repr__(self) -> str:
-        return f"<GuardedScheduler {self.label}>"
 
     @property
     def supports_async_load(self) -> bool:
         """The connector's capability (read on the instance: wrappers set it per instance)."""
         return bool(self.connector.supports_async_load)
 
-    def _failed(self, hook: str, consequence: str) -> None:
-        count_error(self.errors, self.label, hook, consequence)
-
-    def _forget(self, request_ids: Iterable[str]) -> None:
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Detach the requests and tell the connector to forget them (contained)."""
         ids = set(request_ids) - self.detached
-        if not ids:
-            return
-        self.detached |= ids
-        try:
-            self.connector.forget_requests(ids)
-        except Exception:  # noqa: BLE001 - the requests stay detached either way
-            self._failed("forget_requests", "the requests stay detached")
+        if ids:
+            self.detached |= ids
+            self._contained("forget_requests", "the requests stay detached",
+                            lambda: self.connector.forget_requests(ids), None)
 
     # ------------------------------------------------------------------ hooks
 
@@ -104,11 +93,7 @@ class GuardedScheduler:
         Raises:
             ConnectorHookError: the hook raised (the original is the cause).
         """
-        try:
-            self.connector.bind_gpu_block_pool(gpu_block_pool)
-        except Exception as exc:
-            msg = f"connector {self.label} raised in bind_gpu_block_pool: {type(exc).__name__}: {exc}"
-            raise ConnectorHookError(msg, self.label, "bind_gpu_block_pool") from exc
+        self._not_contained("bind_gpu_block_pool", lambda: self.connector.bind_gpu_block_pool(gpu_block_pool))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -119,16 +104,14 @@ class GuardedScheduler:
         if request.request_id in self.detached:
             return 0, False
         hook = "get_num_new_matched_tokens"
-        try:
-            answer = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
-        except Exception:  # noqa: BLE001 - contained by contract
-            self._failed(hook, "treated as a miss")
-            return 0, False
+        answer, ok = self._contained(hook, "treated as a miss",
+                                     lambda: self.connector.get_num_new_matched_tokens(request, num_computed_tokens),
+                                     (0, False))
         if not (isinstance(answer, tuple) and len(answer) == 2
                 and (answer[0] is None or isinstance(answer[0], int))):
             logger.error("connector %s: %s returned %r, not (int | None, bool); treated as a miss",
                          self.label, hook, answer)
-            self.errors[hook] = self.errors.get(hook, 0) + 1
+            self._count(hook)
             return 0, False
         num, load_async = answer
         if num is None:
@@ -145,13 +128,12 @@ class GuardedScheduler:
         rid = request.request_id
         if rid in self.detached:
             return num_external_tokens == 0
-        try:
-            self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
-        except Exception:  # noqa: BLE001 - contained by contract
-            self._failed("update_state_after_alloc", "the request is forgotten; nothing is loaded")
-            self._forget((rid,))
-            return False
-        return True
+        _, ok = self._contained(
+            "update_state_after_alloc", "the request is forgotten; nothing is loaded",
+            lambda: self.connector.update_state_after_alloc(request, blocks, num_external_tokens), None)
+        if not ok:
+            self.forget_requests((rid,))
+        return ok
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         """The step's plan, or None when the hook raised.
@@ -161,14 +143,14 @@ class GuardedScheduler:
         could store wrong blocks under a hash. Detached requests are left out of the
         output the connector sees.
         """
-        try:
-            return self.connector.build_connector_meta(self._visible(scheduler_output))
-        except Exception:  # noqa: BLE001 - contained by contract
-            self._failed("build_connector_meta", "no plan this step; the step's requests are forgotten")
-            cached = scheduler_output.scheduled_cached_reqs.req_ids
-            self._forget([*(r.req_id for r in scheduler_output.scheduled_new_reqs), *cached,
-                          *scheduler_output.preempted_req_ids])
-            return None
+        shown = self._visible(scheduler_output)
+        plan, ok = self._contained("build_connector_meta", "no plan this step; the step's requests are forgotten",
+                                   lambda: self.connector.build_connector_meta(shown), None)
+        if not ok:
+            so = scheduler_output
+            self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
+                                  *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
+        return plan
 
     def _visible(self, so: SchedulerOutput) -> SchedulerOutput:
         """``so`` without the detached requests' scheduled work (finished and preempted
@@ -196,10 +178,9 @@ class GuardedScheduler:
 
     def plan_failed(self, plan: KVConnectorMetadata, *, loads_failed: bool, stores_failed: bool) -> None:
         """Tell the connector the worker could not carry out part of ``plan``."""
-        try:
-            self.connector.plan_failed(plan, loads_failed=loads_failed, stores_failed=stores_failed)
-        except Exception:  # noqa: BLE001 - contained by contract
-            self._failed("plan_failed", "what the plan held may stay held")
+        self._contained("plan_failed", "what the plan held may stay held",
+                        lambda: self.connector.plan_failed(plan, loads_failed=loads_failed,
+                                                           stores_failed=stores_failed), None)
 
     def update_connector_output(self, connector_output: KVConnectorOutput,
                                 plan: KVConnectorMetadata | None = None) -> None:
@@ -216,32 +197,31 @@ class GuardedScheduler:
                              stores_failed=connector_output.stores_failed)
         self._undelivered.append(connector_output)
         while self._undelivered:
-            try:
-                self.connector.update_connector_output(self._undelivered[0])
-            except Exception:  # noqa: BLE001 - contained by contract
-                self._failed("update_connector_output", "the report is delivered again next step")
+            report = self._undelivered[0]
+            _, ok = self._contained("update_connector_output", "the report is delivered again next step",
+                                    lambda: self.connector.update_connector_output(report), None)
+            if not ok:
                 break
             self._undelivered.pop(0)
         if len(self._undelivered) > MAX_UNDELIVERED_OUTPUTS:
             self._undelivered.pop(0)
-            self._failed("update_connector_output.dropped", "the oldest undelivered report is dropped")
+            logger.error("connector %s: the oldest undelivered report is dropped", self.label)
+            self._count("update_connector_output.dropped")
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)``; on a raise ``(False, None)`` and the request
         is forgotten first, so stores still reading its blocks never become visible."""
         rid = request.request_id
-        try:
-            answer = self.connector.request_finished(request, block_ids)
-        except Exception:  # noqa: BLE001 - contained by contract
-            self._failed("request_finished", "blocks freed now; its pending stores never become visible")
-            self._forget((rid,))
-            answer = (False, None)
+        answer, ok = self._contained("request_finished", "blocks freed now; its pending stores never become visible",
+                                     lambda: self.connector.request_finished(request, block_ids), (False, None))
+        if not ok:
+            self.forget_requests((rid,))
         self.detached.discard(rid)
         if not (isinstance(answer, tuple) and len(answer) == 2):
             logger.error("connector %s: request_finished returned %r, not (bool, dict | None)",
                          self.label, answer)
-            self._forget((rid,))
+            self.forget_requests((rid,))
             self.detached.discard(rid)
             return False, None
         delay, params = answer
@@ -257,29 +237,39 @@ class GuardedScheduler:
         call until a resync succeeds (a documented gap).
         """
         if not self._resync_events:
-            try:
-                return list(self.connector.take_events())
-            except Exception:  # noqa: BLE001 - contained by contract
-                self._failed("take_events", "events replaced by a snapshot")
-                self._resync_events = True
-        try:
-            list(self.connector.take_events())  # stale once the snapshot is taken
-            # getattr: the hook is optional and older connectors may not define it.
-            snapshot = getattr(self.connector, "get_event_snapshot", None)
-            events = list(snapshot()) if snapshot is not None else []
-        except Exception:  # noqa: BLE001 - contained by contract
-            self._failed("get_event_snapshot", "no events until a resync succeeds")
+            events, ok = self._contained("take_events", "events replaced by a snapshot",
+                                         lambda: list(self.connector.take_events()), [])
+            if ok:
+                return events
+            self._resync_events = True
+        # What is still queued is stale once the snapshot is taken: drained and dropped.
+        _, ok = self._contained("take_events", "no events until a resync succeeds",
+                                lambda: list(self.connector.take_events()), [])
+        if not ok:
+            return []
+        events = self._snapshot()
+        if events is None:
             return []
         self._resync_events = False
         return events
 
+    def get_event_snapshot(self) -> list[KVCacheEvent]:
+        """The connector's snapshot (see :meth:`take_events`); [] on a raise."""
+        return self._snapshot() or []
+
+    def _snapshot(self) -> list[KVCacheEvent] | None:
+        # getattr: the hook is optional and connectors older than it may not define it.
+        snapshot = getattr(self.connector, "get_event_snapshot", None)
+        if snapshot is None:
+            return []
+        events, ok = self._contained("get_event_snapshot", "no events until a resync succeeds",
+                                     lambda: list(snapshot()), [])
+        return events if ok else None
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """The connector's scheduler-side stats; None on a raise."""
-        try:
-            stats = self.connector.get_kv_connector_stats()
-        except Exception:  # noqa: BLE001 - stats are informational
-            self._failed("get_kv_connector_stats", "no stats")
-            return None
+        stats, _ = self._contained("get_kv_connector_stats", "no stats",
+                                   self.connector.get_kv_connector_stats, None)
         return stats if isinstance(stats, dict) else None
 
     def shutdown(self) -> None:

@@ -315,6 +315,11 @@ class Scheduler:
         # later request could take them and nothing would run to free any.
         reserved = self._reserved_blocks()
         has_sync_loads = False
+        # Set once a request could not get its blocks: fresh requests then wait their turn,
+        # but requests already holding blocks (e.g. a finished async load) still run, on
+        # the blocks reserved for them; otherwise one that cannot fit yet, in front of
+        # them, would wait forever for blocks only they can free.
+        out_of_blocks = False
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -323,6 +328,9 @@ class Scheduler:
                     continue
                 if req.is_finished():  # failed by policy; _fail dequeued it
                     continue
+            if out_of_blocks and req.num_computed_tokens == 0:
+                skipped.append(self.waiting.popleft())
+                continue
             if not kvm.can_ever_fit(req):
                 self.waiting.popleft()
                 self.stats.num_rejected += 1
@@ -377,7 +385,9 @@ class Scheduler:
                     req.status = RequestStatus.PREEMPTED
                     self.stats.num_preemptions += 1
                     continue
-                break  # out of blocks: admit nothing more this step
+                out_of_blocks = True  # admit only requests that already hold blocks
+                skipped.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             reserved -= own_need
 

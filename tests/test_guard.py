@@ -1,0 +1,314 @@
+"""The guard's per-hook consequences (docs/failure-contract.md), one connector method at a time."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
+from kvconnector_core.connector.metadata import KVConnectorOutput
+from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvconnector_core.request import Request
+from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog):
+    caplog.set_level(logging.CRITICAL)  # every contained raise is logged with a traceback
+
+
+class Probe(KVConnectorBase_V1):
+    """Records every call; ``fail`` maps a hook name to how many of its next calls raise."""
+
+    name = "Probe"
+
+    def __init__(self, role: KVConnectorRole = KVConnectorRole.SCHEDULER) -> None:
+        super().__init__(KVConnectorConfig(name="Probe"), role)
+        self.calls: list[tuple[str, Any]] = []
+        self.fail: dict[str, int] = {}
+        self.answer: Any = (4, True)
+
+    def _rec(self, hook: str, arg: Any = None) -> None:
+        self.calls.append((hook, arg))
+        if self.fail.get(hook, 0) > 0:
+            self.fail[hook] -= 1
+            msg = f"injected: {hook}"
+            raise RuntimeError(msg)
+
+    def hooks(self) -> list[str]:
+        return [h for h, _ in self.calls]
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self._rec("get_num_new_matched_tokens", request.request_id)
+        return self.answer
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self._rec("update_state_after_alloc", request.request_id)
+
+    def build_connector_meta(self, scheduler_output):
+        self._rec("build_connector_meta", scheduler_output)
+        return KVConnectorMetadata()
+
+    def update_connector_output(self, connector_output):
+        self._rec("update_connector_output", connector_output)
+
+    def request_finished(self, request, block_ids):
+        self._rec("request_finished", request.request_id)
+        return True, {"k": 1}
+
+    def forget_requests(self, request_ids):
+        self._rec("forget_requests", set(request_ids))
+
+    def plan_failed(self, connector_metadata, *, loads_failed, stores_failed):
+        self._rec("plan_failed", (loads_failed, stores_failed))
+
+    def bind_connector_metadata(self, connector_metadata):
+        self._rec("bind_connector_metadata")
+        super().bind_connector_metadata(connector_metadata)
+
+    def handle_preemptions(self, connector_metadata):
+        self._rec("handle_preemptions")
+
+    def start_load_kv(self, forward_context=None):
+        self._rec("start_load_kv")
+
+    def wait_for_layer_load(self, layer_name):
+        self._rec("wait_for_layer_load")
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata=None):
+        self._rec("save_kv_layer")
+
+    def wait_for_save(self):
+        self._rec("wait_for_save")
+
+    def get_block_ids_with_load_errors(self):
+        self._rec("get_block_ids_with_load_errors")
+        return {7}
+
+
+def request(rid: str = "a") -> Request:
+    return Request(rid, list(range(8)), 2, hash_block_size=4)
+
+
+def output(new: tuple[str, ...] = (), cached: tuple[str, ...] = (), preempted: tuple[str, ...] = ()) -> SchedulerOutput:
+    so = SchedulerOutput.make_empty()
+    so.scheduled_new_reqs = [NewRequestData(r, [1, 2], ([1],), 0) for r in new]
+    so.scheduled_cached_reqs = CachedRequestData(list(cached), set(), [[] for _ in cached],
+                                                 [None for _ in cached], [4 for _ in cached])
+    so.num_scheduled_tokens = {r: 2 for r in (*new, *cached)}
+    so.total_num_scheduled_tokens = 2 * len(new + cached)
+    so.preempted_req_ids = set(preempted)
+    return so
+
+
+# ------------------------------------------------------------------ scheduler side
+
+
+def test_lookup_raise_or_malformed_answer_is_a_miss():
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["get_num_new_matched_tokens"] = 1
+    assert guard.get_num_new_matched_tokens(request(), 0) == (0, False)
+    probe.answer = "garbage"
+    assert guard.get_num_new_matched_tokens(request(), 0) == (0, False)
+    assert guard.errors == {"get_num_new_matched_tokens": 2}
+    probe.answer = (None, True)
+    assert guard.get_num_new_matched_tokens(request(), 0) == (None, False)  # ask again is kept
+
+
+def test_failed_admission_forgets_the_request_and_detaches_it():
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["update_state_after_alloc"] = 1
+    assert guard.update_state_after_alloc(request(), None, 8) is False
+    assert ("forget_requests", {"a"}) in probe.calls and guard.detached == {"a"}
+    # A detached request is a miss without asking, and never shown in a plan again.
+    probe.calls.clear()
+    assert guard.get_num_new_matched_tokens(request(), 0) == (0, False)
+    guard.build_connector_meta(output(new=("a", "b")))
+    shown = probe.calls[-1][1]
+    assert [n.req_id for n in shown.scheduled_new_reqs] == ["b"] and shown.num_scheduled_tokens == {"b": 2}
+    assert "get_num_new_matched_tokens" not in probe.hooks()
+    # request_finished still reaches it, and ends the detachment.
+    assert guard.request_finished(request(), [1]) == (True, {"k": 1})
+    assert not guard.detached
+
+
+def test_failed_plan_forgets_the_steps_requests():
+    """Regression (offload stored wrong blocks under a hash after one failed plan): the
+    requests of a failed plan are forgotten and hidden from later plans."""
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["build_connector_meta"] = 1
+    assert guard.build_connector_meta(output(new=("a",), cached=("b",), preempted=("c",))) is None
+    assert ("forget_requests", {"a", "b", "c"}) in probe.calls
+    guard.build_connector_meta(output(new=("d",), cached=("a", "b")))
+    shown = probe.calls[-1][1]
+    assert [n.req_id for n in shown.scheduled_new_reqs] == ["d"]
+    assert shown.scheduled_cached_reqs.req_ids == [] and shown.total_num_scheduled_tokens == 2
+
+
+def test_a_report_the_connector_raised_on_is_delivered_again_first():
+    """Regression (CPU slots stuck after update_connector_output raised): nothing is lost."""
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    first, second = KVConnectorOutput(finished_sending={"x"}), KVConnectorOutput(finished_sending={"y"})
+    probe.fail["update_connector_output"] = 1
+    guard.update_connector_output(first)
+    guard.update_connector_output(second)
+    delivered = [arg for hook, arg in probe.calls if hook == "update_connector_output"]
+    assert delivered == [first, first, second]
+    assert guard.errors == {"update_connector_output": 1}
+
+
+def test_plan_failures_in_the_report_reach_the_connector_before_the_report():
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    plan = KVConnectorMetadata()
+    guard.update_connector_output(KVConnectorOutput(loads_failed=True), plan)
+    assert probe.hooks() == ["plan_failed", "update_connector_output"]
+    assert probe.calls[0][1] == (True, False)
+
+
+def test_request_finished_raising_frees_now_and_forgets_first():
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["request_finished"] = 1
+    assert guard.request_finished(request(), [1]) == (False, None)
+    assert probe.hooks() == ["request_finished", "forget_requests"] and not guard.detached
+
+
+class Events(Probe):
+    """Holds blocks; take_events drains its queue and then may raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[int] = set()
+        self.queue: list[Any] = []
+
+    def store(self, h: int) -> None:
+        self.held.add(h)
+        self.queue.append(BlockStored([h], None, [], 4, None, "CPU", None))
+
+    def remove(self, h: int) -> None:
+        self.held.discard(h)
+        self.queue.append(BlockRemoved([h], "CPU"))
+
+    def take_events(self):
+        events, self.queue = self.queue, []
+        self._rec("take_events")
+        return events
+
+    def get_event_snapshot(self):
+        self._rec("get_event_snapshot")
+        return [AllBlocksCleared(), *(BlockStored([h], None, [], 4, None, "CPU", None) for h in sorted(self.held))]
+
+
+def replay(events: list[Any], state: set[int]) -> set[int]:
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            state.clear()
+        elif isinstance(ev, BlockStored):
+            state.update(ev.block_hashes)
+        else:
+            state.difference_update(ev.block_hashes)
+    return state
+
+
+def test_events_lost_in_a_raising_take_events_are_replaced_by_a_snapshot():
+    """Regression: take_events drained, then raised; a replica applying the stream stays exact."""
+    conn = Events()
+    guard = GuardedScheduler(conn)
+    replica: set[int] = set()
+    conn.store(1)
+    conn.store(2)
+    replay(guard.take_events(), replica)
+    conn.remove(1)
+    conn.store(3)
+    conn.fail["take_events"] = 1
+    replay(guard.take_events(), replica)
+    assert replica == conn.held == {2, 3}
+    conn.store(4)
+    replay(guard.take_events(), replica)
+    assert replica == {2, 3, 4} and guard.errors == {"take_events": 1}
+
+
+def test_a_failed_snapshot_is_retried_until_it_succeeds():
+    conn = Events()
+    guard = GuardedScheduler(conn)
+    conn.store(1)
+    conn.fail.update(take_events=1, get_event_snapshot=2)
+    assert guard.take_events() == []
+    conn.store(2)
+    assert guard.take_events() == []  # the snapshot failed again: a gap, documented
+    replica = replay(guard.take_events(), {99})
+    assert replica == {1, 2} and guard.errors == {"take_events": 1, "get_event_snapshot": 2}
+    conn.store(5)
+    assert replay(guard.take_events(), replica) == {1, 2, 5}
+
+
+def test_bind_gpu_block_pool_is_not_contained():
+    probe = Probe()
+    probe.bind_gpu_block_pool = lambda pool: probe._rec("bind_gpu_block_pool")  # type: ignore[method-assign]
+    probe.fail["bind_gpu_block_pool"] = 1
+    with pytest.raises(RuntimeError, match="raised in bind_gpu_block_pool"):
+        GuardedScheduler(probe).bind_gpu_block_pool(None)
+
+
+# --------------------------------------------------------------------- worker side
+
+
+def test_failed_bind_fails_the_steps_loads_and_stores_and_skips_its_plan_hooks():
+    """Regression (a raise in bind deadlocked the engine): the step is reported failed."""
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    guard.begin_step()
+    probe.fail["bind_connector_metadata"] = 1
+    plan = KVConnectorMetadata()
+    assert guard.bind_connector_metadata(plan) is False
+    guard.handle_preemptions(plan)
+    guard.start_load_kv()
+    guard.wait_for_layer_load("l0")
+    guard.save_kv_layer("l0", None)
+    guard.wait_for_save()
+    assert probe.hooks() == ["bind_connector_metadata", "handle_preemptions"]
+    assert guard.loads_failed and guard.stores_failed
+    guard.begin_step()
+    assert not (guard.loads_failed or guard.stores_failed)
+
+
+@pytest.mark.parametrize(("hook", "loads", "stores"), [
+    ("handle_preemptions", False, True), ("start_load_kv", True, False),
+    ("wait_for_layer_load", True, False), ("save_kv_layer", False, True), ("wait_for_save", False, True),
+])
+def test_worker_hook_raise_fails_the_right_transfers(hook, loads, stores):
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    guard.begin_step()
+    probe.fail[hook] = 1
+    plan = KVConnectorMetadata()
+    assert guard.bind_connector_metadata(plan)
+    guard.handle_preemptions(plan)
+    guard.start_load_kv()
+    guard.wait_for_layer_load("l0")
+    guard.save_kv_layer("l0", None)
+    guard.save_kv_layer("l1", None)
+    guard.wait_for_save()
+    assert (guard.loads_failed, guard.stores_failed) == (loads, stores)
+    assert guard.errors == {hook: 1}
+    assert "wait_for_save" in probe.hooks()  # the connector's end-of-step bookkeeping still runs
+    if hook == "save_kv_layer":
+        assert probe.hooks().count("save_kv_layer") == 1  # later layers skip the failed save
+
+
+def test_unknown_load_errors_fail_the_steps_loads():
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    guard.begin_step()
+    assert guard.get_block_ids_with_load_errors() == {7}
+    probe.fail["get_block_ids_with_load_errors"] = 1
+    assert guard.get_block_ids_with_load_errors() == set()
+    assert guard.load_errors_unknown and guard.loads_failed
