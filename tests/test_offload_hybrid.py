@@ -86,3 +86,61 @@ def test_sliding_window_group_stores_only_chunks_in_its_window():
     sliding = len(keys) - full
     assert 0 < sliding < full / 2
     eng.shutdown()
+
+
+def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
+    """Offload keys the scheduler side computes in each decode step of one request."""
+    from connectors.offload.connector import OffloadingConnector
+    from kvconnector_core.connector.base import KVConnectorRole
+    from kvconnector_core.connector.config import KVConnectorConfig
+    from kvconnector_core.kv_cache.block_pool import KVCacheBlock
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    n_blocks = prompt_len // 16 + steps // 16 + 4
+    kv = KVCacheConfig(n_blocks + 1, [KVCacheGroupSpec(["l"], FullAttentionSpec(16, 1, 4))])
+    conn = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={
+        "num_cpu_blocks": n_blocks, "enable_events": False}), KVConnectorRole.SCHEDULER, kv)
+    side = conn.scheduler_side
+    calls = [0]
+    key = side._key
+
+    def counting_key(*args):
+        calls[0] += 1
+        return key(*args)
+
+    side._key = counting_key
+    prompt = list(range(prompt_len))
+    req = Request("r", prompt, steps + 1, hash_block_size=16)
+    ids = list(range(1, prompt_len // 16 + 1))
+
+    def out(new, cached, n):
+        return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={"r": n}, total_num_scheduled_tokens=n,
+                               finished_req_ids=set(), preempted_req_ids=set())
+
+    conn.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in ids],)), 0)
+    conn.build_connector_meta(out([NewRequestData("r", prompt, (ids,), 0)],
+                                  CachedRequestData([], set(), [], [], []), prompt_len))
+    counts = []
+    next_id = len(ids) + 1
+    for step in range(steps):
+        req.append_output_token_ids(step)
+        computed = prompt_len + step
+        new_ids = ([next_id],) if computed % 16 == 0 else None
+        next_id += new_ids is not None
+        calls[0] = 0
+        conn.build_connector_meta(out([], CachedRequestData(["r"], set(), [[step]], [new_ids],
+                                                            [computed]), 1))
+        counts.append(calls[0])
+    return counts
+
+
+def test_store_planning_computes_only_the_new_chunks_keys():
+    """Store planning is O(new blocks): a decode step computes the key of the chunk it
+    completes (if any), never the request's whole key list, whatever the prompt length."""
+    short, long = _decode_key_counts(256), _decode_key_counts(16384)
+    assert short == long
+    assert max(long) == 1 and sum(long) == 40 // 16  # one key per completed chunk
