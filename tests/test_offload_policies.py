@@ -248,3 +248,16 @@ def test_policy_on_store_miss_default_is_a_no_op() -> None:
     fill(p, 1)
     p.on_store_miss(ks(1, 2))
     assert [key for key, _ in p] == ks(1)
+
+
+def test_arc_store_miss_adapts_once_per_ghost_across_retries() -> None:
+    """A refused store retried next step is one re-reference: the target moves once."""
+    m = CPUOffloadingManager(2, "arc")
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    _stored(m, 1, 2)
+    _stored(m, 3)  # evicts 1 -> B1
+    m.prepare_load(ks(2, 3))  # pin everything: storing 1 again is refused
+    assert m.prepare_store(ks(1)) is None
+    assert m.prepare_store(ks(1)) is None  # the retry
+    assert policy.target == pytest.approx(1.0)

@@ -210,8 +210,9 @@ class ARCCachePolicy(CachePolicy):
         self.target = 0.0
         self._t1: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
         self._t2: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
-        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        # Ghost key -> whether a store miss already adapted the target on it.
+        self._b1: OrderedDict[OffloadKey, bool] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, bool] = OrderedDict()
 
     # Read-only views for tests and diagnostics.
     @property
@@ -268,20 +269,33 @@ class ARCCachePolicy(CachePolicy):
                 self._ghost_hit(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
-        """See :meth:`CachePolicy.on_store_miss`; adapts the target on ghost keys."""
-        for key in keys:
-            self._ghost_hit(key)
+        """See :meth:`CachePolicy.on_store_miss`; adapts the target on ghost keys.
 
-    def _ghost_hit(self, key: OffloadKey) -> None:
+        A ghost adapts the target once through store misses: a store that is refused
+        and offered again next step is one re-reference, not one per retry (vLLM 0.33
+        dedupes per request for the same reason).
+        """
+        for key in keys:
+            ghost = self._b1 if key in self._b1 else self._b2 if key in self._b2 else None
+            if ghost is not None and ghost[key]:
+                ghost.move_to_end(key)
+                continue
+            if self._ghost_hit(key):
+                (self._b1 if key in self._b1 else self._b2)[key] = True
+
+    def _ghost_hit(self, key: OffloadKey) -> bool:
         """Adapt the target if ``key`` is a ghost (classic ARC's cases II and III)."""
         if key in self._b1:
             step = max(1.0, len(self._b2) / len(self._b1))
             self.target = min(self.target + step, float(self.capacity))
             self._b1.move_to_end(key)
-        elif key in self._b2:
+            return True
+        if key in self._b2:
             step = max(1.0, len(self._b1) / len(self._b2))
             self.target = max(self.target - step, 0.0)
             self._b2.move_to_end(key)
+            return True
+        return False
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
         """See :meth:`CachePolicy.evict`.
@@ -313,7 +327,7 @@ class ARCCachePolicy(CachePolicy):
         for from_t1, key in picks:
             live, ghost = (self._t1, self._b1) if from_t1 else (self._t2, self._b2)
             victims.append((key, live.pop(key)))
-            ghost[key] = None
+            ghost[key] = False
         for ghost in (self._b1, self._b2):
             while len(ghost) > self.capacity:
                 ghost.popitem(last=False)
