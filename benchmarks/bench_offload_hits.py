@@ -21,9 +21,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _drivers as d  # noqa: E402  (path set up above)
 
+from connectors.offload import policies  # noqa: E402
 from connectors.offload.policies import ARCCachePolicy, register_cache_policy  # noqa: E402
 
 __all__ = ["ClassicARCCachePolicy", "hit_rates", "main", "render"]
@@ -47,7 +49,18 @@ class ClassicARCCachePolicy(ARCCachePolicy):
         """Ignore store misses (no adaptation, ghosts re-enter T1)."""
 
 
-register_cache_policy("arc-classic", ClassicARCCachePolicy)
+CLASSIC = "arc-no-store-miss-adaptation"
+
+
+@contextlib.contextmanager
+def _classic_registered() -> Iterator[None]:
+    # Registered only while the table runs: the registry is global, and error messages
+    # elsewhere list the registered policies.
+    register_cache_policy(CLASSIC, ClassicARCCachePolicy)
+    try:
+        yield
+    finally:
+        policies._POLICIES.pop(CLASSIC, None)
 
 
 def hit_rates(chains: list[list[bytes]], sizes: Sequence[int], with_vllm: bool = True,
@@ -68,7 +81,7 @@ def hit_rates(chains: list[list[bytes]], sizes: Sequence[int], with_vllm: bool =
     runs: list[tuple[str, d.Side, str]] = [
         ("kvconnector LRU", ours, "lru"),
         ("kvconnector ARC", ours, "arc"),
-        ("kvconnector ARC, no store-miss adaptation", ours, "arc-classic"),
+        ("kvconnector ARC, no store-miss adaptation", ours, CLASSIC),
     ]
     if with_vllm:
         try:
@@ -78,14 +91,20 @@ def hit_rates(chains: list[list[bytes]], sizes: Sequence[int], with_vllm: bool =
         else:
             runs += [("vLLM 0.33 LRU", vllm, "lru"), ("vLLM 0.33 ARC", vllm, "arc")]
     out: dict[str, dict[int, float]] = {}
-    for label, side, policy in runs:
-        for size in sizes:
-            st = d.run_offload_trace(side, chains, policy=policy, num_blocks=size,
-                                     gpu_blocks=gpu_blocks)
-            out.setdefault(label, {})[size] = st.tier_hit_rate
-            print(f"{label:45s} gpu {gpu_blocks:5d} tier {size:6d}: hit rate "
-                  f"{st.tier_hit_rate:.4f}", file=sys.stderr)
+    with _classic_registered():
+        for label, side, policy in runs:
+            for size in sizes:
+                out.setdefault(label, {})[size] = _tier_hit_rate(side, chains, policy, size,
+                                                                 gpu_blocks)
     return out
+
+
+def _tier_hit_rate(side: d.Side, chains: list[list[bytes]], policy: str, size: int,
+                   gpu_blocks: int) -> float:
+    st = d.run_offload_trace(side, chains, policy=policy, num_blocks=size, gpu_blocks=gpu_blocks)
+    print(f"{side.name} {policy:30s} gpu {gpu_blocks:5d} tier {size:6d}: hit rate "
+          f"{st.tier_hit_rate:.4f}", file=sys.stderr)
+    return st.tier_hit_rate
 
 
 def render(tables: dict[int, dict[str, dict[int, float]]], sizes: Sequence[int],

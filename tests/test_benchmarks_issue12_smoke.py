@@ -51,3 +51,11 @@ def test_admission_runs_do_the_same_work():
 def test_hybrid_memory_rows_show_sharing():
     rows = bench_hybrid.memory_rows()
     assert [r.split("|")[-2].strip() for r in rows] == ["1.00x", "2.00x", "3.00x"]
+
+
+def test_hit_rate_table_leaves_the_policy_registry_as_it_was():
+    from connectors.offload.policies import available_cache_policies
+
+    before = available_cache_policies()
+    bench_offload_hits.hit_rates(d.offload_key_chains(d.chat_trace("tiny")), [8], with_vllm=False)
+    assert available_cache_policies() == before

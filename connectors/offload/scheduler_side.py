@@ -122,14 +122,12 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         first = max(group.first_needed_token(end_tokens), start_tokens)
         return range(first // ct, -(-end_tokens // ct))
 
-    def _loadable(self, request: Request, start_tokens: int, end_tokens: int) -> bool:
-        """Every needed chunk of every group (past the GPU hit) is ready in the tier."""
-        for g, group in enumerate(self._groups):
-            chunks = self._needed_chunks(group, start_tokens, end_tokens)
-            keys = [self._key(request, g, c) for c in chunks]
-            if self.manager.lookup(keys) < len(keys):
-                return False
-        return True
+    def _missing_before(self, request: Request, g: int, start: int, stop: int) -> list[int]:
+        """``out[c - start]``: chunks of group ``g`` in ``[start, c)`` not ready in the tier."""
+        out = [0]
+        for c in range(start, stop):
+            out.append(out[-1] + (self.manager.lookup((self._key(request, g, c),)) == 0))
+        return out
 
     # ------------------------------------------------------------------ loads
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -159,12 +157,21 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             if group.is_full:
                 keys = [self._key(request, g, c) for c in range(start, num_chunks)]
                 best = min(best, start + self.manager.lookup(keys))
-        # Windowed groups: the longest hit whose window is held (usually the first try).
+        # Windowed groups: the longest hit whose window is held. One lookup per chunk,
+        # then O(1) per candidate end (counts of missing chunks before each chunk).
+        windowed = [(g, group, self._missing_before(request, g, start, best))
+                    for g, group in enumerate(self._groups) if not group.is_full]
         for n in range(best, start, -1):
             end = min(n * ct, last_loadable)
             if end <= num_computed_tokens:
                 break
-            if self._loadable(request, num_computed_tokens, end):
+            ok = True
+            for _, group, missing in windowed:
+                chunks = self._needed_chunks(group, num_computed_tokens, end)
+                if missing[chunks.stop - start] != missing[chunks.start - start]:
+                    ok = False
+                    break
+            if ok:
                 return end - num_computed_tokens, True
         return 0, False
 
