@@ -133,10 +133,12 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                 meta = None
             self._last_plans[i] = meta
             if meta is None:
-                # The child's plan is lost, so its loads planned this step cannot happen.
-                for req_id, load in list(self._step_loads.items()):
-                    if load.child == i:
-                        self._step_failed[req_id] = self._step_loads.pop(req_id)
+                # The child's plan is lost, so its loads planned this step cannot happen:
+                # they fail now, and the child must not send them with a later plan.
+                lost = [r for r, load in self._step_loads.items() if load.child == i]
+                for req_id in lost:
+                    self._step_failed[req_id] = self._step_loads.pop(req_id)
+                guard.forget_requests(lost)
                 children.append(NIL)
                 skipped.append(i)
             else:

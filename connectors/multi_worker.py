@@ -167,6 +167,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
                     out.finished_sending.add(req_id)
             for req_id in res.finished_recving:
                 if req_id in self._forced_recv:
+                    self._forced_recv.discard(req_id)
                     continue  # already reported as a failed receive
                 out.finished_recving.add(req_id)
                 if req_id in res.failed_recving:
@@ -174,7 +175,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         out.finished_recving |= self._forced_failed
         out.failed_recving |= self._forced_failed
         self._forced_failed = set()
-        # A finished request's late receive is ignored by the scheduler: stop suppressing it.
+        # A receive the child never reports (its load never started) is forgotten once the
+        # request finished: the scheduler ignores a finished request's late receive.
         self._forced_recv -= finished_req_ids
         return out
 

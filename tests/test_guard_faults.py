@@ -78,6 +78,7 @@ def offload_of(eng: Engine, side: str) -> OffloadingConnector:
 
 def check_clean(eng: Engine) -> None:
     """Nothing is left held once every request finished (and the TTL child let its pins go)."""
+    eng.step()  # an empty step tells the worker side which requests finished last
     eng.shutdown()
     pool = eng.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every ref count back to 0

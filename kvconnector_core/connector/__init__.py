@@ -8,6 +8,10 @@
 - :mod:`~kvconnector_core.connector.registry`: :class:`ConnectorRegistry`,
   :func:`get_registry`, :func:`create_connector`.
 - :mod:`~kvconnector_core.connector.hookspecs`: :data:`hookimpl` for plugins.
+- :mod:`~kvconnector_core.connector.roles`: :class:`KVConnectorSchedulerSide`,
+  :class:`KVConnectorWorkerSide`, :class:`RoleSplitConnector` (a connector as two role objects).
+- :mod:`~kvconnector_core.connector.guard`: :class:`GuardedScheduler`,
+  :class:`GuardedWorker` (the failure contract; ``docs/failure-contract.md``).
 
 Importing this package loads no plugin and does not import torch.
 """
@@ -27,6 +31,7 @@ from kvconnector_core.connector.config import (
     KVConnectorConfig,
     load_connector_config,
 )
+from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
 from kvconnector_core.connector.hookspecs import hookimpl
 from kvconnector_core.connector.metadata import (
     KVConnectorMetadata,
@@ -47,23 +52,29 @@ from kvconnector_core.connector.registry import (
     get_registry,
     reset_registry,
 )
+from kvconnector_core.connector.roles import KVConnectorSchedulerSide, KVConnectorWorkerSide, RoleSplitConnector
 
 __all__ = [
     "ABSTRACT_HOOKS",
     "ConnectorEntry",
     "ConnectorRegistry",
+    "GuardedScheduler",
+    "GuardedWorker",
     "KV_ROLES",
     "LOAD_FAILURE_POLICIES",
     "OPTIONAL_HOOKS",
     "PluginFailure",
     "PluginRecord",
+    "RoleSplitConnector",
     "KVConnectorBase",
     "KVConnectorBase_V1",
     "KVConnectorConfig",
     "KVConnectorMetadata",
     "KVConnectorOutput",
     "KVConnectorRole",
+    "KVConnectorSchedulerSide",
     "KVConnectorTransferResults",
+    "KVConnectorWorkerSide",
     "WireKVCacheEvent",
     "check_metadata_roundtrip",
     "create_connector",

@@ -175,8 +175,10 @@ class Scheduler:
         self._sent_to_worker: set[str] = set()
         # Requests aborted while loading whose connector also asked to delay the free.
         self._delay_free_after_load: set[str] = set()
-        # Requests this step's schedule() put in WAITING_FOR_REMOTE_KVS: failed receives
-        # if the worker reports that the step's loads failed.
+        # Requests put in WAITING_FOR_REMOTE_KVS whose loads no plan has carried yet (a
+        # failed build_connector_meta leaves them to the next plan), and those the step's
+        # plan carries: failed receives if the worker reports that the step's loads failed.
+        self._unplanned_async_loads: set[str] = set()
         self._step_async_loads: set[str] = set()
         if self.connector is not None:
             # Unconditionally, right after the KV cache manager exists (opt-in hook;
@@ -281,7 +283,6 @@ class Scheduler:
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
-        self._step_async_loads = set()
 
         # 1. Running requests.
         i = 0
@@ -410,7 +411,7 @@ class Scheduler:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = num_computed
                 req.num_external_computed_tokens = num_external
-                self._step_async_loads.add(req.request_id)
+                self._unplanned_async_loads.add(req.request_id)
                 reserved += self._remaining_need(req)
                 skipped.append(req)
                 continue
@@ -498,6 +499,9 @@ class Scheduler:
         self.finished_req_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+            self._step_async_loads = set()
+            if out.kv_connector_metadata is not None:
+                self._step_async_loads, self._unplanned_async_loads = self._unplanned_async_loads, set()
         return out
 
     # -- async loads -------------------------------------------------------------
