@@ -13,12 +13,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test bench clean
 
-$(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml
+$(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml examples/disk_connector/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" \
 		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
 		|| { echo "could not install $(TORCH); set TORCH_INDEX (CPU wheels) or TORCH=torch (GPU machine)"; exit 1; }
-	$(PY) -m pip install -q -e '.[test]' -e examples/ttl_connector
+	$(PY) -m pip install -q -e '.[test]' -e examples/ttl_connector -e examples/disk_connector
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,28 +35,40 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# Side-by-side benchmark against vLLM 0.33's pure-Python core (CPU only; not part of CI).
-# vLLM lives in its own venv so that it never touches the project's environment.
-# torch is pinned and installed first; vllm and its CPU requirements go in with --no-deps
-# so nothing can pull another torch.
+# vLLM 0.33 on CPU, in its own venv so that it never touches the project's environment:
+# the adapter's test suite (`make test-vllm`, run by CI) and the side-by-side benchmarks
+# (`make compare-vllm`, `make bench-vllm`). torch is pinned and installed first; vllm and
+# its CPU requirements (requirements/vllm-0.33-cpu.txt) go in with --no-deps so nothing
+# can pull another torch.
 VLLM_VENV ?= .vllm-venv
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_REQS ?= ../shared/reference/vllm-0.33-cpu-requirements.txt
+VLLM_REQS ?= requirements/vllm-0.33-cpu.txt
 
-.PHONY: compare-vllm vllm-venv
+.PHONY: compare-vllm vllm-venv test-vllm bench-vllm
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml examples/ttl_connector/pyproject.toml $(VLLM_REQS)
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)" \
 		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
 	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_REQS)
 	$(VLLM_PY) -m pip install -q msgspec pluggy pytest hypothesis tqdm
-	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q --no-deps -e . -e examples/ttl_connector
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
 
 compare-vllm: $(VLLM_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) benchmarks/compare_vllm.py $(ARGS)
+
+# The adapter under vLLM's own Scheduler and worker connector code. pytest's exit 5
+# ("no tests collected") is turned into a failure: this suite must always run.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -c "import vllm, kvconnector_core.integrations.vllm" 2>/dev/null \
+		|| { echo "vLLM 0.33 or the adapter does not import in $(VLLM_VENV)"; exit 1; }
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_adapter $(ARGS); \
+		rc=$$?; if [ $$rc -eq 5 ]; then echo "test-vllm collected no tests"; exit 1; fi; exit $$rc
+
+bench-vllm: $(VLLM_STAMP)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_vllm_adapter.py $(ARGS)

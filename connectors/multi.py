@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.multi_records import (
     LOADER_POLICIES,
@@ -80,7 +80,19 @@ from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import KVConnectorMetadata
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.connector.roles import RoleSplitConnector
-from kvconnector_core.errors import ConfigError, ShutdownError
+from kvconnector_core.connector.settings import ConnectorSettings
+from kvconnector_core.errors import (
+    ConfigError,
+    DuplicateConnectorError,
+    InvalidConnectorError,
+    PluginLoadError,
+    ShutdownError,
+    UnknownConnectorError,
+)
+
+# Errors whose constructor takes one message: a child's is re-raised prefixed with its index.
+_RELABELLED_ERRORS = (ConfigError, UnknownConnectorError, DuplicateConnectorError,
+                      InvalidConnectorError, PluginLoadError)
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -94,7 +106,20 @@ __all__ = [
     "MultiKVConnectorMetadata",
     "MultiKVConnectorWorkerMetadata",
     "MultiLoad",
+    "MultiSettings",
 ]
+
+
+class MultiSettings(ConnectorSettings):
+    """MultiConnector's ``extra_config``.
+
+    Attributes:
+        connectors: the children's configs, in priority order (checked when they are created).
+        loader_policy: a key of :data:`LOADER_POLICIES`.
+    """
+
+    connectors: list[Any] | None = None
+    loader_policy: str = "longest"
 
 
 class MultiConnector(RoleSplitConnector):
@@ -108,6 +133,7 @@ class MultiConnector(RoleSplitConnector):
     metadata_type: ClassVar[type[KVConnectorMetadata]] = MultiKVConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = True
+    settings_type: ClassVar[type[Any] | None] = MultiSettings
 
     def __init__(
         self,
@@ -193,6 +219,12 @@ class MultiConnector(RoleSplitConnector):
             except ConfigError as exc:
                 msg = f"MultiConnector extra_config['connectors'][{i}]: {exc}"
                 raise ConfigError(msg) from exc
+        for i, cfg in enumerate(configs):
+            first = configs.index(cfg)
+            if first < i:  # every child stores every block: a repeated child stores it twice
+                msg = (f"MultiConnector extra_config['connectors'][{i}] repeats child {first} "
+                       f"({cfg.name!r} with the same settings); remove one of them")
+                raise ConfigError(msg)
         return configs
 
     @staticmethod
@@ -201,6 +233,12 @@ class MultiConnector(RoleSplitConnector):
                       registry: ConnectorRegistry | None) -> KVConnectorBase_V1:
         try:
             return create_connector(cfg, role, kv_cache_config, registry=registry)
+        except _RELABELLED_ERRORS as exc:
+            if type(exc) not in _RELABELLED_ERRORS:
+                raise
+            # The same message as for a top-level connector, prefixed with where it is.
+            msg = f"MultiConnector extra_config['connectors'][{index}]: {exc}"
+            raise type(exc)(msg) from exc
         except Exception as exc:
             exc.add_note(f"while creating MultiConnector child {index} ({cfg.name!r})")
             raise

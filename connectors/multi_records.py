@@ -9,12 +9,15 @@ Primitives: :class:`LoaderSelectionPolicy`, :class:`LongestHitPolicy`,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
 from kvconnector_core.connector.metadata import KVConnectorMetadata
-from kvconnector_core.errors import ConnectorHookError
+from kvconnector_core.errors import ConnectorHookError, InvariantError
+
+if TYPE_CHECKING:
+    from kvconnector_core.connector._guard_base import GuardBase
 
 __all__ = [
     "LOADER_POLICIES",
@@ -47,6 +50,22 @@ def call_each(calls: Iterable[Callable[[], None]]) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+def new_hook_errors(guards: Sequence[GuardBase], reported: dict[str, int]) -> dict[str, int]:
+    """Per ``"<child label>.<hook>"``, the contained errors since the last call.
+
+    Stats are per-interval deltas (an engine sums them over steps), while each guard
+    counts errors over its life; ``reported`` remembers what was already reported.
+    """
+    out: dict[str, int] = {}
+    for guard in guards:
+        for hook, count in guard.errors.items():
+            key = f"{guard.label}.{hook}"
+            if count > reported.get(key, 0):
+                out[key] = count - reported.get(key, 0)
+                reported[key] = count
+    return out
 
 
 def aggregate_stats(per_child: Mapping[str, Any], hook_errors: Mapping[str, int],
@@ -163,3 +182,29 @@ class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):
     metadata: tuple[Any, ...]
     loads_failed: tuple[int, ...] = ()
     stores_failed: tuple[int, ...] = ()
+
+    def aggregate(self, other: MultiKVConnectorWorkerMetadata) -> MultiKVConnectorWorkerMetadata:
+        """Fold another worker's record of the same step, child by child (None + x = x);
+        a child failed if it failed on any worker.
+
+        Raises:
+            InvariantError: the records have different child counts, or a child's
+                record has no ``aggregate`` method.
+        """
+        if len(other.metadata) != len(self.metadata):
+            msg = (f"cannot aggregate MultiConnector worker metadata of {len(self.metadata)} and "
+                   f"{len(other.metadata)} children")
+            raise InvariantError(msg)
+        merged = []
+        for mine, theirs in zip(self.metadata, other.metadata, strict=True):
+            if mine is None or theirs is None:
+                merged.append(theirs if mine is None else mine)
+            elif hasattr(mine, "aggregate"):
+                merged.append(mine.aggregate(theirs))
+            else:
+                msg = f"child worker metadata {type(mine).__qualname__} has no aggregate(other)"
+                raise InvariantError(msg)
+        return MultiKVConnectorWorkerMetadata(
+            tuple(merged), tuple(sorted({*self.loads_failed, *other.loads_failed})),
+            tuple(sorted({*self.stores_failed, *other.stores_failed})))
+

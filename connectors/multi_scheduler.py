@@ -27,6 +27,7 @@ from connectors.multi_records import (
     MultiLoad,
     aggregate_stats,
     call_each,
+    new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedScheduler
 from kvconnector_core.connector.metadata import (
@@ -64,6 +65,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                  policy: LoaderSelectionPolicy, block_size: int | None) -> None:
         self.guards = [GuardedScheduler(c, label=label) for c, label in zip(children, labels)]
         self._policy = policy
+        self._errors_reported: dict[str, int] = {}  # see new_hook_errors
         self._block_size = block_size
         self._loader: dict[str, tuple[int, int, bool]] = {}  # req -> (child, local tokens, async)
         self._step_delayed: dict[str, list[int]] = {}
@@ -225,8 +227,13 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         """Chain the children's snapshots, in child order."""
         return [event for guard in self.guards for event in guard.get_event_snapshot()]
 
+    def reset_cache(self) -> bool:
+        """Reset every child (each through its guard); False if any child refused or raised."""
+        results = [guard.reset_cache() for guard in self.guards]
+        return all(results)
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""
         per_child = {g.label: s for g in self.guards if (s := g.get_kv_connector_stats())}
-        errors = {f"{g.label}.{hook}": n for g in self.guards for hook, n in g.errors.items()}
+        errors = new_hook_errors(self.guards, self._errors_reported)
         return aggregate_stats(per_child, errors, STANDARD_STAT_KEYS)

@@ -22,6 +22,7 @@ from connectors.multi_records import (
     MultiLoad,
     aggregate_stats,
     call_each,
+    new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import (
@@ -51,6 +52,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
     def __init__(self, children: Sequence[KVConnectorBase_V1], labels: Sequence[str]) -> None:
         self.guards = [GuardedWorker(c, label=label) for c, label in zip(children, labels)]
         self._awaiting_send: dict[str, set[int]] = {}
+        self._errors_reported: dict[str, int] = {}  # see new_hook_errors
         self._bound = [False] * len(self.guards)
         self._child_plans: list[KVConnectorMetadata | None] = [None] * len(self.guards)
         self._failed_loaders: set[int] = set()
@@ -212,5 +214,5 @@ class MultiWorkerSide(KVConnectorWorkerSide):
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""
         per_child = {g.label: s for g in self.guards if (s := g.get_kv_connector_stats())}
-        errors = {f"{g.label}.{hook}": n for g in self.guards for hook, n in g.errors.items()}
+        errors = new_hook_errors(self.guards, self._errors_reported)
         return aggregate_stats(per_child, errors)

@@ -13,6 +13,7 @@ from kvconnector_core.errors import InvalidConnectorError
 from kvconnector_core.errors import InvariantError
 from kvconnector_core.errors import KVConnectorError
 from kvconnector_core.errors import NoFreeBlocksError
+from kvconnector_core.errors import PluginDeniedError
 from kvconnector_core.errors import PluginLoadError
 from kvconnector_core.errors import RegistryError
 from kvconnector_core.errors import ShutdownError
@@ -204,6 +205,7 @@ __all__ = [
     "NewRequestData",
     "NoFreeBlocksError",
     "NONE_HASH",
+    "PluginDeniedError",
     "PluginFailure",
     "PluginLoadError",
     "PluginRecord",

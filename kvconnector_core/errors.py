@@ -13,6 +13,7 @@ and also from the builtin that fits, so ``except ValueError`` keeps working::
     │   ├── DuplicateConnectorError             two classes claim one name
     │   ├── InvalidConnectorError (also TypeError)    a registered object is not a connector
     │   └── PluginLoadError                     an entry point failed to import
+    │       └── PluginDeniedError               the allow/deny lists exclude a connector module
     ├── ConnectorHookError (RuntimeError)       a connector hook raised; carries the connector and hook
     ├── TransferError (RuntimeError)            a KV transfer failed
     └── ShutdownError (RuntimeError)            one or more connectors failed to shut down
@@ -32,6 +33,7 @@ __all__ = [
     "InvariantError",
     "KVConnectorError",
     "NoFreeBlocksError",
+    "PluginDeniedError",
     "PluginLoadError",
     "RegistryError",
     "ShutdownError",
@@ -102,7 +104,11 @@ class InvalidConnectorError(RegistryError, TypeError):
 
 
 class PluginLoadError(RegistryError):
-    """An entry point in group ``kvconnector`` failed to load."""
+    """An entry point in group ``kvconnector`` (or a connector ``module_path``) failed to load."""
+
+
+class PluginDeniedError(PluginLoadError):
+    """The allow/deny lists exclude a connector ``module_path``; it was not imported."""
 
 
 class ConnectorHookError(KVConnectorError, RuntimeError):

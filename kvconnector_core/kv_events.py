@@ -123,7 +123,21 @@ class BlockRemoved(KVCacheEvent):
 
 
 class AllBlocksCleared(KVCacheEvent):
-    """Every block of the emitting medium was dropped (prefix cache reset)."""
+    """Every block of ``medium`` was dropped (a prefix cache reset, or a resync).
+
+    Attributes:
+        medium: the medium that was cleared ("GPU", "CPU", "STORAGE"), or None for
+            every medium (the only meaning before the field existed). A clear of one
+            medium followed by ``BlockStored`` events for what it holds is how a
+            producer resyncs consumers after losing events (see
+            ``KVConnectorBase_V1.get_event_snapshot``).
+
+    ``medium`` is an optional trailing field, omitted from the wire when None, so
+    vLLM 0.33's decoder (whose ``AllBlocksCleared`` has no field and ignores
+    unknown ones) still reads every batch, and our decoder reads vLLM's.
+    """
+
+    medium: str | None = None
 
 
 class KVEventBatch(EventBatch):

@@ -8,7 +8,34 @@ from collections.abc import Iterable, Sequence
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash, hash_request_tokens
 
-__all__ = ["Request", "RequestStatus"]
+__all__ = ["LoRARequestRef", "Request", "RequestStatus", "lora_name_of"]
+
+
+class LoRARequestRef:
+    """The LoRA adapter of a request, shaped like vLLM's ``LoRARequest`` where connectors read it.
+
+    Attributes:
+        lora_name: the adapter's name.
+    """
+
+    __slots__ = ("lora_name",)
+
+    def __init__(self, lora_name: str) -> None:
+        self.lora_name = lora_name
+
+    def __repr__(self) -> str:
+        return f"LoRARequestRef({self.lora_name!r})"
+
+
+def lora_name_of(request: object) -> str | None:
+    """The LoRA adapter name of a kvconnector or vLLM request, or None.
+
+    Connectors run in both engines, and vLLM's ``Request`` has ``lora_request``
+    (None or an object with ``lora_name``) but no ``lora_name``: read it through
+    this function (or ``request.lora_request``), never ``request.lora_name``.
+    """
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else lora.lora_name
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,6 +120,11 @@ class Request:
         self.stop_reason: str | None = None
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
+
+    @property
+    def lora_request(self) -> LoRARequestRef | None:
+        """The LoRA adapter as vLLM's ``Request.lora_request`` exposes it (None without one)."""
+        return None if self.lora_name is None else LoRARequestRef(self.lora_name)
 
     def _update_block_hashes(self) -> None:
         if self.hash_block_size is None:

@@ -67,6 +67,7 @@ class InMemoryConnector(KVConnectorBase_V1):
         self._loads: list[tuple[str, bytes, list[int]]] = []
         self._async_reqs: list[str] = []
         self._last_stores: list[tuple[str, bytes, list[int]]] = []
+        self._unfinished_stores: list[tuple[str, bytes, int]] = []  # (req, key, ready at step)
         # worker side
         self._views: list[torch.Tensor] = []
         self._store: dict[bytes, list[torch.Tensor]] = {}
@@ -113,7 +114,7 @@ class InMemoryConnector(KVConnectorBase_V1):
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, new_ids, resumed in yield_req_data(scheduler_output):
             state = self._reqs.get(rid)
-            if state is None:
+            if state is None or state.get("forgotten"):
                 continue
             if resumed or rid in new_ids_of:  # the full block list: replace
                 state["blocks"] = [list(g) for g in new_ids]
@@ -129,6 +130,7 @@ class InMemoryConnector(KVConnectorBase_V1):
                 if key in self._available_at or 0 in block_ids:
                     continue
                 self._available_at[key] = self._step + self.save_delay + 1
+                self._unfinished_stores.append((rid, key, self._available_at[key]))
                 meta.stores.append((rid, key, block_ids))
                 state["last_store"] = self._step
             state["next_store"] = max(state["next_store"], full)
@@ -144,16 +146,39 @@ class InMemoryConnector(KVConnectorBase_V1):
         it later would be wrong. The request rolls back and recomputes, and its blocks are
         saved again from the first invalid one.
         """
+        # The worker reports each step once: the step's stores are only needed now.
+        last, self._last_stores = self._last_stores, []
+        self._unfinished_stores = [s for s in self._unfinished_stores if s[2] > self._step]
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
-        for rid, key, _ in self._last_stores:
+        for rid, key, _ in last:
             state = self._reqs.get(rid)
             if state is None or not any(b in invalid for g in state["blocks"] for b in g):
                 continue
             self._available_at.pop(key, None)
             first_bad = min(i for g in state["blocks"] for i, b in enumerate(g) if b in invalid)
             state["next_store"] = min(state["next_store"], first_bad)
+
+    def forget_requests(self, request_ids):
+        """Plan nothing more for these requests; their loads not yet sent and their stores
+        not yet complete are dropped (the latter never become visible)."""
+        self._loads = [load for load in self._loads if load[0] not in request_ids]
+        self._async_reqs = [r for r in self._async_reqs if r not in request_ids]
+        for rid in request_ids:
+            if rid in self._reqs:
+                self._reqs[rid]["forgotten"] = True
+        self._drop_stores({key for rid, key, _ in self._unfinished_stores if rid in request_ids})
+
+    def plan_failed(self, connector_metadata, *, loads_failed, stores_failed):
+        """A plan whose stores failed: they never become visible (loads hold nothing here)."""
+        if stores_failed:
+            self._drop_stores({key for _, key, _ in connector_metadata.stores})
+
+    def _drop_stores(self, keys) -> None:
+        for key in keys:
+            self._available_at.pop(key, None)
+        self._unfinished_stores = [s for s in self._unfinished_stores if s[1] not in keys]
 
     def request_finished(self, request, block_ids):
         state = self._reqs.pop(request.request_id, None)

@@ -157,13 +157,28 @@ def test_bench_core_main_writes_json(tmp_path: Path) -> None:
     assert len(data["results"]) == 8 + 6
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vllm not installed")
-def test_compare_vllm_tiny_run_has_matching_semantics() -> None:
-    """With vLLM installed, a tiny comparison runs and both managers agree on every counter."""
-    import compare_vllm
+OWN_CODE = tuple(str(BENCH_DIR.parent / part) for part in ("kvconnector_core", "connectors", "benchmarks"))
 
-    rows, checks = compare_vllm.compare(repeats=1, trace_size="tiny", pool_blocks=33,
-                                        log=lambda _m: None)
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM 0.33, installed only in its own venv "
+                                          "(make vllm-venv; then .vllm-venv/bin/python -m pytest)")
+def test_compare_vllm_tiny_run_has_matching_semantics() -> None:
+    """With vLLM installed, a tiny comparison runs and both managers agree on every counter.
+
+    vLLM and its dependencies warn at import and at run time (e.g. requests about a missing
+    charset detector), and the suite turns warnings into errors: those warnings are
+    recorded rather than raised, and only warnings from this project's own code fail.
+    """
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import compare_vllm
+
+        rows, checks = compare_vllm.compare(repeats=1, trace_size="tiny", pool_blocks=33,
+                                            log=lambda _m: None)
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.filename.startswith(OWN_CODE)]
+    assert ours == []
     assert rows
     assert checks["manager events off"]["same_semantics"]
     assert checks["manager events on"]["same_semantics"]

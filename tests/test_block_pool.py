@@ -326,7 +326,7 @@ def test_cache_full_blocks_salt_in_first_block_extra_keys():
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
     (ev,) = pool.take_events()
-    assert ev.extra_keys == [("s1",), None]
+    assert ev.extra_keys == [(None, "s1"), None]
 
 
 def test_cache_full_blocks_group_idx_and_medium():
@@ -514,7 +514,7 @@ def test_reset_prefix_cache_clears_and_emits():
     assert list(pool.iter_cached_blocks()) == []
     assert all(b.block_hash is None for b in pool.blocks)
     assert pool.get_cached_block(req.block_hashes[0], [0]) is None
-    assert pool.take_events() == [AllBlocksCleared()]
+    assert pool.take_events() == [AllBlocksCleared(medium="GPU")]
     assert pool.get_num_free_blocks() == 10
 
 

@@ -52,7 +52,7 @@ def run(argv: list[str], capsys, registry=None) -> tuple[int, str]:
 def test_table_lists_connectors_and_failures(capsys):
     """The table names each connector's class, distribution and version, then the failures."""
     code, out = run([], capsys, registry_with_failure())
-    assert code == 0
+    assert code == 2
     header, row = out.splitlines()[:2]
     assert header.split() == ["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION", "STATUS"]
     assert row.split() == ["RecordingConnector", "-", "kvconnector_core.testing.recording.RecordingConnector",
@@ -61,11 +61,17 @@ def test_table_lists_connectors_and_failures(capsys):
     assert "broken (kv-broken)" in failed and "zzz" in failed
 
 
-def test_strict_exit_code(capsys):
-    """--strict exits 1 when a plugin failed, 0 otherwise."""
-    assert run(["--strict"], capsys, registry_with_failure())[0] == 1
+def test_failed_plugin_exit_code(capsys):
+    """A failed plugin exits 2 (with or without the old --strict) and says so on stderr;
+    a healthy registry exits 0."""
+    for argv in ([], ["--strict"], ["--json"]):
+        parser = argparse.ArgumentParser()
+        list_cmd.add_arguments(parser)
+        assert list_cmd.main(parser.parse_args(argv), registry=registry_with_failure()) == 2
+        assert "1 plugin(s) failed to load" in capsys.readouterr().err
     reg = ConnectorRegistry()
     reg.add(RecordingConnector)
+    assert run([], capsys, reg)[0] == 0
     assert run(["--strict"], capsys, reg)[0] == 0
 
 
@@ -73,7 +79,7 @@ def test_json_output(capsys):
     """--json prints connectors and errors as data."""
     code, out = run(["--json"], capsys, registry_with_failure())
     data = json.loads(out)
-    assert code == 0
+    assert code == 2
     assert data["connectors"][0]["distribution"] == "kv-rec"
     assert data["errors"][0]["entry_point"] == "broken" and data["errors"][0]["distribution"] == "kv-broken"
 
@@ -105,14 +111,14 @@ def registry_with_conflict() -> ConnectorRegistry:
 def test_conflicted_name_is_shown_unusable_naming_both_claimants(capsys):
     """A name two classes claim is a CONFLICT row, and the conflict names both plugins, not one."""
     code, out = run([], capsys, registry_with_conflict())
-    assert code == 0
+    assert code == 2
     row = out.splitlines()[1]
     assert row.startswith("RecordingConnector") and row.endswith("CONFLICT (unusable)")
     conflicts = out.split("conflicts")[1]
     assert "kv-legit" in conflicts and "kv-squat" in conflicts
     assert "test_cli_list.ClashingRecording" in conflicts
     assert "failed to load" not in out  # not filed as one plugin's load failure
-    assert run(["--strict"], capsys, registry_with_conflict())[0] == 1
+    assert run(["--strict"], capsys, registry_with_conflict())[0] == 2
 
 
 def test_conflict_json(capsys):

@@ -202,4 +202,4 @@ def test_scheduler_side_connector_stats_are_reported():
     result = Engine(EngineConfig(connector=ttl)).run(get_workload("chat"))
     stats = result.metrics.connector_stats
     assert stats["scheduler.pins"] > 0
-    assert 0 < stats["scheduler.pinned_blocks"] <= 8
+    assert 0 < stats["scheduler.gauges.pinned_blocks"] <= 8

@@ -114,3 +114,53 @@ def test_without_faults_the_tier_serves_hits():
     assert result.metrics.connector_hit_tokens > 0
     assert result.metrics.connector_errors == {}
     check_clean(eng)
+
+
+@pytest.mark.parametrize("drain_first", [False, True], ids=["raises-before", "raises-after-draining"])
+def test_a_cpu_replica_stays_exact_when_take_events_raises(monkeypatch, caplog, drain_first):
+    """Regression (events were lost silently): after every step, a consumer applying the
+    engine's event stream holds exactly the GPU block hashes the CPU tier can serve, while
+    take_events raises in every other call that has events, before or after draining them."""
+    from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, to_external_hash
+
+    caplog.set_level(logging.CRITICAL)
+    original = OffloadingConnector.take_events
+    calls = {"with_events": 0}
+
+    def flaky(conn):
+        events = original(conn)
+        if events:
+            calls["with_events"] += 1
+            if calls["with_events"] % 2:
+                if not drain_first:  # as if it raised before draining: the events stay queued
+                    conn.scheduler_side._wire_events[:0] = events
+                raise RuntimeError("injected: take_events")
+        return events
+
+    monkeypatch.setattr(OffloadingConnector, "take_events", flaky)
+    eng = engine(OFFLOAD)
+    replica: set[int] = set()
+    take = eng.scheduler.take_events
+
+    def take_and_apply() -> list:
+        events = take()
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared) and ev.medium in (None, "CPU"):
+                replica.clear()
+            elif isinstance(ev, BlockStored) and ev.medium == "CPU":
+                replica.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved) and ev.medium == "CPU":
+                replica.difference_update(ev.block_hashes)
+        return events
+
+    eng.scheduler.take_events = take_and_apply  # type: ignore[method-assign]
+    side = offload_of(eng, "scheduler").scheduler_side
+
+    def check(_: int) -> None:
+        infos = side._events.tables[0]._info
+        assert replica == {to_external_hash(h) for key in side.manager.ready_keys()
+                           for h in infos[key].block_hashes}
+
+    result = eng.run(trace(1), progress=check)
+    assert result.outputs == baseline(1)
+    assert result.metrics.connector_errors["take_events"] > 0 and replica

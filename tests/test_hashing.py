@@ -82,7 +82,7 @@ def test_incremental_hashing_matches_full_hashing():
 
 def test_cache_salt_only_in_first_block_extra_keys():
     """The cache salt is an extra key of block 0 only."""
-    assert generate_block_extra_keys(0, None, "salt") == ("salt",)
+    assert generate_block_extra_keys(0, None, "salt") == (None, "salt")
     assert generate_block_extra_keys(1, None, "salt") is None
     assert generate_block_extra_keys(0, None, None) is None
 
@@ -104,9 +104,9 @@ def test_different_salts_never_share_any_block():
 
 
 def test_salt_hash_matches_explicit_extra_keys():
-    """The salted chain is the first block with ("salt",) then plain blocks."""
+    """The salted chain is the first block with (None, "salt") then plain blocks."""
     toks = list(range(8))
-    h0 = hash_block_tokens(None, toks[:4], ("s",))
+    h0 = hash_block_tokens(None, toks[:4], (None, "s"))
     h1 = hash_block_tokens(h0, toks[4:], None)
     assert hash_request_tokens(toks, 4, cache_salt="s") == [h0, h1]
 
@@ -148,3 +148,50 @@ def test_hash_block_size_changes_chunking(bs):
     toks = list(range(48))
     hashes = hash_request_tokens(toks, bs)
     assert hashes[0] == hash_block_tokens(None, toks[:bs])
+
+
+def test_cache_salt_and_lora_name_hash_in_separate_domains():
+    """cache_salt="x" and LoRA "x" used to give the same first-block hash (both keyed ("x",))."""
+    toks = list(range(8))
+    salted = hash_request_tokens(toks, 4, cache_salt="x")
+    lora = hash_request_tokens(toks, 4, lora_name="x")
+    assert salted[0] != lora[0]
+    assert generate_block_extra_keys(0, None, "x") != generate_block_extra_keys(0, "x", None)
+
+
+# Known digests: block hashes key CPU tiers, remote stores and routers in other processes, so
+# they must never change by accident (a new root hash, encoding or extra-key layout).
+PINNED_NONE_HASH = "1a934b767e2984d067e669df6c49438bbaa2bca4287090494073d60615255609"
+PINNED_CHAINS = {
+    "plain": ({}, ["3be2930760d15a70d296413d76c5aa62334193fd3ca8f49adce61478d59b1827",
+                   "222ce2594f77642247a6ee3ff1fd310408dd60750d5e2a81d22aba28b71dae5b"]),
+    "salt": ({"cache_salt": "x"}, ["4c5e45a957335d54906725e751c09cd9b683ded81c93f15b3757996b94fa7ccf",
+                                   "e8d7e6ba23f0225e086e9f26fb7fe837361e8f16267f0294a514f059848a5ec2"]),
+    "lora": ({"lora_name": "x"}, ["e5a672535f4fdbd6308618f34808b32fc34f2ac0d6b64920162c4c8c37ef8131",
+                                  "27f09e7dacf45bf8294dd24fc05cc44f06d2b7209d099f0ddd13f7b4002b13e5"]),
+    "both": ({"lora_name": "x", "cache_salt": "x"},
+             ["5a8d421f857f716c40f4447795aa1ba9ce2de1c267de633561df7d5b553dfcbd",
+              "109b904286734184009ebf2363fd236b63d16e54123f2298a363110851b82e6c"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PINNED_CHAINS))
+def test_block_hashes_are_pinned(case):
+    """Tokens 0..7 in blocks of 4 hash to known digests (plain, salted, LoRA, both)."""
+    assert NONE_HASH.hex() == PINNED_NONE_HASH
+    kwargs, expected = PINNED_CHAINS[case]
+    assert [h.hex() for h in hash_request_tokens(list(range(8)), 4, **kwargs)] == expected
+
+
+def test_block_hashes_are_the_same_in_another_process():
+    """A fresh interpreter with another PYTHONHASHSEED computes the pinned digests too."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kvconnector_core.kv_cache.hashing import NONE_HASH, hash_request_tokens as h; "
+            "print(NONE_HASH.hex(), *(x.hex() for x in h(list(range(8)), 4, lora_name='x', cache_salt='x')))")
+    for seed in ("0", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()
+        assert out == [PINNED_NONE_HASH, *PINNED_CHAINS["both"][1]]

@@ -241,7 +241,7 @@ def test_reset_prefix_cache_through_manager():
     assert m.reset_prefix_cache() is False
     m.free(a)
     assert m.reset_prefix_cache() is True
-    assert m.take_events() == [AllBlocksCleared()]
+    assert m.take_events() == [AllBlocksCleared(medium="GPU")]
     _, n = m.get_computed_blocks(make_request("b", range(8), 4))
     assert n == 0
 

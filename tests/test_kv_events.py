@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
 
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import _vllm033_events
 from kvconnector_core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -52,46 +53,8 @@ def sample_batch() -> KVEventBatch:
 
 def vllm_033_batch_type():
     """Independent replica of vLLM 0.33's event structs (reference §5), to cross-decode."""
-
-    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list[Any]
-        data_parallel_rank: int | None = None
-
-    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-        pass
-
-    class BlockStored(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        parent_block_hash: bytes | int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[tuple[Any, ...] | None] | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-        locality: str | None = None
-        ownership: str | None = None
-        session_id: str | None = None
-        lookahead_token_ids: list[Any] | None = None
-
-    class BlockRemoved(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        medium: str | None
-        group_idx: int | None = None
-        locality: str | None = None
-        ownership: str | None = None
-
-    class AllBlocksCleared(KVCacheEvent):
-        pass
-
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-    return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
+    return _vllm033_events.KVEventBatch, _vllm033_events.BlockStored, _vllm033_events.BlockRemoved, \
+        _vllm033_events.AllBlocksCleared
 
 
 # -- round trip ----------------------------------------------------------------------------------
@@ -229,3 +192,66 @@ def test_to_external_hash_fits_uint64(digest):
     h = to_external_hash(digest)
     assert 0 <= h < 2**64
     assert h == to_external_hash(b"\x00" * 24 + digest[-8:])
+
+
+# -- AllBlocksCleared.medium (issue 9 item 6) ------------------------------------------------------
+
+
+def test_cleared_medium_is_a_trailing_optional_field():
+    """medium defaults to None (every medium, the old meaning) and is omitted from the wire then."""
+    assert [f.name for f in msgspec.structs.fields(AllBlocksCleared)] == ["medium"]
+    assert AllBlocksCleared().medium is None
+    raw = msgspec.msgpack.decode(encode_event_batch(KVEventBatch(ts=0.0, events=[
+        AllBlocksCleared(), AllBlocksCleared(medium="CPU")])))
+    assert raw[1] == [{"type": "AllBlocksCleared"}, {"type": "AllBlocksCleared", "medium": "CPU"}]
+
+
+def test_vllm_consumer_decodes_a_resync_batch():
+    """vLLM 0.33's structs read a per-medium clear plus snapshot, every existing field intact."""
+    VBatch, VStored, VRemoved, VCleared = vllm_033_batch_type()
+    ours = KVEventBatch(ts=4.0, events=[
+        AllBlocksCleared(medium="CPU"),
+        stored(medium="CPU", lora_name="a", extra_keys=[("a",), ("a",)], group_idx=0),
+        BlockRemoved(block_hashes=[3], medium="GPU", group_idx=0),
+        AllBlocksCleared(),
+    ], data_parallel_rank=1)
+    theirs = msgspec.msgpack.Decoder(VBatch).decode(encode_event_batch(ours))
+    assert [type(e) for e in theirs.events] == [VCleared, VStored, VRemoved, VCleared]
+    assert (theirs.ts, theirs.data_parallel_rank) == (4.0, 1)
+    s = theirs.events[1]
+    for name in STORED_FIELDS:
+        assert getattr(s, name) == getattr(ours.events[1], name), name
+    for name in REMOVED_FIELDS:
+        assert getattr(theirs.events[2], name) == getattr(ours.events[2], name), name
+
+
+def test_cleared_medium_round_trips_and_vllm_clears_read_as_every_medium():
+    """Our decoder keeps the medium; a vLLM clear (no field) decodes as medium None."""
+    VBatch, VStored, VRemoved, VCleared = vllm_033_batch_type()
+    batch = KVEventBatch(ts=1.0, events=[AllBlocksCleared(medium="STORAGE")])
+    assert decode_event_batch(encode_event_batch(batch)).events == [AllBlocksCleared(medium="STORAGE")]
+    back = decode_event_batch(msgspec.msgpack.encode(VBatch(ts=1.0, events=[VCleared()])))
+    assert back.events == [AllBlocksCleared(medium=None)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="needs vLLM 0.33, installed only in its own venv (make vllm-venv)")
+def test_real_vllm_decoder_reads_a_resync_batch():
+    """Where vLLM 0.33 is installed, its own structs have the replica's layout and decode a
+    batch with per-medium clears, every existing field intact."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vLLM's import-time warnings are not ours
+        from vllm.distributed import kv_events as vk
+    assert [f.name for f in msgspec.structs.fields(vk.BlockStored)] == STORED_FIELDS
+    assert [f.name for f in msgspec.structs.fields(vk.BlockRemoved)] == REMOVED_FIELDS
+    ours = KVEventBatch(ts=5.0, events=[
+        AllBlocksCleared(medium="CPU"), stored(medium="CPU", group_idx=0),
+        BlockRemoved(block_hashes=[3], medium="GPU"), AllBlocksCleared()], data_parallel_rank=0)
+    theirs = msgspec.msgpack.Decoder(vk.KVEventBatch).decode(encode_event_batch(ours))
+    assert [type(e) for e in theirs.events] == [vk.AllBlocksCleared, vk.BlockStored, vk.BlockRemoved,
+                                                vk.AllBlocksCleared]
+    for name in STORED_FIELDS:
+        assert getattr(theirs.events[1], name) == getattr(ours.events[1], name), name
+    assert theirs.events[2].block_hashes == [3] and theirs.events[2].medium == "GPU"

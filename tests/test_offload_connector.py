@@ -47,9 +47,11 @@ def make(extra: dict, kv: KVCacheConfig | None = None,
     ({"num_cpu_blocks": 4, "block_size": 32, "blocks_per_chunk": 2}, "not both"),
     ({"num_cpu_blocks": 4, "blocks_per_chunk": 0}, "blocks_per_chunk=0"),
     ({}, "num_cpu_blocks"),
-    ({"num_cpu_blocks": 0}, "at least one"),
+    ({"num_cpu_blocks": 0}, r"num_cpu_blocks=0 is not valid: Expected `int` >= 1"),
+    ({"cpu_bytes": 1}, "at least one"),
     ({"num_cpu_blocks": 4, "cache_policy": "mru"}, "unknown cache policy 'mru'"),
-], ids=["bad-block-size", "both-sizes", "zero-factor", "no-capacity", "zero-capacity", "policy"])
+], ids=["bad-block-size", "both-sizes", "zero-factor", "no-capacity", "zero-capacity", "tiny-capacity",
+        "policy"])
 def test_invalid_config(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         make(extra)
@@ -248,13 +250,13 @@ def test_cli_run_with_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
 
 # ------------------------------------------------------------------------------ review fixes
 @pytest.mark.parametrize(("extra", "match"), [
-    ({"num_cpu_blocks": "abc"}, r"num_cpu_blocks='abc' is not valid; expected an integer, a positive"),
-    ({"cpu_bytes": [1]}, r"cpu_bytes=\[1\] is not valid; expected an integer"),
+    ({"num_cpu_blocks": "abc"}, r"OffloadingConnector: extra_config num_cpu_blocks='abc' is not valid: Expected `int"),
+    ({"cpu_bytes": [1]}, r"cpu_bytes=\[1\] is not valid: Expected `int"),
     ({"num_cpu_blocks": 4, "blocks_per_chunk": 1.5}, r"blocks_per_chunk=1.5 is not valid"),
-    ({"num_cpu_blocks": 4, "block_size": "x"}, r"block_size='x' is not valid; .*multiple of the GPU block size 16"),
+    ({"num_cpu_blocks": 4, "block_size": "x"}, r"block_size='x' is not valid: Expected `int"),
     ({"num_cpu_blocks": True}, r"num_cpu_blocks=True is not valid"),
-    ({"num_cpu_blocks": 4, "enable_events": "maybe"}, r"enable_events='maybe' is not valid; expected true or false"),
-    ({"num_cpu_blocks": 4, "cache_policy": 3}, r"cache_policy=3 is not valid; expected a string"),
+    ({"num_cpu_blocks": 4, "enable_events": "maybe"}, r"enable_events='maybe' is not valid: Expected `bool`"),
+    ({"num_cpu_blocks": 4, "cache_policy": 3}, r"cache_policy=3 is not valid: Expected `str`"),
 ], ids=["int-str", "bytes-list", "factor-float", "block-size-str", "bool", "events-str", "policy-int"])
 def test_wrongly_typed_config_names_key_value_and_valid(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -396,7 +398,7 @@ def test_no_chunk_info_is_kept_without_events() -> None:
     eng = engine("cpu", {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4, "enable_events": False}})
     result = eng.run(trace)
     assert result.metrics.bytes_stored > 0
-    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._chunk_info) == 0
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
     assert list(eng.scheduler_connector.take_events()) == []
 
 

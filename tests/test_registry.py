@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from _plugin_helpers import FakeEntryPoint, ep, plugin
 from kvconnector_core.connector import (
     ConnectorRegistry,
     KVConnectorConfig,
@@ -39,45 +39,6 @@ class Second(RecordingConnector):
 
     name = "Second"
     aliases = ("second",)
-
-
-@dataclass
-class FakeDist:
-    name: str
-    version: str = "1.0"
-
-
-@dataclass
-class FakeEntryPoint:
-    """Quacks like importlib.metadata.EntryPoint."""
-
-    name: str
-    value: str
-    target: Any
-    dist: FakeDist | None = None
-    group: str = "kvconnector"
-
-    def load(self) -> Any:
-        if isinstance(self.target, Exception):
-            raise self.target
-        return self.target
-
-
-def plugin(*classes: type, aliases: tuple[str, ...] = ()) -> types.ModuleType:
-    """A plugin module whose hook registers ``classes``."""
-    mod = types.ModuleType("fake_plugin")
-
-    @hookimpl
-    def kvconnector_register_connectors(registry):
-        for cls in classes:
-            registry.add(cls, aliases=aliases)
-
-    mod.kvconnector_register_connectors = kvconnector_register_connectors
-    return mod
-
-
-def ep(name: str, target: Any, dist: str = "dist-a") -> FakeEntryPoint:
-    return FakeEntryPoint(name, f"{name}_mod", target, FakeDist(dist))
 
 
 def load(*eps: FakeEntryPoint, **kwargs: Any) -> ConnectorRegistry:

@@ -236,8 +236,29 @@ def test_sync_load_failure_rolls_back_to_first_invalid_block():
     assert out.scheduled_cached_reqs.num_computed_tokens == [BS]
     s.update_from_output(out, fake_model_output(s, out))
     assert s.stats.num_failed_loads_recovered == 1
-    assert s.stats.num_connector_hit_tokens == 0  # the failed load served nothing
+    # Block 0 loaded fine and is used; only the tokens from the bad block on are recomputed.
+    assert s.stats.num_connector_hit_tokens == BS
+    assert s.stats.num_prefill_tokens_computed == 16
     run_to_completion(s)
+
+
+def test_bad_block_beyond_the_loaded_prefix_rolls_back_to_the_steps_start():
+    """A bad block among the tokens this step computed (beyond the loaded prefix) rolls the
+    request back to where the step started, num_computed_tokens - num_scheduled_tokens: the
+    whole step ran on KV the worker reports as bad."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (12, False)  # blocks 0-2 loaded synchronously; the step computes 12..19
+    s.add_request(req("a", n=20))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 8}
+    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    s.update_from_output(out, fake_model_output(s, out, invalid_block_ids={blocks[4]}))  # tokens 16..19
+    r = s.requests["a"]
+    assert r.num_computed_tokens == 12  # min(first bad (16), 20 - 8), not 16
+    assert r.num_output_tokens == 0
+    run_to_completion(s)
+    assert r.num_output_tokens == 3
 
 
 def test_sync_loaded_blocks_are_cached_only_after_success():
@@ -321,6 +342,15 @@ def test_fail_policy_fails_the_request():
     assert [r.request_id for r in done] == ["a"]
     assert done[0].status == RequestStatus.FINISHED_ERROR
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 39
+    assert_finish_reaches_the_worker(s, "a")
+
+
+def assert_finish_reaches_the_worker(s, request_id):
+    """As in vLLM, a finish keeps the engine stepping once: the empty step tells the worker."""
+    assert s.has_unfinished_requests()
+    out = s.schedule()
+    assert out.total_num_scheduled_tokens == 0 and request_id in out.finished_req_ids
+    s.update_from_output(out, fake_model_output(s, out))
     assert not s.has_unfinished_requests()
 
 
@@ -377,7 +407,7 @@ def test_abort_while_loading_waits_for_the_load():
     assert s.has_unfinished_requests()
     s.update_from_output(out, fake_model_output(s, out, finished_recving={"a"}))
     assert pool.get_num_free_blocks() == 39
-    assert not s.has_unfinished_requests()
+    assert_finish_reaches_the_worker(s, "a")
 
 
 def test_bad_policy_is_rejected():

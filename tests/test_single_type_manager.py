@@ -139,13 +139,24 @@ def test_sliding_window_larger_window_needs_longer_run():
 
 
 def test_sliding_window_aligned_hit_keeps_whole_window():
-    """With alignment > block size, the hit's window blocks are all real (vLLM aligns the run's end)."""
-    pool, placed, hit = swa_hit([3, 4], 11, sw=5, align=4)  # need 2 blocks; run 3..4 ends at 10, not aligned
+    """With alignment > block size, the hit's window blocks are all real (vLLM aligns the run's end).
+
+    The run 2..4 ends at token 10, which is not aligned to 4: the hit is cut to 8 tokens,
+    whose window (the next token 8 reads tokens 4..7) is blocks 2 and 3, both cached.
+    """
+    pool, placed, hit = swa_hit([2, 3, 4], 11, sw=5, align=4)
     sw = 5
     n = len(hit) * BS
-    assert n % 4 == 0
+    assert n == 8  # non-empty: an empty hit would pass the checks below vacuously
+    assert hit == [pool.null_block, pool.null_block, placed[2], placed[3]]
     first_needed = max(0, n - sw + 1) // BS
     assert all(not b.is_null for b in hit[first_needed:])
+
+
+def test_sliding_window_aligned_hit_is_empty_without_a_real_aligned_window():
+    """Only blocks 3..4 cached: no aligned end has its whole window cached, so no hit."""
+    _, _, hit = swa_hit([3, 4], 11, sw=5, align=4)
+    assert hit == []
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,26 +1,57 @@
-"""Validated settings of the CPU offloading connector (:class:`OffloadConfig`).
+"""Settings of the CPU offloading connector: :class:`OffloadSettings` (the typed
+``extra_config``) and :class:`OffloadConfig` (the settings checked against the KV cache layout).
 
 Importing this module does not import torch: a config is checked where it is loaded.
 
-Primitives: :class:`OffloadConfig`, :class:`OffloadGroup`, :data:`TRANSFER_METHODS`.
+Primitives: :class:`OffloadSettings`, :class:`OffloadConfig`, :class:`OffloadGroup`,
+:data:`TRANSFER_METHODS`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Literal
 
+import msgspec
+
+from kvconnector_core.connector.settings import ConnectorSettings, convert_settings
 from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
 
-__all__ = ["TRANSFER_METHODS", "OffloadConfig", "OffloadGroup"]
+__all__ = ["TRANSFER_METHODS", "OffloadConfig", "OffloadGroup", "OffloadSettings"]
 
 # transfer.METHODS, repeated so that validating a config does not import torch
 # (a test checks the two agree).
 TRANSFER_METHODS = ("auto", "coalesced", "per_block", "gather")
+
+
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class OffloadSettings(ConnectorSettings):
+    """The connector's ``extra_config`` (see ``docs/offload.md``).
+
+    Attributes:
+        num_cpu_blocks: offloaded blocks the CPU tier holds (or give ``cpu_bytes``).
+        cpu_bytes: the CPU tier's size in bytes (or give ``num_cpu_blocks``).
+        block_size: tokens per offloaded block, a multiple of the GPU block size (or give
+            ``blocks_per_chunk``; default: one GPU block).
+        blocks_per_chunk: GPU blocks per offloaded block.
+        cache_policy: eviction policy, ``"lru"`` or ``"arc"``.
+        enable_events: emit CPU-medium KV events.
+        transfer_method: how blocks are copied (``"auto"`` picks).
+    """
+
+    num_cpu_blocks: _Positive | None = None
+    cpu_bytes: _Positive | None = None
+    block_size: _Positive | None = None
+    blocks_per_chunk: _Positive | None = None
+    cache_policy: str = "lru"
+    enable_events: bool = True
+    transfer_method: Literal["auto", "coalesced", "per_block", "gather"] = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +92,7 @@ class OffloadGroup:
 
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
-    """Validated ``extra_config`` of the connector.
+    """The settings checked against the KV cache layout.
 
     Attributes:
         gpu_block_size: the alignment of loads: the least common multiple of the KV
@@ -94,20 +125,26 @@ class OffloadConfig:
         return max((g.factor for g in self.groups), default=self.blocks_per_chunk)
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any], kv_cache_config: KVCacheConfig | None) -> OffloadConfig:
-        """Validate ``extra_config`` against the KV cache layout.
+    def from_extra(cls, extra: dict[str, object], kv_cache_config: KVCacheConfig | None) -> OffloadConfig:
+        """Convert ``extra_config`` to :class:`OffloadSettings`, then check it (see :meth:`from_settings`)."""
+        return cls.from_settings(convert_settings("OffloadingConnector", OffloadSettings, extra),
+                                 kv_cache_config)
+
+    @classmethod
+    def from_settings(cls, settings: OffloadSettings, kv_cache_config: KVCacheConfig | None) -> OffloadConfig:
+        """Check the settings against the KV cache layout.
 
         Raises:
             ConfigError: missing KV cache config, a block size that is not a multiple of
-                every group's GPU block size, both ``block_size`` and
-                ``blocks_per_chunk``, or no / a non-positive CPU capacity.
+                every group's GPU block size, both ``block_size`` and ``blocks_per_chunk``
+                or both ``num_cpu_blocks`` and ``cpu_bytes``, or no CPU capacity.
         """
         if kv_cache_config is None:
             msg = "OffloadingConnector needs the engine's KV cache config (got None)"
             raise ConfigError(msg)
         specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
         gpu_bs = math.lcm(*(spec.block_size for spec in specs))
-        factor = _blocks_per_chunk(extra, gpu_bs)
+        factor = _blocks_per_chunk(settings, gpu_bs)
         chunk_tokens = factor * gpu_bs
         groups = tuple(
             OffloadGroup(i, spec.block_size, chunk_tokens // spec.block_size,
@@ -115,83 +152,33 @@ class OffloadConfig:
                          getattr(spec, "attention_chunk_size", 0) or 0)
             for i, spec in enumerate(specs))
         chunk_bytes = max(g.factor for g in groups) * kv_cache_config.bytes_per_block
-        if "num_cpu_blocks" in extra and "cpu_bytes" in extra:
-            msg = "give either 'num_cpu_blocks' or 'cpu_bytes' in extra_config, not both"
+        if settings.num_cpu_blocks is not None and settings.cpu_bytes is not None:
+            msg = "OffloadingConnector: give either 'num_cpu_blocks' or 'cpu_bytes' in extra_config, not both"
             raise ConfigError(msg)
-        if "num_cpu_blocks" in extra:
-            num = _int_key(extra, "num_cpu_blocks", "a positive number of offloaded blocks")
-        elif "cpu_bytes" in extra:
-            num = _int_key(extra, "cpu_bytes", "a positive number of bytes") // chunk_bytes
+        if settings.num_cpu_blocks is not None:
+            num = settings.num_cpu_blocks
+        elif settings.cpu_bytes is not None:
+            num = settings.cpu_bytes // chunk_bytes
         else:
             msg = ("OffloadingConnector needs 'num_cpu_blocks' (offloaded blocks) or "
                    f"'cpu_bytes' in extra_config (one offloaded block is {chunk_bytes} bytes)")
             raise ConfigError(msg)
         if num < 1:
-            msg = (f"the CPU tier must hold at least one offloaded block of {chunk_bytes} "
-                   f"bytes; extra_config gives {num}")
+            msg = (f"OffloadingConnector: the CPU tier must hold at least one offloaded block of "
+                   f"{chunk_bytes} bytes; extra_config cpu_bytes={settings.cpu_bytes} is less")
             raise ConfigError(msg)
-        method = _str_key(extra, "transfer_method", "auto", "'auto', 'coalesced', 'per_block' or 'gather'")
-        if method not in TRANSFER_METHODS:
-            # Checked here, with the rest of the config, not when the worker registers.
-            msg = (f"OffloadingConnector transfer_method={method!r} is not valid; expected one of "
-                   f"{', '.join(TRANSFER_METHODS)}")
+        return cls(gpu_bs, factor, num, settings.cache_policy, settings.enable_events,
+                   settings.transfer_method, groups)
+
+
+def _blocks_per_chunk(settings: OffloadSettings, gpu_bs: int) -> int:
+    if settings.block_size is not None and settings.blocks_per_chunk is not None:
+        msg = "OffloadingConnector: give either 'block_size' or 'blocks_per_chunk' in extra_config, not both"
+        raise ConfigError(msg)
+    if settings.block_size is not None:
+        if settings.block_size % gpu_bs:
+            msg = (f"OffloadingConnector: extra_config block_size={settings.block_size} must be a "
+                   f"positive multiple of the GPU block size {gpu_bs}")
             raise ConfigError(msg)
-        return cls(gpu_bs, factor, num,
-                   _str_key(extra, "cache_policy", "lru", "a cache policy name such as 'lru' or 'arc'"),
-                   _bool_key(extra, "enable_events", True),
-                   method, groups)
-
-
-def _int_key(extra: dict[str, Any], key: str, valid: str, default: int | None = None) -> int:
-    """Return ``extra[key]`` as an int; a bool, a fraction or a non-numeric string is a ConfigError."""
-    value = extra.get(key, default)
-    if isinstance(value, bool):
-        ok = False
-    elif isinstance(value, int):
-        return value
-    elif isinstance(value, float):
-        ok = value.is_integer()
-    elif isinstance(value, str):
-        ok = value.strip().lstrip("+-").isdigit()
-    else:
-        ok = False
-    if not ok:
-        msg = f"OffloadingConnector extra_config {key}={value!r} is not valid; expected an integer, {valid}"
-        raise ConfigError(msg)
-    return int(value)  # type: ignore[arg-type]
-
-
-def _bool_key(extra: dict[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    msg = f"OffloadingConnector extra_config {key}={value!r} is not valid; expected true or false"
-    raise ConfigError(msg)
-
-
-def _str_key(extra: dict[str, Any], key: str, default: str, valid: str) -> str:
-    value = extra.get(key, default)
-    if not isinstance(value, str):
-        msg = f"OffloadingConnector extra_config {key}={value!r} is not valid; expected a string, {valid}"
-        raise ConfigError(msg)
-    return value
-
-
-def _blocks_per_chunk(extra: dict[str, Any], gpu_bs: int) -> int:
-    if "block_size" in extra and "blocks_per_chunk" in extra:
-        msg = "give either 'block_size' or 'blocks_per_chunk' in extra_config, not both"
-        raise ConfigError(msg)
-    if "block_size" in extra:
-        tokens = _int_key(extra, "block_size", f"a positive multiple of the GPU block size {gpu_bs}")
-        if tokens <= 0 or tokens % gpu_bs:
-            msg = (f"extra_config block_size={tokens} must be a positive multiple of the GPU "
-                   f"block size {gpu_bs}")
-            raise ConfigError(msg)
-        return tokens // gpu_bs
-    factor = _int_key(extra, "blocks_per_chunk", "the GPU blocks per offloaded block (>= 1)", 1)
-    if factor < 1:
-        msg = f"extra_config blocks_per_chunk={factor} must be >= 1"
-        raise ConfigError(msg)
-    return factor
+        return settings.block_size // gpu_bs
+    return settings.blocks_per_chunk or 1

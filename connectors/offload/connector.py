@@ -17,9 +17,9 @@ never in the stats, so they survive wrapping in a MultiConnector).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.offload.config import TRANSFER_METHODS, OffloadConfig
+from connectors.offload.config import TRANSFER_METHODS, OffloadConfig, OffloadSettings
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
 from connectors.offload.scheduler_side import OffloadSchedulerSide
 from connectors.offload.worker_side import OffloadWorkerSide
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TRANSFER_METHODS",
     "OffloadConfig",
+    "OffloadSettings",
     "OffloadWorkerMetadata",
     "OffloadingConnector",
     "OffloadingConnectorMetadata",
@@ -54,19 +55,27 @@ class OffloadingConnector(RoleSplitConnector):
         kv_cache_config: the engine's KV cache layout (one or several groups).
 
     Raises:
-        ConfigError: invalid ``extra_config`` (see :meth:`OffloadConfig.from_extra`).
+        ConfigError: invalid ``extra_config`` (see :class:`OffloadSettings`, :meth:`OffloadConfig.from_settings`).
     """
 
     name: ClassVar[str] = "OffloadingConnector"
+    settings_type: ClassVar[type[Any] | None] = OffloadSettings
     metadata_type: ClassVar[type[KVConnectorMetadata]] = OffloadingConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = False
 
     def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
+        # Before the base class, which builds the role object from it; the base converts
+        # extra_config to settings_type again (cheap) and keeps it as self.settings.
         self.offload_config = OffloadConfig.from_extra(dict(config.extra_config), kv_cache_config)
         """The validated ``extra_config``."""
         super().__init__(config, role, kv_cache_config)
+
+    @classmethod
+    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
+        """A CPU tier four times the GPU pool (what ``kvconnector run`` uses)."""
+        return {"num_cpu_blocks": 4 * num_gpu_blocks}
 
     def make_scheduler_side(self) -> OffloadSchedulerSide:
         """The scheduler-side object."""

@@ -6,7 +6,7 @@ Primitives:
     OffloadingEvent      keys stored in / removed from a medium (no block size: the
                          connector knows the block geometry and adds it on the wire)
     OffloadingManager    ABC: lookup / prepare_load / touch / complete_load /
-                         prepare_store / complete_store / take_events
+                         prepare_store / complete_store / take_events / ready_keys
     CPUOffloadingManager slot allocator + ref counts over a pluggable cache policy
 
 Lifecycle of a stored block: ``prepare_store`` gives it a slot at ref -1 (invisible to
@@ -121,6 +121,19 @@ class OffloadingManager(ABC):
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Return and forget the events recorded since the last call."""
         return ()
+
+    def ready_keys(self) -> list[OffloadKey]:
+        """Return every key the tier holds ready to load (what a consumer of its events should see).
+
+        Event snapshots (:func:`connectors.offload.events.snapshot_events`) are built
+        from it, so a tier that records events must implement it.
+
+        Raises:
+            NotImplementedError: by default; a snapshot that cannot be built is
+                retried by the engine rather than sent wrong.
+        """
+        msg = f"{type(self).__name__} does not implement ready_keys(), so its events cannot be resynced"
+        raise NotImplementedError(msg)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -295,6 +308,14 @@ class CPUOffloadingManager(OffloadingManager):
         """See :meth:`OffloadingManager.take_events`."""
         events, self._events = self._events, []
         return events
+
+    def ready_keys(self) -> list[OffloadKey]:
+        """See :meth:`OffloadingManager.ready_keys`; in the policy's order.
+
+        Keys being written (ref -1) are left out: their stored event comes with
+        ``complete_store``, after any snapshot taken now.
+        """
+        return [key for key, entry in self.policy if entry.is_ready]
 
     def reset_cache(self) -> bool:
         """Drop every block, unless a load or store is in flight.

@@ -49,10 +49,20 @@ class OffloadingConnectorMetadata(KVConnectorMetadata, kw_only=True):
 class OffloadWorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """Transfer jobs the worker finished since its last report (worker -> scheduler).
 
+    With several workers (tensor parallelism) every worker moves its own shard of
+    each job and reports it; :meth:`aggregate` folds the workers' reports into one
+    and keeps one entry per report, so the scheduler side completes a job only
+    once ``config.world_size`` reports have arrived (in any steps).
+
     Attributes:
-        done_job_ids: jobs that completed successfully.
+        done_job_ids: jobs that completed successfully (one entry per worker report).
         failed_job_ids: jobs that failed (stores are dropped, loads recomputed).
     """
 
     done_job_ids: list[int] = msgspec.field(default_factory=list)
     failed_job_ids: list[int] = msgspec.field(default_factory=list)
+
+    def aggregate(self, other: OffloadWorkerMetadata) -> OffloadWorkerMetadata:
+        """Fold another worker's report of the same step into this one (reports add up)."""
+        return OffloadWorkerMetadata(done_job_ids=self.done_job_ids + other.done_job_ids,
+                                     failed_job_ids=self.failed_job_ids + other.failed_job_ids)

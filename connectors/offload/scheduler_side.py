@@ -27,16 +27,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
-from connectors.offload.manager import CPUOffloadingManager, OffloadingEvent
+from connectors.offload.events import ChunkInfo, GroupedEvents
+from connectors.offload.lookup import longest_hit, needed_chunks
+from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 from kvconnector_core.errors import InvariantError
 from kvconnector_core.kv_events import MEDIUM_CPU
+from kvconnector_core.request import lora_name_of
 from kvconnector_core.scheduler.output import yield_req_data
 
 if TYPE_CHECKING:
-    from connectors.offload.config import OffloadConfig, OffloadGroup
+    from connectors.offload.config import OffloadConfig
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
@@ -93,10 +95,10 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         # (nothing drains it otherwise). Manager events are translated as soon as they
         # happen, so the tables always match the tier (a key evicted and stored again
         # within one take_events window keeps its info).
-        self._chunk_info = [ChunkInfoTable() for _ in cfg.groups]
-        self._wire_events: list[KVCacheEvent] = []
+        self._events = GroupedEvents([g.block_size for g in cfg.groups], enabled=cfg.enable_events)
         self._reqs: dict[str, _ReqState] = {}
         self._jobs: dict[int, _JobRecord] = {}
+        self._job_reports: dict[int, tuple[int, bool]] = {}  # job -> (worker reports, all ok)
         self._job_ids = itertools.count()
         self._pending_loads: list[TransferJobSpec] = []
         self._delayed_free: list[str] = []
@@ -107,27 +109,18 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
     # ------------------------------------------------------------------ keys
     def _num_chunks(self, request: Request) -> int:
         """Whole chunks the request's block hashes cover."""
-        return len(request.block_hashes) * (request.hash_block_size or 0) // self.offload_config.chunk_tokens
+        return len(request.block_hashes) * self._hash_block_size(request) // self.offload_config.chunk_tokens
+
+    def _hash_block_size(self, request: Request) -> int:
+        """Tokens per entry of ``request.block_hashes``. vLLM's Request has no
+        ``hash_block_size``: its hashes are per GPU block (one group under the adapter)."""
+        return getattr(request, "hash_block_size", None) or self.offload_config.gpu_block_size
 
     def _key(self, request: Request, group: int, chunk: int) -> bytes:
         """Key of chunk ``chunk`` of ``group``: the chained hash of its last token's block,
         plus the group. O(1): no list of keys is built (planning is O(new chunks))."""
         ct = self.offload_config.chunk_tokens
-        return request.block_hashes[(chunk + 1) * ct // request.hash_block_size - 1] + self._suffixes[group]
-
-    def _needed_chunks(self, group: OffloadGroup, start_tokens: int, end_tokens: int) -> range:
-        """Chunks of ``group`` whose KV must be on the GPU to continue after ``end_tokens``
-        tokens, given the first ``start_tokens`` are there already (partial chunks count)."""
-        ct = self.offload_config.chunk_tokens
-        first = max(group.first_needed_token(end_tokens), start_tokens)
-        return range(first // ct, -(-end_tokens // ct))
-
-    def _missing_before(self, request: Request, g: int, start: int, stop: int) -> list[int]:
-        """``out[c - start]``: chunks of group ``g`` in ``[start, c)`` not ready in the tier."""
-        out = [0]
-        for c in range(start, stop):
-            out.append(out[-1] + (self.manager.lookup((self._key(request, g, c),)) == 0))
-        return out
+        return request.block_hashes[(chunk + 1) * ct // self._hash_block_size(request) - 1] + self._suffixes[group]
 
     # ------------------------------------------------------------------ loads
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -145,35 +138,15 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if not self.config.is_kv_consumer:  # role kv_producer: only stores
             return 0, False
         cfg = self.offload_config
-        ct = cfg.chunk_tokens
         num_chunks = self._num_chunks(request)
-        start = num_computed_tokens // ct
-        if start >= num_chunks:
+        if num_computed_tokens // cfg.chunk_tokens >= num_chunks:
             return 0, False
-        last_loadable = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
-        # Full-attention groups bound the hit by their leading run of ready chunks.
-        best = num_chunks
-        for g, group in enumerate(self._groups):
-            if group.is_full:
-                keys = [self._key(request, g, c) for c in range(start, num_chunks)]
-                best = min(best, start + self.manager.lookup(keys))
-        # Windowed groups: the longest hit whose window is held. One lookup per chunk,
-        # then O(1) per candidate end (counts of missing chunks before each chunk).
-        windowed = [(g, group, self._missing_before(request, g, start, best))
-                    for g, group in enumerate(self._groups) if not group.is_full]
-        for n in range(best, start, -1):
-            end = min(n * ct, last_loadable)
-            if end <= num_computed_tokens:
-                break
-            ok = True
-            for _, group, missing in windowed:
-                chunks = self._needed_chunks(group, num_computed_tokens, end)
-                if missing[chunks.stop - start] != missing[chunks.start - start]:
-                    ok = False
-                    break
-            if ok:
-                return end - num_computed_tokens, True
-        return 0, False
+        hit = longest_hit(
+            self._groups, self.manager.lookup, lambda g, c: self._key(request, g, c),
+            num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
+            last_loadable=(request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size,
+            chunk_tokens=cfg.chunk_tokens)
+        return hit, hit > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -209,7 +182,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         # does: +1 to +10 points of hit rate for LRU and ARC on the reference chat trace
         # (benchmarks/bench_offload_hits.py).
         state.hit_keys = [self._key(request, g, c) for g, group in enumerate(self._groups)
-                          for c in self._needed_chunks(group, 0, end // ct * ct)]
+                          for c in needed_chunks(group, 0, end // ct * ct, ct)]
         if num_external_tokens == 0 or any(j.req_id == rid for j in self._pending_loads):
             return
         if num_external_tokens % cfg.gpu_block_size:
@@ -303,7 +276,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if not wanted:
             return None
         out = self.manager.prepare_store([key for _, _, key in wanted])
-        self._translate_events()  # evictions, before a re-stored key's info is replaced
+        self._events.translate(self.manager)  # evictions, before a re-stored key's info is replaced
         if out is None:
             logger.debug("CPU tier full: store of %d chunks of %s retried next step",
                          len(wanted), request.request_id)
@@ -321,8 +294,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             f = self._groups[g].factor
             gpu_ids += state.block_ids[g][c * f:(c + 1) * f]
             cpu_ids += [slot * sub + j for j in range(f)]
-            if self.offload_config.enable_events:
-                self._chunk_info[g].add(key, self._describe(request, g, c))
+            if self._events.enabled:
+                self._events.add(key, self._describe(request, g, c))
         job = TransferJobSpec(next(self._job_ids), request.request_id, gpu_ids, cpu_ids)
         self._jobs[job.job_id] = _JobRecord(request.request_id, out.keys_to_store, is_store=True)
         state.store_jobs.add(job.job_id)
@@ -330,7 +303,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
 
     def _describe(self, request: Request, g: int, chunk: int) -> ChunkInfo:
         """The GPU blocks of group ``g`` a chunk holds: their hashes, parent and tokens."""
-        group, hbs = self._groups[g], request.hash_block_size
+        group, hbs = self._groups[g], self._hash_block_size(request)
         f, bs = group.factor, group.block_size
         hashes = request.block_hashes
 
@@ -340,7 +313,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         first = chunk * f
         tokens = request.all_token_ids[first * bs:(first + f) * bs]
         return ChunkInfo(tuple(block_hash(j) for j in range(first, first + f)),
-                         block_hash(first - 1) if first else None, list(tokens), request.lora_name)
+                         block_hash(first - 1) if first else None, list(tokens), lora_name_of(request))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Complete the stores and loads the worker finished; forget sent requests.
@@ -354,16 +327,23 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         for job_id, success in itertools.chain(
                 ((j, True) for j in meta.done_job_ids),
                 ((j, False) for j in meta.failed_job_ids)):
-            record = self._jobs.pop(job_id, None)
-            if record is None:
+            if job_id not in self._jobs:
                 continue
+            # Every worker moves its shard of a job: done once all have reported.
+            count, ok = self._job_reports.pop(job_id, (0, True))
+            count, ok = count + 1, ok and success
+            if count < self.config.world_size:
+                self._job_reports[job_id] = (count, ok)
+                continue
+            success = ok
+            record = self._jobs.pop(job_id)
             if job_id in self._poisoned:
                 self._poisoned.discard(job_id)
                 success = False
             if record.is_store:
                 self.manager.complete_store(record.keys, success=success)
                 if not success:
-                    self._discard_info(record.keys)
+                    self._events.discard(record.keys)
                 state = self._reqs.get(record.req_id)
                 if state is not None:
                     state.store_jobs.discard(job_id)
@@ -376,8 +356,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             for job_id, record in list(self._jobs.items()):
                 if not record.is_store and record.req_id in connector_output.failed_recving:
                     del self._jobs[job_id]
+                    self._job_reports.pop(job_id, None)
                     self.manager.complete_load(record.keys)
-        self._translate_events()
+        self._events.translate(self.manager)
         for rid in connector_output.finished_sending:
             state = self._reqs.get(rid)
             if state is not None and state.finished and not state.store_jobs:
@@ -441,7 +422,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         # The worker may never have learnt these delayed frees: tell it again (it
         # reports a request it knows no stores of at once).
         self._delayed_free += [r for r in plan.delayed_free_req_ids if r not in self._delayed_free]
-        self._translate_events()
+        self._events.translate(self.manager)
 
     def _release_load(self, job_id: int) -> None:
         record = self._jobs.pop(job_id, None)
@@ -450,36 +431,12 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
 
     def _fail_store(self, job_id: int, record: _JobRecord) -> None:
         self.manager.complete_store(record.keys, success=False)
-        self._discard_info(record.keys)
+        self._events.discard(record.keys)
         self._poisoned.discard(job_id)
         state = self._reqs.get(record.req_id)
         if state is not None:
             state.store_jobs.discard(job_id)
             self._drop_if_done(state)
-
-    def _group_of(self, key: bytes) -> int:
-        return int.from_bytes(key[-4:], "big")
-
-    def _discard_info(self, keys: tuple[bytes, ...]) -> None:
-        for key in keys:
-            self._chunk_info[self._group_of(key)].discard((key,))
-
-    def _translate_events(self) -> None:
-        """Turn the manager's events into wire events now, while the chunk info is current.
-
-        One wire event per event and group, with the group's index and block size (the
-        manager's events have neither: keys carry the group).
-        """
-        if not self.offload_config.enable_events:
-            return
-        for event in self.manager.take_events():
-            by_group: dict[int, list[bytes]] = {}
-            for key in event.keys:
-                by_group.setdefault(self._group_of(key), []).append(key)
-            for g, keys in by_group.items():
-                part = OffloadingEvent(tuple(keys), event.medium, event.removed)
-                self._wire_events += to_wire_events([part], self._chunk_info[g],
-                                                    self._groups[g].block_size, group_idx=g)
 
     def take_events(self) -> list[KVCacheEvent]:
         """CPU-tier stores and removals as self-describing wire events.
@@ -489,6 +446,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         one is evicted, so replaying the stream as a set gives exactly the GPU blocks
         the tier can serve (also when chunks of ``blocks_per_chunk > 1`` share blocks).
         """
-        self._translate_events()
-        events, self._wire_events = self._wire_events, []
-        return events
+        return self._events.take(self.manager)
+
+    def get_event_snapshot(self) -> list[KVCacheEvent]:
+        """A clear of the CPU medium, then every block the tier serves now, per KV cache
+        group (each with its group index and block size); it supersedes
+        every event not yet returned (the guard's resync after a failed ``take_events``).
+        Nothing with events off."""
+        return self._events.snapshot(self.manager)

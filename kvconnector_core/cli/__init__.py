@@ -38,8 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvconnector`` console script."""
-    # torch warns at import when numpy is missing; the project does not use numpy, so a
-    # normal run must not print that (a test checks stderr has no warning).
+    # torch warns on import when the optional NumPy is absent; nothing here uses NumPy,
+    # and a warning on every command hides the ones that matter.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     parser = _build_parser()
     args = parser.parse_args(argv)

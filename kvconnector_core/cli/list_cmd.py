@@ -7,8 +7,9 @@ resolve; both claimants are named, since either may be the legitimate one), a
 distribution and error, and the plugins skipped by
 ``KVCONNECTOR_PLUGINS_ALLOW`` / ``_DENY``. A row whose name is claimed twice
 has status ``CONFLICT (unusable)``; one with only a clashing alias names it.
-Exit code 0 even when a plugin failed or a name is conflicted, unless
-``--strict``; ``--json`` prints the same data as one JSON object.
+Exit code 1 when a plugin failed to load or a name is conflicted (a
+broken install must not look healthy to a script), else 0; ``--json``
+prints the same data as one JSON object.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ HELP = "List installed connectors (name, class, distribution, version) and plugi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--json`` and ``--strict``."""
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.add_argument("--strict", action="store_true", help="exit with status 1 if any plugin failed to load")
+    parser.add_argument("--strict", action="store_true",
+                        help="kept for old scripts: a failed plugin now always exits with status 2")
 
 
 def collect(registry: Any = None) -> dict[str, Any]:
@@ -97,7 +99,7 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def main(args: argparse.Namespace, registry: Any = None) -> int:
-    """Print the listing; return 1 under ``--strict`` when a plugin failed, else 0."""
+    """Print the listing; return 2 when a plugin failed or a name is conflicted, else 0."""
     data = collect(registry)
     out = sys.stdout
     if getattr(args, "json", False):
@@ -123,8 +125,11 @@ def main(args: argparse.Namespace, registry: Any = None) -> int:
             out.write("\nskipped:\n")
             for s in data["skipped"]:
                 out.write(f"  {s['entry_point']} ({s['distribution'] or 'unknown distribution'}): {s['reason']}\n")
-    failed = data["errors"] or data["conflicts"]
-    return 1 if getattr(args, "strict", False) and failed else 0
+    if data["errors"] or data["conflicts"]:
+        print(f"kvconnector list: {len(data['errors'])} plugin(s) failed to load, "
+              f"{len(data['conflicts'])} conflicted name(s); see above", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _status(connector: dict[str, Any]) -> str:

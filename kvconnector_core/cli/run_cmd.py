@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["HELP", "add_arguments", "main"]
@@ -22,14 +23,25 @@ DEFAULT_CONNECTOR = "cpu_offload"
 DEFAULT_NUM_GPU_BLOCKS = 64
 MAX_NUM_BATCHED_TOKENS = 256
 MAX_NUM_SEQS = 8
+# Room past the longest request, so its last tokens never meet the max_model_len cap.
+_MODEL_LEN_HEADROOM = 16
+MAX_MODEL_LEN = 2**20  # EngineConfig's bound (the integer model is exact up to it)
+MAX_NUM_GPU_BLOCKS = 2**24
+"""Largest ``--num-gpu-blocks`` (a bound, not a promise that memory suffices)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of ``kvconnector run``."""
+    from kvconnector_core.engine.workloads import WORKLOADS
+
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", metavar="NAME",
-                     help=f"built-in workload (default {DEFAULT_WORKLOAD!r})")
-    src.add_argument("--trace", metavar="FILE", help="JSONL trace file (one request per line)")
+                     help=f"built-in workload: {', '.join(sorted(WORKLOADS))} "
+                          f"(default {DEFAULT_WORKLOAD!r})")
+    src.add_argument("--trace", metavar="FILE",
+                     help="JSONL trace file, one request per line: arrival (engine steps), "
+                          "prompt_token_ids (ids in [0, vocab)), max_new_tokens, optional "
+                          "cache_salt and request_id")
     conn = parser.add_mutually_exclusive_group()
     conn.add_argument("--connector", metavar="NAME",
                       help=f"registered connector name (default {DEFAULT_CONNECTOR!r} if "
@@ -43,13 +55,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admit a request only if its whole output fits (default: its "
                              "current tokens, as vLLM 0.33)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as JSON (with a per-step timeline)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw per-step hit rate and bytes moved per tier (needs matplotlib: "
+                             "pip install 'kvconnector[plot]')")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the no-connector run and the output comparison")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, metavar="N",
                         help=f"GPU block pool size (default {DEFAULT_NUM_GPU_BLOCKS}, or more "
                              "when the workload's longest request needs more)")
+
+
+def _check_sources(args: argparse.Namespace) -> str | None:
+    """The usage error in ``--workload`` / ``--trace`` / ``--num-gpu-blocks``, if any."""
+    from kvconnector_core.engine.workloads import WORKLOADS
+
+    if args.workload is not None and not args.workload.strip():
+        return f"--workload needs a name; valid workloads: {', '.join(sorted(WORKLOADS))}"
+    if args.trace is not None:
+        path = Path(args.trace)
+        if not path.exists():
+            return f"--trace {args.trace}: no such file"
+        if not path.is_file():
+            return f"--trace {args.trace} is not a file; give a JSONL file, one request per line"
+    if args.num_gpu_blocks is not None and not 1 <= args.num_gpu_blocks <= MAX_NUM_GPU_BLOCKS:
+        return (f"--num-gpu-blocks {args.num_gpu_blocks} is out of range; valid: 1 to "
+                f"{MAX_NUM_GPU_BLOCKS}")
+    return None
 
 
 def _fail(msg: str) -> int:
@@ -67,8 +101,8 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     registry = get_registry()
     name = args.connector
     if name is None:
-        if DEFAULT_CONNECTOR not in registry:
-            return None
+        if DEFAULT_CONNECTOR not in registry and registry.conflict(DEFAULT_CONNECTOR) is None:
+            return None  # not installed; a name claimed twice is an error (below), not absent
         name = DEFAULT_CONNECTOR
     if name.lower() == "none":
         return None
@@ -77,19 +111,10 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     try:
         cls = registry.get(name)
     except UnknownConnectorError as exc:
-        # The registry lists canonical names; configs and this flag accept aliases too.
-        known = ", ".join(
-            e.name + (f" (aliases: {', '.join(e.aliases)})" if e.aliases else "")
-            for e in registry.entries())
-        msg = f"unknown connector {name!r}; valid connectors: {known or 'none'} or 'none'"
-        if registry.errors:
-            msg += " (some plugins failed to load; see `kvconnector list`)"
-        raise UnknownConnectorError(msg) from exc
-    extra: dict[str, Any] = {}
-    if DEFAULT_CONNECTOR in registry and cls is registry.get(DEFAULT_CONNECTOR):
-        # The CPU tier needs a size: four times the GPU pool.
-        extra = {"num_cpu_blocks": 4 * num_gpu_blocks}
-    return KVConnectorConfig(name=name, extra_config=extra)
+        # The registry's message (the same as in configs and MultiConnector children).
+        raise UnknownConnectorError(f"--connector: {exc}; or 'none' for no connector") from exc
+    # The connector's own demo settings (e.g. a CPU tier sized against the GPU pool).
+    return KVConnectorConfig(name=name, extra_config=cls.demo_extra_config(num_gpu_blocks))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -111,15 +136,23 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # The model's tensors are tiny: one thread is faster and immune to busy cores.
         torch.set_num_threads(1)
+    problem = _check_sources(args)
+    if problem:
+        return _fail(problem)
     try:
-        model = get_model(args.model or DEFAULT_MODEL)
+        model = get_model(DEFAULT_MODEL if args.model is None else args.model)
         vocab = model.vocab_size
-        trace = (load_trace_jsonl(args.trace, vocab_size=vocab) if args.trace
-                 else get_workload(args.workload or DEFAULT_WORKLOAD, args.seed))
+        trace = (load_trace_jsonl(args.trace, vocab_size=vocab) if args.trace is not None
+                 else get_workload(DEFAULT_WORKLOAD if args.workload is None else args.workload,
+                                   args.seed))
         if not trace.requests:
             return _fail(f"trace {args.trace} has no requests (the file is empty or blank)")
-        max_model_len = max(512, 16 + max(len(r.prompt_token_ids) + r.max_new_tokens
-                                          for r in trace))
+        longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in trace)
+        max_model_len = longest + _MODEL_LEN_HEADROOM
+        if max_model_len > MAX_MODEL_LEN:
+            return _fail(f"the longest request of {trace.name!r} has {longest} tokens (prompt + "
+                         f"max_new_tokens); the engine supports at most "
+                         f"{MAX_MODEL_LEN - _MODEL_LEN_HEADROOM}")
         sizing = EngineConfig(model=model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                               max_model_len=max_model_len)
         min_blocks = sizing.min_num_gpu_blocks
@@ -130,8 +163,11 @@ def main(args: argparse.Namespace) -> int:
                                  min_blocks + -(-MAX_NUM_BATCHED_TOKENS // sizing.block_size))
         elif args.num_gpu_blocks < min_blocks:
             return _fail(f"--num-gpu-blocks {args.num_gpu_blocks} is too small: the longest "
-                         f"request of {trace.name!r} needs max_model_len={max_model_len}, which "
-                         f"needs --num-gpu-blocks {min_blocks} or more")
+                         f"request of {trace.name!r} has {longest} tokens (prompt + "
+                         f"max_new_tokens); with {_MODEL_LEN_HEADROOM} tokens of headroom the "
+                         f"pool must hold one sequence of {max_model_len} tokens in "
+                         f"{sizing.block_size}-token blocks plus the null block, which needs "
+                         f"--num-gpu-blocks {min_blocks} or more")
         else:
             num_gpu_blocks = args.num_gpu_blocks
         connector = _connector_config(args, num_gpu_blocks)
@@ -147,10 +183,21 @@ def main(args: argparse.Namespace) -> int:
             with Engine(config) as engine, tqdm(total=len(trace), desc=f"{trace.name} ({label})",
                                                 unit="req", file=sys.stderr, leave=False) as bar:
                 results.append(engine.run(trace, progress=bar.update))
-    except (KVConnectorError, FileNotFoundError) as exc:
+    except KVConnectorError as exc:
         return _fail(str(exc))
+    except OSError as exc:  # the trace file vanished or cannot be read
+        return _fail(f"--trace {args.trace}: {exc.strerror or exc}")
     result = results[0]
     baseline = results[1] if len(results) > 1 else None
+    if args.plot:
+        from kvconnector_core.engine.timeline import plot_timeline
+
+        try:
+            plot_timeline(result, args.plot)
+        except ImportError as exc:
+            return _fail(str(exc))
+        except OSError as exc:
+            return _fail(f"--plot {args.plot}: {exc.strerror or exc}")
     if args.json:
         import json
 

@@ -7,7 +7,7 @@ twice, once per role, as ``cls(config, role, kv_cache_config)``:
 - the **scheduler** side (:attr:`KVConnectorRole.SCHEDULER`) decides what to
   load and save: ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
   ``build_connector_meta``, ``update_connector_output``, ``request_finished``,
-  ``take_events``, ``bind_gpu_block_pool``;
+  ``take_events``, ``get_event_snapshot``, ``bind_gpu_block_pool``;
 - the **worker** side (:attr:`KVConnectorRole.WORKER`) moves the bytes:
   ``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``,
   ``save_kv_layer``, ``wait_for_save``, ``get_finished``,
@@ -78,6 +78,7 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "request_finished",
     "get_transfer_results",
     "take_events",
+    "get_event_snapshot",
     "register_kv_caches",
     "get_finished",
     "get_block_ids_with_load_errors",
@@ -86,6 +87,7 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
     "forget_requests",
     "plan_failed",
     "build_connector_worker_meta",
+    "reset_cache",
     "shutdown",
 )
 """Hooks with a no-op default; a wrapper such as MultiConnector forwards all of them."""
@@ -120,7 +122,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     5. ``update_connector_output(output)`` with the worker's report of the step.
     6. ``request_finished(request, block_ids)`` exactly once per request,
        before its blocks are freed.
-    7. ``take_events()`` whenever the engine publishes KV events.
+    7. ``take_events()`` whenever the engine publishes KV events;
+       ``get_event_snapshot()`` instead, when ``take_events`` raised (the events
+       it drained are lost, so consumers are resynced from a snapshot).
 
     **Worker-side hooks, per step, in this order** (the same order runs with no
     forward on an empty step): ``bind_connector_metadata`` -> ``start_load_kv``
@@ -130,8 +134,17 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     default wraps ``get_finished``) ->
     ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats`` ->
     ``build_connector_worker_meta`` -> ``clear_connector_metadata``;
-    ``handle_preemptions`` runs right after ``bind_connector_metadata``. ``register_kv_caches`` runs once, after the
-    KV tensors are allocated; ``shutdown`` once at the end (both roles).
+    ``handle_preemptions`` runs right after ``bind_connector_metadata`` in
+    kvconnector's engine and right *before* it inside vLLM, so it must use the
+    plan it is given, not the bound one. ``register_kv_caches`` runs once, after
+    the KV tensors are allocated; ``shutdown`` once at the end (both roles).
+
+    **Empty steps.** An engine may run a step that schedules nothing: after a
+    request finishes (once, so the worker learns ``finished_req_ids``), while
+    delayed frees wait for ``finished_sending``, while asynchronous loads are in
+    flight, or while admission is blocked. Every hook of a step runs on it
+    (``build_connector_meta``, the worker sequence without a forward, stats,
+    ``take_events``). An empty step alone is not a sign of starvation.
 
     **Capabilities** are the class attributes below; keep them truthful, the
     engine and the test kit rely on them.
@@ -150,6 +163,18 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         requires_block_pool: the connector does nothing useful without
             ``bind_gpu_block_pool`` (e.g. it pins GPU blocks); engines without a
             block pool must refuse it.
+        required_kv_cache_layout: the KV tensor layout the connector wants from
+            engines that offer several (vLLM's names, e.g. ``"LBHNC"``), or
+            None for any; the vLLM adapter answers vLLM's
+            ``get_required_kvcache_layout`` with it.
+        supports_multiple_kv_cache_groups: the connector handles models with
+            several KV cache groups (hybrid models); the vLLM adapter enables
+            vLLM's hybrid KV cache manager only for such connectors.
+        settings_type: the connector's settings, a
+            :class:`~kvconnector_core.connector.settings.ConnectorSettings` Struct;
+            ``extra_config`` is converted to it on creation (unknown keys and bad
+            values are ConfigErrors naming the connector and the key) and kept in
+            :attr:`settings`. None: ``extra_config`` is passed through unchecked.
     """
 
     name: ClassVar[str] = ""
@@ -158,6 +183,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     supports_async_load: ClassVar[bool] = False
     has_sync_kv_loads: ClassVar[bool] = False
     requires_block_pool: ClassVar[bool] = False
+    required_kv_cache_layout: ClassVar[str | None] = None
+    supports_multiple_kv_cache_groups: ClassVar[bool] = False
+    settings_type: ClassVar[type[Any] | None] = None
 
     def __init__(
         self,
@@ -174,8 +202,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
                 groups); None only in unit tests that do not need it.
 
         Raises:
-            ConfigError: ``config`` is not a :class:`KVConnectorConfig` or
-                ``role`` is not a :class:`KVConnectorRole`.
+            ConfigError: ``config`` is not a :class:`KVConnectorConfig`,
+                ``role`` is not a :class:`KVConnectorRole`, or ``extra_config``
+                does not convert to :attr:`settings_type`.
         """
         if not isinstance(config, KVConnectorConfig):
             msg = (
@@ -196,6 +225,24 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         self._kv_cache_config = kv_cache_config
         self._connector_metadata: KVConnectorMetadata | None = None
         self._kv_cache_manager: KVCacheManager | None = None
+        self._settings: Any = None
+        if self.settings_type is not None:
+            from kvconnector_core.connector.settings import convert_settings
+
+            self._settings = convert_settings(self.name or type(self).__name__, self.settings_type,
+                                              config.extra_config)
+
+    @classmethod
+    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
+        """Settings for a demo run (``kvconnector run --connector NAME``) with no config file.
+
+        Args:
+            num_gpu_blocks: the GPU pool size of the run, to size a tier against.
+
+        Returns:
+            An ``extra_config``. Default: ``{}`` (the connector's defaults).
+        """
+        return {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} role={self._role.name}>"
@@ -213,6 +260,11 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         return self._config
 
     @property
+    def settings(self) -> Any:
+        """``extra_config`` converted to :attr:`settings_type` (None without one)."""
+        return self._settings
+
+    @property
     def kv_cache_config(self) -> KVCacheConfig | None:
         """The engine's KV cache layout, as given to the constructor."""
         return self._kv_cache_config
@@ -224,12 +276,29 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Return this step's statistics, or None when there is nothing to report.
+        """Return the statistics since the previous call, or None when there is nothing to report.
 
-        Called on the worker side once per step (and may be called on the
-        scheduler side). Standard keys the engine aggregates: ``bytes_loaded``,
-        ``bytes_stored``, ``load_seconds``, ``store_seconds``; any other keys
-        are reported as is. Default: None.
+        Called once per step on both sides, empty steps included. Numbers are
+        **deltas** since the previous call (counters), so an engine sums them
+        per interval; levels (gauges, e.g. blocks currently pinned) go under the
+        key ``"gauges"`` as a ``{name: number}`` dict, of which an engine keeps
+        the latest value instead of summing. Standard keys the engine
+        aggregates: ``bytes_loaded``, ``bytes_stored``, ``load_seconds``,
+        ``store_seconds``; any other keys are reported as is. Default: None.
+        """
+        return None
+
+    def reset_cache(self) -> bool | None:
+        """Drop cached KV and release every GPU block held (pins); scheduler side, optional.
+
+        Engines call it **before** resetting the GPU prefix cache (kvconnector's
+        ``Scheduler.reset_prefix_cache``; inside vLLM the adapter calls it
+        before vLLM's block pool reset, and vLLM calls it again after), so a
+        connector holding pins never makes the reset fail. Must be idempotent.
+
+        Returns:
+            False when the connector could not reset; None or True otherwise.
+            Default: None (nothing to reset).
         """
         return None
 
@@ -252,8 +321,17 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """Return True while a plan is bound."""
         return self._connector_metadata is not None
 
+    def get_connector_metadata(self) -> KVConnectorMetadata:
+        """Return this step's plan (worker side): what ``build_connector_meta`` returned.
+
+        Raises:
+            InvariantError: no plan is bound (called outside a step's
+                ``bind_connector_metadata`` / ``clear_connector_metadata``).
+        """
+        return self._get_connector_metadata()
+
     def _get_connector_metadata(self) -> KVConnectorMetadata:
-        """Return the bound plan.
+        """Return the bound plan (vLLM's name; :meth:`get_connector_metadata` is the public one).
 
         Raises:
             InvariantError: no plan is bound (the hook was called outside
@@ -290,7 +368,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         scheduler side's ``update_connector_output``. Use it for things the
         scheduler side must act on (e.g. ids of finished transfer jobs), not
         the stats, which wrappers aggregate and engines report. Prefer a
-        msgspec Struct. Default: None (nothing to report).
+        msgspec Struct. With several workers (tensor parallelism inside vLLM)
+        the records of one step are folded with the record's
+        ``aggregate(other)`` method, so give it one; ``config.world_size`` says
+        how many workers report. Default: None (nothing to report).
         """
         return None
 
@@ -438,7 +519,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``(num_tokens, load_async)``: tokens loadable beyond
             ``num_computed_tokens`` (count only blocks available now; None =
             undecided, ask again next step), and whether the load is
-            asynchronous (False when the count is 0).
+            asynchronous (False when the count is 0). The count may cover
+            the whole prompt: see the full-prompt-hit rule in
+            :meth:`update_state_after_alloc`.
         """
 
     @abc.abstractmethod
@@ -449,6 +532,20 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         tokens too (a connector may still plan to save the request). May be
         called a second time for a request with an asynchronous load. Decide
         what to do from ``num_external_tokens``, not from ``blocks``.
+
+        **Full-prompt-hit rule.** ``num_external_tokens`` is this connector's own
+        answer, clamped to the prompt: load tokens ``[n, n + num_external_tokens)``
+        where ``n`` is the ``num_computed_tokens`` it was asked with, i.e. every
+        block that range touches, including a block it ends in part-way
+        (``cdiv(n + num_external_tokens, block_size)`` blocks in all). A claim may
+        cover the whole prompt: the engine still computes the last prompt token
+        (it needs its logits) after the load, rewriting that token's slot with
+        the same values. A claim that leaves nothing but the last token to load
+        counts as no load (``num_external_tokens=0``). vLLM 0.33 does the same
+        for asynchronous loads; its scheduler rejects a synchronous claim of the
+        whole prompt, so a connector meant for both engines claims at most
+        ``request.num_tokens - 1 - n`` tokens for synchronous loads (and still
+        loads the block the claim ends in).
 
         Args:
             request: the admitted request.
@@ -532,6 +629,27 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """Return the KV cache events produced since the last call (scheduler side).
 
         Default: no events.
+        """
+        return ()
+
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Describe everything the connector holds now, to resync event consumers (scheduler side).
+
+        The engine calls it in place of :meth:`take_events` after ``take_events``
+        raised: the events it had drained are lost, so a consumer replaying the
+        stream would stay wrong. The snapshot replaces them: for every medium the
+        connector reports events for, an ``AllBlocksCleared(medium=M)`` followed by
+        ``BlockStored`` events for every block it holds in ``M`` now, with the same
+        self-describing fields as its normal events. Events the connector produced
+        before the snapshot and has not returned yet must be dropped (the snapshot
+        already covers them), and the next :meth:`take_events` continues from the
+        snapshot's state. A consumer that applies the snapshot is then exact again.
+
+        If this raises too, the engine retries it at every later event take and
+        publishes nothing from the connector meanwhile: a gap a consumer cannot see
+        until the snapshot comes.
+
+        Default: no events (a connector that reports no events has nothing to resync).
         """
         return ()
 

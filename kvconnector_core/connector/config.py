@@ -13,6 +13,7 @@ Primitives: :class:`KVConnectorConfig`, :func:`load_connector_config`,
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import msgspec
@@ -33,7 +34,7 @@ LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
 """Valid values of :attr:`KVConnectorConfig.load_failure_policy`."""
 
 
-class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
+class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Which connector to create, and its settings.
 
     Attributes:
@@ -48,10 +49,16 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
             state between engines; None lets the connector choose.
         load_failure_policy: what the scheduler does when a KV load fails:
             ``"recompute"`` the missing tokens or ``"fail"`` the request.
+        world_size: how many worker processes (tensor/pipeline-parallel ranks)
+            report to the scheduler side; a transfer job is done only when all
+            of them have reported it. 1 in kvconnector's own engine; the vLLM
+            adapter sets it from vLLM's parallel config.
 
     Raises:
         ConfigError: on construction, when ``name`` is empty or ``role`` /
-            ``load_failure_policy`` is not one of the valid values.
+            ``load_failure_policy`` is not one of the valid values; when loaded
+            from a dict or file, also for a field this class does not have
+            (the message names the nearest valid one).
     """
 
     name: str
@@ -60,6 +67,7 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
     module_path: str | None = None
     engine_id: str | None = None
     load_failure_policy: str = "recompute"
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         # msgspec runs __post_init__ on decode/convert too, so a bad file is
@@ -75,6 +83,9 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"KVConnectorConfig.load_failure_policy must be one of "
                 f"{list(LOAD_FAILURE_POLICIES)}, got {self.load_failure_policy!r}"
             )
+            raise ConfigError(msg)
+        if self.world_size < 1:
+            msg = f"KVConnectorConfig.world_size must be a number of workers >= 1, got {self.world_size!r}"
             raise ConfigError(msg)
         if self.module_path == "":
             msg = "KVConnectorConfig.module_path must be a module import path or None, got ''"
@@ -112,7 +123,7 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True):
         try:
             return msgspec.convert(data, type=cls)
         except msgspec.ValidationError as exc:
-            msg = f"invalid connector config {data!r}: {exc}"
+            msg = f"invalid connector config {data!r}: {_explain(exc)}"
             raise ConfigError(msg) from exc
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,5 +153,19 @@ def load_connector_config(path: str | os.PathLike[str]) -> KVConnectorConfig:
     try:
         return msgspec.json.decode(raw, type=KVConnectorConfig)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        msg = f"invalid connector config in {os.fspath(path)!r}: {exc}"
+        msg = f"invalid connector config in {os.fspath(path)!r}: {_explain(exc)}"
         raise ConfigError(msg) from exc
+
+
+def _explain(exc: msgspec.MsgspecError) -> str:
+    """msgspec's message, plus the nearest valid field for an unknown one."""
+    text = str(exc)
+    unknown = re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$(?P<at>[^`]*)`)?", text)
+    if unknown is None:
+        return text
+    from kvconnector_core._suggest import did_you_mean
+
+    fields = KVConnectorConfig.__struct_fields__
+    where = f" at {unknown['at']}" if unknown["at"] else ""
+    return (f"unknown field {unknown[1]!r}{where}{did_you_mean(unknown[1], fields)}; "
+            f"valid fields: {', '.join(fields)}")

@@ -27,6 +27,7 @@ Primitives: :class:`GuardedScheduler`, :class:`GuardedWorker` (in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,16 @@ logger = logging.getLogger(__name__)
 MAX_UNDELIVERED_OUTPUTS = 64
 """Worker reports kept for redelivery after ``update_connector_output`` raised; beyond
 this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
+
+
+def _replace(record: Any, **changes: Any) -> Any:
+    """A copy of ``record`` with ``changes``: kvconnector's records are msgspec Structs;
+    another engine's (vLLM's dataclasses, or a view with ``replace``) work too."""
+    if isinstance(record, msgspec.Struct):
+        return msgspec.structs.replace(record, **changes)
+    if dataclasses.is_dataclass(record):
+        return dataclasses.replace(record, **changes)
+    return record.replace(**changes)
 
 
 class GuardedScheduler(GuardBase):
@@ -161,7 +172,7 @@ class GuardedScheduler(GuardBase):
                               or any(r in hidden for r in cached.req_ids)):
             return so
         keep = [i for i, r in enumerate(cached.req_ids) if r not in hidden]
-        shown = msgspec.structs.replace(
+        shown = _replace(
             cached,
             req_ids=[cached.req_ids[i] for i in keep],
             resumed_req_ids=cached.resumed_req_ids - hidden,
@@ -171,7 +182,7 @@ class GuardedScheduler(GuardBase):
             num_output_tokens=[cached.num_output_tokens[i] for i in keep] if cached.num_output_tokens else [],
         )
         num_scheduled = {r: n for r, n in so.num_scheduled_tokens.items() if r not in hidden}
-        return msgspec.structs.replace(
+        return _replace(
             so, scheduled_new_reqs=[n for n in so.scheduled_new_reqs if n.req_id not in hidden],
             scheduled_cached_reqs=shown, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()))
@@ -271,6 +282,13 @@ class GuardedScheduler(GuardBase):
         stats, _ = self._contained("get_kv_connector_stats", "no stats",
                                    self.connector.get_kv_connector_stats, None)
         return stats if isinstance(stats, dict) else None
+
+    def reset_cache(self) -> bool:
+        """Let the connector drop its cache and pins before a prefix-cache reset; a raise
+        or an answer of False is False (the reset does not happen)."""
+        result, _ = self._contained("reset_cache", "the prefix-cache reset is refused",
+                                    self.connector.reset_cache, False)
+        return result is not False
 
     def shutdown(self) -> None:
         """Shut the connector down (not contained: the caller collects failures)."""

@@ -8,12 +8,15 @@ registry (:func:`get_registry`) loads its plugins the first time it is needed,
 exactly once.
 
 Loading is loud but tolerant: each entry point is loaded on its own, so one
-that fails to import, registers a class that is not a connector, or claims a
-name another class already holds is recorded in :attr:`ConnectorRegistry.errors`
-(naming the entry point and its distribution) while the other plugins still
-load. A name claimed by two different classes is unusable until one of them is
-removed: :meth:`ConnectorRegistry.get` raises :class:`DuplicateConnectorError`
-naming both, rather than silently picking one.
+that fails to import (whatever it raises, ``sys.exit()`` included), registers a
+class that is not a connector, or claims a name another class already holds is
+recorded in :attr:`ConnectorRegistry.errors` (naming the entry point and its
+distribution) while the other plugins still load. A name or alias claimed by two
+different classes is unusable until one of them is removed:
+:meth:`ConnectorRegistry.get` raises :class:`DuplicateConnectorError` naming both
+classes and both plugins, rather than silently picking one (and
+:meth:`ConnectorRegistry.conflict` tells a caller with a default name that it is
+claimed twice rather than absent).
 
 Environment controls (comma-separated entry-point or distribution names):
 
@@ -22,6 +25,9 @@ Environment controls (comma-separated entry-point or distribution names):
   subject to the allow-list.
 - ``KVCONNECTOR_PLUGINS_DENY``: these plugins do not load; ``builtin`` may be
   denied too (then only third-party connectors exist).
+
+A config's ``module_path`` is checked against the same lists (matching the module,
+any package above it, or its distribution) before anything is imported.
 
 Primitives: :class:`ConnectorRegistry`, :class:`ConnectorEntry`,
 :class:`PluginFailure`, :class:`PluginRecord`, :func:`get_registry`,
@@ -34,16 +40,26 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import os
-import re
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from kvconnector_core.connector import hookspecs
+from kvconnector_core.connector._plugin_policy import (
+    ENV_PLUGINS_ALLOW,
+    ENV_PLUGINS_DENY,
+    PluginPolicy,
+    run_contained,
+)
+from kvconnector_core.connector._records import (
+    DIRECT,
+    ConnectorEntry,
+    PluginFailure,
+    PluginRecord,
+    plugin_record,
+)
 from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.errors import (
@@ -53,6 +69,7 @@ from kvconnector_core.errors import (
     RegistryError,
     UnknownConnectorError,
 )
+from kvconnector_core._suggest import did_you_mean
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -77,113 +94,11 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 """Entry-point group plugins declare (``[project.entry-points.kvconnector]``)."""
-ENV_PLUGINS_ALLOW = "KVCONNECTOR_PLUGINS_ALLOW"
-"""Environment variable: comma-separated plugins allowed to load (third-party only)."""
-ENV_PLUGINS_DENY = "KVCONNECTOR_PLUGINS_DENY"
-"""Environment variable: comma-separated plugins that must not load."""
 BUILTIN_PLUGIN_NAME = "builtin"
 """Entry-point name of the built-in connectors' plugin."""
 BUILTIN_PLUGIN_MODULE = "connectors._plugin"
 """Module of the built-in connectors' plugin."""
 _BUILTIN_DISTRIBUTION = "kvconnector"
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorEntry:
-    """One registered connector class.
-
-    Attributes:
-        name: the connector's registered name.
-        cls: the connector class.
-        aliases: other names that resolve to it.
-        distribution: installed distribution that provided it (None when added directly).
-        version: that distribution's version, if known.
-        source: entry-point name of the plugin that added it, or ``"direct"``.
-    """
-
-    name: str
-    cls: type[KVConnectorBase_V1]
-    aliases: tuple[str, ...] = ()
-    distribution: str | None = None
-    version: str | None = None
-    source: str = "direct"
-
-    @property
-    def class_path(self) -> str:
-        """``module.QualName`` of the class."""
-        return f"{self.cls.__module__}.{self.cls.__qualname__}"
-
-
-@dataclass(frozen=True, slots=True)
-class PluginRecord:
-    """Where a plugin came from (an entry point, or a direct registration).
-
-    Attributes:
-        entry_point: entry-point name (``"direct"`` for classes added by code).
-        distribution: distribution declaring the entry point, if known.
-        version: that distribution's version, if known.
-        value: the entry point's target (``module:attr``), if any.
-    """
-
-    entry_point: str
-    distribution: str | None = None
-    version: str | None = None
-    value: str | None = None
-
-    def describe(self) -> str:
-        """Human description, e.g. ``entry point 'ttl' (distribution kvconnector-ttl 0.1.0)``."""
-        if self.entry_point == "direct":
-            return "direct registration"
-        dist = self.distribution or "unknown distribution"
-        if self.version:
-            dist = f"{dist} {self.version}"
-        return f"entry point {self.entry_point!r} (distribution {dist})"
-
-
-_DIRECT = PluginRecord("direct")
-
-
-@dataclass(frozen=True, slots=True)
-class PluginFailure:
-    """A plugin problem found while loading; the other plugins still loaded.
-
-    Attributes:
-        plugin: the plugin at fault.
-        error: the error (a :class:`RegistryError` subclass; the original
-            exception, if any, is its ``__cause__``).
-    """
-
-    plugin: PluginRecord
-    error: RegistryError
-
-    @property
-    def message(self) -> str:
-        """The error message."""
-        return str(self.error)
-
-
-def _normalize(name: str) -> str:
-    """Normalise a distribution or entry-point name (PEP 503) for allow/deny matching."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _env_names(var: str) -> frozenset[str] | None:
-    raw = os.environ.get(var)
-    if raw is None or not raw.strip():
-        return None
-    return frozenset(_normalize(part) for part in raw.split(",") if part.strip())
-
-
-def _plugin_record(ep: importlib.metadata.EntryPoint) -> PluginRecord:
-    dist = getattr(ep, "dist", None)
-    dist_name = version = None
-    if dist is not None:
-        try:
-            dist_name = dist.name
-            version = dist.version
-        except Exception:  # a broken METADATA file must not stop the listing
-            dist_name = None
-    return PluginRecord(ep.name, dist_name, version, ep.value)
 
 
 class ConnectorRegistry:
@@ -200,6 +115,7 @@ class ConnectorRegistry:
         self._lookup: dict[str, str] = {}  # name or alias -> canonical name
         self._conflicts: dict[str, DuplicateConnectorError] = {}
         self._current: PluginRecord | None = None  # plugin whose hook is running
+        self._policy: PluginPolicy | None = None  # the last load_plugins' lists (None: the environment's)
         self.errors: list[PluginFailure] = []
         """Plugin problems recorded while loading (see :class:`PluginFailure`)."""
         self.skipped: list[tuple[PluginRecord, str]] = []
@@ -229,7 +145,7 @@ class ConnectorRegistry:
             error is recorded in :attr:`errors` instead and the plugin's other
             classes still register.
         """
-        plugin = self._current or _DIRECT
+        plugin = self._current or DIRECT
         try:
             self._add(cls, tuple(aliases), plugin)
         except RegistryError as exc:
@@ -320,14 +236,14 @@ class ConnectorRegistry:
                 distribution names); default: ``$KVCONNECTOR_PLUGINS_ALLOW``,
                 or all when unset.
             deny: plugins that must not load (``builtin`` included); default:
-                ``$KVCONNECTOR_PLUGINS_DENY``.
+                ``$KVCONNECTOR_PLUGINS_DENY``. Both lists also apply to the
+                ``module_path`` of configs resolved through this registry.
             builtin_fallback: load ``connectors._plugin`` directly when no
                 entry point targets it.
         """
         if entry_points is None:
             entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        allowed = frozenset(map(_normalize, allow)) if allow is not None else _env_names(ENV_PLUGINS_ALLOW)
-        denied = frozenset(map(_normalize, deny)) if deny is not None else (_env_names(ENV_PLUGINS_DENY) or frozenset())
+        self._policy = policy = PluginPolicy.resolve(allow, deny)
         seen: set[tuple[str, str]] = set()
         eps: list[importlib.metadata.EntryPoint] = []
         for ep in entry_points:
@@ -339,34 +255,28 @@ class ConnectorRegistry:
         eps.sort(key=lambda ep: (ep.value.split(":")[0] != BUILTIN_PLUGIN_MODULE, ep.name))
         if not builtin_seen and builtin_fallback:
             record = PluginRecord(BUILTIN_PLUGIN_NAME, _BUILTIN_DISTRIBUTION, None, BUILTIN_PLUGIN_MODULE)
-            if not self._excluded(record, True, allowed, denied):
+            if not self._excluded(record, True, policy):
                 self._load_one(record, lambda: importlib.import_module(BUILTIN_PLUGIN_MODULE))
         for ep in eps:
-            record = _plugin_record(ep)
+            record = plugin_record(ep)
             is_builtin = ep.value.split(":")[0] == BUILTIN_PLUGIN_MODULE
-            if not self._excluded(record, is_builtin, allowed, denied):
+            if not self._excluded(record, is_builtin, policy):
                 self._load_one(record, ep.load)
 
-    def _excluded(self, record: PluginRecord, is_builtin: bool, allowed: frozenset[str] | None, denied: frozenset[str]) -> bool:
-        keys = {_normalize(record.entry_point)}
-        if record.distribution:
-            keys.add(_normalize(record.distribution))
-        if keys & denied:
-            self.skipped.append((record, f"denied by {ENV_PLUGINS_DENY}"))
-            return True
-        if allowed is not None and not is_builtin and not keys & allowed:
-            self.skipped.append((record, f"not in {ENV_PLUGINS_ALLOW}"))
-            return True
-        return False
+    def _excluded(self, record: PluginRecord, is_builtin: bool, policy: PluginPolicy) -> bool:
+        names = [record.entry_point, *([record.distribution] if record.distribution else [])]
+        reason = policy.exclusion(names, is_builtin=is_builtin)
+        if reason is not None:
+            self.skipped.append((record, reason))
+        return reason is not None
 
     def _load_one(self, record: PluginRecord, load: Any) -> None:
         """Import one plugin, register it with pluggy, and call its hook."""
         where = record.describe()
         try:
-            obj = load()
-        except Exception as exc:  # any import-time failure of third-party code
-            err = PluginLoadError(f"{where} failed to load {record.value!r}: {type(exc).__name__}: {exc}")
-            err.__cause__ = exc
+            obj = run_contained(load, lambda exc: f"{where} failed to load {record.value!r}: "
+                                                  f"{type(exc).__name__}: {exc}")
+        except RegistryError as err:
             self._record(record, err)
             return
         if isinstance(obj, type) and issubclass(obj, KVConnectorBase_V1):
@@ -399,15 +309,11 @@ class ConnectorRegistry:
     def _call_hook(self, record: PluginRecord, call: Any) -> None:
         self._current = record
         try:
-            call()
+            # A plugin's hook must not take the others down, whatever it raises.
+            run_contained(call, lambda exc: f"{record.describe()} raised in kvconnector_register_connectors: "
+                                            f"{type(exc).__name__}: {exc}")
         except RegistryError as exc:
             self._record(record, exc)
-        except Exception as exc:  # a plugin's hook must not take the others down
-            err = PluginLoadError(
-                f"{record.describe()} raised in kvconnector_register_connectors: {type(exc).__name__}: {exc}"
-            )
-            err.__cause__ = exc
-            self._record(record, err)
         finally:
             self._current = None
 
@@ -425,13 +331,33 @@ class ConnectorRegistry:
             raise self._conflicts[name]
         canonical = self._lookup.get(name)
         if canonical is None:
-            available = ", ".join(self.names()) or "none"
-            msg = f"unknown connector {name!r}; available connectors: {available}"
+            # One message for every place a name is resolved (CLI, configs, MultiConnector
+            # children), with aliases, since configs accept them.
+            available = ", ".join(
+                e.name + (f" (aliases: {', '.join(e.aliases)})" if e.aliases else "")
+                for e in self.entries()) or "none"
+            msg = (f"unknown connector {name!r}{did_you_mean(name, self._lookup)}; "
+                   f"available connectors: {available}")
             if self.errors:
                 failed = "; ".join(f.plugin.describe() for f in self.errors)
                 msg += f" (plugins with errors, see `kvconnector list`: {failed})"
             raise UnknownConnectorError(msg)
         return self._entries[canonical].cls
+
+    def conflict(self, name: str) -> DuplicateConnectorError | None:
+        """The error naming both claimants if two classes claim ``name``, else None.
+
+        ``name in registry`` is False for such a name; a caller falling back to a
+        default name uses this to report the clash instead of treating it as absent.
+        """
+        return self._conflicts.get(name)
+
+    def _module_path_policy(self) -> PluginPolicy:
+        """The allow/deny lists a connector ``module_path`` is checked against.
+
+        Those of the last :meth:`load_plugins`, or the environment's when none ran.
+        """
+        return self._policy if self._policy is not None else PluginPolicy.resolve()
 
     def get_entry(self, name: str) -> ConnectorEntry:
         """Return the :class:`ConnectorEntry` for ``name`` or an alias (same errors as :meth:`get`)."""
@@ -488,24 +414,28 @@ def get_connector_class(
     """Resolve the connector class a config names.
 
     A ``module_path`` wins over the registry (like vLLM): the module is
-    imported and ``config.name`` is taken from it.
+    imported and ``config.name`` is taken from it. It is checked first against
+    the allow/deny lists (the registry's, or the environment's when no registry
+    is given), so an excluded module is never imported; whatever its import
+    raises, ``sys.exit()`` included, becomes a :class:`PluginLoadError`.
 
     Args:
         config: the connector config.
         registry: where to look names up; default: :func:`get_registry`.
 
     Raises:
+        PluginDeniedError: the allow/deny lists exclude ``module_path``.
         PluginLoadError: ``module_path`` cannot be imported.
         UnknownConnectorError: the name is not registered / not in the module.
         DuplicateConnectorError: two classes claim the name.
         InvalidConnectorError: ``module_path``'s attribute is not a connector class.
     """
     if config.module_path:
-        try:
-            module = importlib.import_module(config.module_path)
-        except Exception as exc:
-            msg = f"cannot import connector module_path {config.module_path!r}: {type(exc).__name__}: {exc}"
-            raise PluginLoadError(msg) from exc
+        policy = registry._module_path_policy() if registry is not None else PluginPolicy.resolve()
+        policy.check_module_path(config.module_path)
+        module = run_contained(
+            lambda: importlib.import_module(config.module_path),
+            lambda exc: f"cannot import connector module_path {config.module_path!r}: {type(exc).__name__}: {exc}")
         cls = getattr(module, config.name, None)
         if cls is None:
             found = sorted(

@@ -90,7 +90,11 @@ class KVConnectorSchedulerSide(abc.ABC):
         return ()
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Scheduler-side statistics (a snapshot). Default: None."""
+        """Scheduler-side statistics (deltas since the last call, gauges apart). Default: None."""
+        return None
+
+    def reset_cache(self) -> bool | None:
+        """Drop cached KV and release held GPU blocks before a prefix-cache reset. Default: None."""
         return None
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
@@ -247,6 +251,10 @@ class RoleSplitConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Forwarded to the scheduler side."""
         return self.scheduler_side.take_events()
+
+    def reset_cache(self) -> bool | None:
+        """Forwarded to the scheduler side."""
+        return self.scheduler_side.reset_cache()
 
     def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
         """Forwarded to the scheduler side."""

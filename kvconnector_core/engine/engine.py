@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.engine.timeline import StepRecord, Timeline
 from kvconnector_core.engine.workloads import Trace, TraceRequest
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.kv_cache.kv_cache_spec import (
@@ -185,8 +186,10 @@ class RunMetrics(msgspec.Struct):
         store_seconds: time the connector reports for stores.
         load_gbps: ``bytes_loaded / load_seconds / 1e9`` (0 without time).
         store_gbps: ``bytes_stored / store_seconds / 1e9``.
-        connector_stats: every other connector stats key, summed over steps.
-        connector_errors: per hook name, how many times the connector raised (contained).
+        connector_stats: every other connector stats number, summed over steps; nested
+            dicts give dotted keys (a MultiConnector's ``children.<child>.<key>``).
+        connector_errors: per hook name, how many times the connector raised (contained);
+            a MultiConnector's children as ``<child>.<hook>``.
         events: KV events emitted, by ``<Type>`` and ``<Type>[<medium>]``.
         steps: engine steps executed.
         wall_seconds: wall time of the run.
@@ -230,6 +233,7 @@ class RunResult(msgspec.Struct):
         statuses: request id -> final status name.
         metrics: the run's metrics.
         model: the model's KV shape (:meth:`ModelConfig.describe`).
+        timeline: one record per step: token sources and bytes moved per tier.
     """
 
     workload: str
@@ -239,6 +243,30 @@ class RunResult(msgspec.Struct):
     statuses: dict[str, str]
     metrics: RunMetrics
     model: str = ""
+    timeline: list[StepRecord] = msgspec.field(default_factory=list)
+
+
+_HOOK_ERRORS = "hook_errors."
+
+
+def _numeric_leaves(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in ``stats`` with its dotted path (nested dicts, e.g. a MultiConnector's
+    ``children``, are walked so per-child numbers are reported too)."""
+    for key, value in stats.items():
+        if isinstance(value, Mapping):
+            yield from _numeric_leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+
+
+def _fold_stats(into: dict[str, float], stats: dict[str, float]) -> None:
+    """Add one step's flattened connector stats (see :func:`_numeric_leaves`): counters are
+    deltas (summed); levels under a ``gauges`` key keep their latest value."""
+    for key, value in stats.items():
+        if "gauges" in key.split("."):
+            into[key] = value
+        else:
+            into[key] = into.get(key, 0) + value
 
 
 def _gbps(num_bytes: float, seconds: float) -> float:
@@ -294,6 +322,8 @@ class Engine:
         self.num_steps = 0
         self.event_counts: dict[str, int] = {}
         self.connector_stats: dict[str, float] = {}
+        self.scheduler_connector_stats: dict[str, float] = {}
+        self.timeline = Timeline(config.connector.name if config.connector is not None else "none")
         self._next_id = 0
         # Every id this engine has used, and ids a running trace will use later: auto ids
         # skip both, so they never collide with explicit ones.
@@ -361,10 +391,11 @@ class Engine:
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         kv_out = runner_output.kv_connector_output
-        if kv_out is not None and kv_out.kv_connector_stats:
-            for key, value in kv_out.kv_connector_stats.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.connector_stats[key] = self.connector_stats.get(key, 0) + value
+        step_stats = dict(_numeric_leaves(kv_out.kv_connector_stats)) if (
+            kv_out is not None and kv_out.kv_connector_stats) else {}
+        _fold_stats(self.connector_stats, step_stats)
+        self.timeline.record(self.num_steps, self.scheduler.stats, step_stats)
+        _fold_stats(self.scheduler_connector_stats, self._scheduler_connector_stats())
         for event in self.scheduler.take_events():
             kind = type(event).__name__
             self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
@@ -413,6 +444,7 @@ class Engine:
         requests = sorted(given, key=lambda r: r.arrival)
         start = time.perf_counter()
         start_steps = self.num_steps
+        start_records = len(self.timeline.records)
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         next_req, idle = 0, 0
@@ -442,13 +474,18 @@ class Engine:
             if progress is not None:
                 progress(len(finished))
         wall = time.perf_counter() - start
-        return self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
+        result = self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
+        result.timeline = self.timeline.records[start_records:]
+        return result
 
-    def _scheduler_connector_stats(self) -> dict[str, float]:
+    def _scheduler_connector_stats(self) -> dict[str, Any]:
         connector = self.scheduler.connector
         stats = (connector.get_kv_connector_stats() if connector is not None else None) or {}
-        return {k: v for k, v in stats.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)}
+        return dict(_numeric_leaves(stats))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the GPU prefix cache (the connector releases its pins first); False while requests run."""
+        return self.scheduler.reset_prefix_cache()
 
     def _result(self, name: str, requests: list[TraceRequest], ids: list[str],
                 results: dict[str, RequestOutput], steps: int, wall: float) -> RunResult:
@@ -457,12 +494,18 @@ class Engine:
         num_prompt = stats.num_prompt_tokens
         cstats = dict(self.connector_stats)
         std = {k: cstats.pop(k, 0) for k in STANDARD_STATS_KEYS}
-        # Scheduler-side stats (e.g. the TTL connector's pins) are a snapshot at the end.
-        for key, value in self._scheduler_connector_stats().items():
+        # Scheduler-side stats (e.g. the TTL connector's pins): counters summed over the
+        # steps, gauges as last reported.
+        for key, value in self.scheduler_connector_stats.items():
             cstats[f"scheduler.{key}"] = value
         finished_ok = {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"}
         gpu_rate = stats.num_gpu_cache_hit_tokens / num_prompt if num_prompt else 0.0
         conn_rate = stats.num_connector_hit_tokens / num_prompt if num_prompt else 0.0
+        errors = self._connector_errors()
+        for key in [k for k in cstats if _HOOK_ERRORS in k]:
+            # A wrapper's contained errors (MultiConnector: "<child>.<hook>") are errors.
+            hook = key.split(_HOOK_ERRORS, 1)[1]
+            errors[hook] = errors.get(hook, 0) + int(cstats.pop(key))
         metrics = RunMetrics(
             num_requests=len(requests),
             num_finished=sum(1 for o in results.values() if o.status in finished_ok),
@@ -482,7 +525,7 @@ class Engine:
             load_gbps=_gbps(std["bytes_loaded"], std["load_seconds"]),
             store_gbps=_gbps(std["bytes_stored"], std["store_seconds"]),
             connector_stats=cstats,
-            connector_errors=self._connector_errors(),
+            connector_errors=dict(sorted(errors.items())),
             events=dict(sorted(self.event_counts.items())), steps=steps, wall_seconds=wall,
         )
         return RunResult(

@@ -73,8 +73,9 @@ def report_dict(result: RunResult, baseline: RunResult | None = None) -> dict[st
 
     Returns:
         ``{"workload", "connector", "device", "model", "metrics", "baseline_metrics"?,
-        "comparison"?}``
-        (outputs are left out; they are in the RunResult).
+        "comparison"?, "timeline"}`` (outputs are left out; they are in the RunResult;
+        ``timeline`` is one record per step, see
+        :class:`~kvconnector_core.engine.timeline.StepRecord`).
     """
     out: dict[str, Any] = {
         "workload": result.workload,
@@ -86,6 +87,7 @@ def report_dict(result: RunResult, baseline: RunResult | None = None) -> dict[st
     if baseline is not None:
         out["baseline_metrics"] = msgspec.to_builtins(baseline.metrics)
         out["comparison"] = msgspec.to_builtins(compare_outputs(result, baseline))
+    out["timeline"] = msgspec.to_builtins(result.timeline)
     return out
 
 
@@ -154,8 +156,12 @@ def format_report(result: RunResult, baseline: RunResult | None = None) -> str:
         if cmp.identical:
             lines.append(f"outputs identical to baseline: yes ({cmp.num_requests} requests)")
         else:
-            lines.append(
-                f"outputs identical to baseline: NO ({cmp.num_differing} of {cmp.num_requests} "
-                f"requests differ; first: {cmp.first_differing_request!r} at token "
-                f"{cmp.first_differing_token}: expected {cmp.expected}, got {cmp.got})")
+            if cmp.got is None or cmp.expected is None:
+                where = "only in the baseline" if cmp.got is None else "missing from the baseline"
+                first = f"{cmp.first_differing_request!r} ({where})"
+            else:
+                first = (f"{cmp.first_differing_request!r} at token {cmp.first_differing_token}: "
+                         f"expected {cmp.expected}, got {cmp.got}")
+            lines.append(f"outputs identical to baseline: NO ({cmp.num_differing} of {cmp.num_requests} "
+                         f"requests differ; first: {first})")
     return "\n".join(lines)

@@ -128,7 +128,10 @@ class UnknownWorkloadError(ConfigError):
     """
 
     def __init__(self, name: str, known: list[str]) -> None:
-        super().__init__(f"unknown workload {name!r}; valid workloads: {', '.join(known)}")
+        from kvconnector_core._suggest import did_you_mean
+
+        super().__init__(f"unknown workload {name!r}{did_you_mean(name, known)}; "
+                         f"valid workloads: {', '.join(known)}")
         self.name = name
         self.known = known
 

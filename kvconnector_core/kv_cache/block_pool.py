@@ -519,7 +519,7 @@ class BlockPool:
         for b in self.blocks:
             b.reset_hash()
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared())
+            self.kv_event_queue.append(AllBlocksCleared(medium=self.medium))
         return True
 
     # -- accounting -----------------------------------------------------------

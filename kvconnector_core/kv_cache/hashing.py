@@ -8,7 +8,14 @@ not a practical concern.
 
 Extra keys, in order: the LoRA name (every block), then the request's
 ``cache_salt`` (first block only, which through chaining separates the whole
-sequence, so tenants with different salts never share a block).
+sequence, so tenants with different salts never share a block). The two are
+hashed in separate domains by position: a salted first block always has the
+pair ``(lora_name, cache_salt)``, ``None`` standing for "no LoRA", so a salt can
+never hash like a LoRA name of the same spelling (``cache_salt="x"`` gives
+``(None, "x")``, LoRA ``"x"`` gives ``("x",)``).
+
+Block hashes are keys shared with other processes and engines (tiers, routers):
+tests pin known digests, so any change to this module that changes them fails.
 """
 
 from __future__ import annotations
@@ -67,9 +74,13 @@ def hash_block_tokens(
 def generate_block_extra_keys(
     block_index: int, lora_name: str | None, cache_salt: str | None
 ) -> tuple[Any, ...] | None:
-    """Return the extra keys of block ``block_index`` of a request (None if it has none)."""
+    """Return the extra keys of block ``block_index`` of a request (None if it has none).
+
+    A salted first block is ``(lora_name or None, cache_salt)``: the salt's position,
+    not its value, keeps it apart from LoRA names (see the module docstring).
+    """
     if block_index == 0 and cache_salt is not None:
-        return (lora_name, cache_salt) if lora_name is not None else (cache_salt,)
+        return (lora_name, cache_salt)
     if lora_name is not None:
         return (lora_name,)
     return None

@@ -79,9 +79,14 @@ class AttentionSpec(KVCacheSpec):
     num_kv_heads: int = 1
     head_size: int = 1
     dtype: str = "bfloat16"
+    """Element type: a name from :data:`DTYPE_SIZES` or a ``torch.dtype`` (stored as its name)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.dtype, str):
+            # A torch.dtype, as vLLM's specs hold (str(torch.float16) == "torch.float16");
+            # kept as its name so the spec stays hashable, comparable and torch-free.
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if self.dtype not in DTYPE_SIZES:
             raise ConfigError(f"dtype={self.dtype!r}; known dtypes: {', '.join(sorted(DTYPE_SIZES))}")
         if self.num_kv_heads < 1 or self.head_size < 1:

@@ -84,6 +84,20 @@ class SchedulerStats:
     connector_errors: dict[str, int] = field(default_factory=dict)
 
 
+def _clamp_external(claimed: int, num_tokens: int, num_local: int) -> tuple[int, int]:
+    """``(tokens the connector loads, tokens counted as computed by that load)``.
+
+    The full-prompt-hit rule (vLLM 0.33 does the same after an async load): a hit may
+    cover the whole prompt; the connector is told its own answer (clamped to the prompt)
+    and loads every block it claimed, while the engine still computes the last prompt
+    token, whose logits it needs, rewriting that token's slot with the same values. A hit
+    that would leave nothing but that last token to load is no load at all.
+    """
+    claimed = max(0, min(claimed, num_tokens - num_local))
+    counted = min(claimed, num_tokens - 1 - num_local)
+    return (claimed, counted) if counted > 0 else (0, 0)
+
+
 class Scheduler:
     """Plans engine steps and keeps requests, blocks and the connector in sync.
 
@@ -173,6 +187,8 @@ class Scheduler:
         self._prompt_progress: dict[str, int] = {}
         # Requests the worker has been sent as NewRequestData (and not yet finished).
         self._sent_to_worker: set[str] = set()
+        # Per request with an async load in flight, where the load starts (its local hit).
+        self._async_load_start: dict[str, int] = {}
         # Requests aborted while loading whose connector also asked to delay the free.
         self._delay_free_after_load: set[str] = set()
         # Requests put in WAITING_FOR_REMOTE_KVS whose loads no plan has carried yet (a
@@ -209,8 +225,25 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request still waits, runs, or has blocks held for the connector."""
-        return bool(self.waiting or self.running or self.delayed_free or self._aborted_while_loading)
+        """Whether any request still waits, runs, has blocks held for the connector, or
+        finished since the last step.
+
+        The last case makes the engine run one empty step after a finish (as vLLM
+        does), so the worker learns ``finished_req_ids`` and connectors meet empty
+        steps in kvconnector's engine too.
+        """
+        return bool(self.waiting or self.running or self.delayed_free or self._aborted_while_loading
+                    or self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached GPU block; False while a request holds blocks.
+
+        The connector's ``reset_cache`` runs first (contained), so blocks it pins
+        are released before the pool checks that nothing is in use.
+        """
+        if self.connector is not None and self.connector.reset_cache() is False:
+            return False
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
         """Waiting plus running requests."""
@@ -347,7 +380,7 @@ class Scheduler:
 
             computed_blocks = None
             num_local = 0
-            num_external = 0
+            num_external = num_claimed = 0
             load_async = False
             fresh = req.num_computed_tokens == 0
             if fresh:
@@ -357,8 +390,7 @@ class Scheduler:
                     if ext is None:  # the connector has not decided yet: ask next step
                         skipped.append(self.waiting.popleft())
                         continue
-                    # At least the last token is always computed (its logits are needed).
-                    num_external = max(0, min(ext, req.num_tokens - 1 - num_local))
+                    num_claimed, num_external = _clamp_external(ext, req.num_tokens, num_local)
                     load_async = bool(load_async) and num_external > 0
             num_computed = (num_local + num_external) if fresh else req.num_computed_tokens
             num_new = 0 if load_async else min(req.num_tokens - num_computed, budget)
@@ -369,7 +401,8 @@ class Scheduler:
                 num_new,
                 num_new_computed_tokens=num_local,
                 new_computed_blocks=computed_blocks,
-                num_external_computed_tokens=num_external,
+                # An async load fills every block it claimed before the request runs.
+                num_external_computed_tokens=num_claimed if load_async else num_external,
                 delay_cache_blocks=num_external > 0,
                 full_sequence_must_fit=fresh,
                 reserved_blocks=max(0, reserved - own_need),
@@ -393,7 +426,7 @@ class Scheduler:
             reserved -= own_need
 
             if self.connector is not None and fresh:
-                ok = self._call_update_state(req, num_external)
+                ok = self._call_update_state(req, num_claimed)
                 if not ok and num_external > 0:
                     # The connector never planned the load: start over next step
                     # and compute those tokens instead.
@@ -412,6 +445,7 @@ class Scheduler:
                 req.num_computed_tokens = num_computed
                 req.num_external_computed_tokens = num_external
                 self._unplanned_async_loads.add(req.request_id)
+                self._async_load_start[req.request_id] = num_local
                 reserved += self._remaining_need(req)
                 skipped.append(req)
                 continue
@@ -526,7 +560,12 @@ class Scheduler:
                 kvm.free(req)  # nothing valid: start over as a fresh request
             else:
                 req.num_computed_tokens = kvm.rollback(req, req.num_computed_tokens)
+            # The blocks before the first bad one were loaded and are used: only the rest
+            # is recomputed.
+            self._account(req, "connector", self._async_load_start.pop(rid, req.num_computed_tokens),
+                          req.num_computed_tokens)
         else:
+            self._async_load_start.pop(rid, None)
             self._account(req, "connector", req.num_computed_tokens - req.num_external_computed_tokens,
                           req.num_computed_tokens)
         kvm.cache_blocks(req, req.num_computed_tokens)
@@ -571,6 +610,11 @@ class Scheduler:
                 req.num_computed_tokens = valid
                 self.failed_recving_kv_req_ids.add(rid)
                 continue
+            if rid in self._sync_load_reqs:
+                # This step's load is good up to the first bad block: count that part as
+                # loaded (only the rest is recomputed).
+                before = req.num_computed_tokens - num_scheduled.get(rid, 0)
+                self._account(req, "connector", before - req.num_external_computed_tokens, valid)
             req.num_computed_tokens = kvm.rollback(req, valid)
             if self.recompute_on_failure:
                 self.stats.num_failed_loads_recovered += 1
@@ -699,6 +743,7 @@ class Scheduler:
             req.kv_transfer_params = params
         self.finished_req_ids.add(rid)
         self._recompute_only.discard(rid)
+        self._async_load_start.pop(rid, None)
         self._prompt_progress.pop(rid, None)
         self._sent_to_worker.discard(rid)
         if keep_blocks:

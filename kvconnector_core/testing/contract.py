@@ -27,6 +27,7 @@ from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput, check_metadata_roundtrip
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.testing import factories
+from kvconnector_core.testing.hook_order import WORKER_STEP_HOOKS, check_hook_order, record_calls
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -36,7 +37,6 @@ MAX_DRAIN_STEPS = 16
 """Empty steps a delayed free may take to be reported in ``finished_sending``."""
 
 __all__ = ["ConnectorContract"]
-
 
 def _is_pair_of_sets(value: Any) -> bool:
     return (
@@ -103,6 +103,22 @@ class ConnectorContract:
         assert blocks is not None
         request.num_computed_tokens = local
         sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
+
+    def _schedule_one_request(self, sched: KVConnectorBase_V1, worker: KVConnectorBase_V1,
+                              kvc: KVCacheConfig) -> tuple[Any, Any, Any]:
+        """Bind a real pool and KV caches, admit a 4-block request and run its full step.
+
+        Returns:
+            ``(kv_cache_manager, request, block_ids)``.
+        """
+        manager = factories.make_kv_cache_manager(kvc)
+        sched.bind_gpu_block_pool(manager.block_pool)
+        worker.register_kv_caches(factories.make_kv_caches(kvc))
+        request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
+        self._admit(sched, manager, request)
+        block_ids = manager.get_block_ids(request.request_id)
+        self._step(sched, worker, factories.scheduler_output_for([(request, block_ids, request.num_tokens)]))
+        return manager, request, block_ids
 
     # ------------------------------------------------------------------- tests
 
@@ -190,16 +206,44 @@ class ConnectorContract:
             sched.shutdown()
             worker.shutdown()
 
+    def test_event_snapshot_is_well_formed(self) -> None:
+        """``get_event_snapshot`` after real work: KV events only, and per medium an
+        ``AllBlocksCleared(medium=M)`` before any ``BlockStored`` of ``M`` (no removals)."""
+        from kvconnector_core.kv_events import AllBlocksCleared, BlockStored
+
+        sched, worker, kvc = self._pair()
+        try:
+            self._schedule_one_request(sched, worker, kvc)
+            list(sched.take_events())
+            cleared: set[str | None] = set()
+            for event in sched.get_event_snapshot():
+                if isinstance(event, AllBlocksCleared):
+                    assert event.medium is not None, "a snapshot clears one medium, not every medium"
+                    cleared.add(event.medium)
+                else:
+                    assert isinstance(event, BlockStored), f"a snapshot holds clears and stores only: {event!r}"
+                    assert event.medium in cleared, (
+                        f"BlockStored for medium {event.medium!r} before AllBlocksCleared(medium={event.medium!r})")
+        finally:
+            sched.shutdown()
+            worker.shutdown()
+
     def test_worker_hooks_in_reference_order_on_empty_step(self) -> None:
-        """The worker hooks run without error, in the reference order, on an empty step."""
+        """The worker hooks run without error, in the reference order, on two empty steps.
+
+        The calls the connector receives are recorded and checked against
+        :data:`WORKER_STEP_HOOKS`, so the test cannot drift from the order it promises.
+        """
         sched, worker, kvc = self._pair()
         try:
             sched.bind_gpu_block_pool(factories.make_block_pool(kvc.num_blocks))
             worker.register_kv_caches(factories.make_kv_caches(kvc))
+            calls = record_calls(worker, WORKER_STEP_HOOKS)
             for _ in range(2):  # two steps: state must reset between them
                 meta = check_metadata_roundtrip(sched.build_connector_meta(factories.empty_scheduler_output()))
                 worker.bind_connector_metadata(meta)
                 assert worker.has_connector_metadata()
+                worker.handle_preemptions(meta)
                 worker.start_load_kv()
                 worker.wait_for_save()
                 results = worker.get_transfer_results(set())
@@ -208,8 +252,10 @@ class ConnectorContract:
                 assert isinstance(errors, set)
                 stats = worker.get_kv_connector_stats()
                 assert stats is None or isinstance(stats, dict)
+                worker.build_connector_worker_meta()
                 worker.clear_connector_metadata()
                 assert not worker.has_connector_metadata()
+            check_hook_order(calls, WORKER_STEP_HOOKS * 2)
         finally:
             sched.shutdown()
             worker.shutdown()
@@ -235,14 +281,7 @@ class ConnectorContract:
         """
         sched, worker, kvc = self._pair()
         try:
-            manager = factories.make_kv_cache_manager(kvc)
-            sched.bind_gpu_block_pool(manager.block_pool)
-            worker.register_kv_caches(factories.make_kv_caches(kvc))
-            request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
-            self._admit(sched, manager, request)
-            block_ids = manager.get_block_ids(request.request_id)
-            so = factories.scheduler_output_for([(request, block_ids, request.num_tokens)])
-            self._step(sched, worker, so)
+            _, request, block_ids = self._schedule_one_request(sched, worker, kvc)
             request.num_computed_tokens = request.num_tokens
             delay, _ = sched.request_finished(request, list(block_ids[0]))
             reported = 0
@@ -293,11 +332,37 @@ class ConnectorContract:
         )
 
     def test_shutdown_is_idempotent(self) -> None:
-        """``shutdown`` can be called twice on both sides."""
-        sched, worker, _ = self._pair()
-        for conn in (sched, worker):
-            conn.shutdown()
-            conn.shutdown()
+        """``shutdown`` can be called twice on both sides, after real work; the second call
+        changes nothing (no block released twice, no pin left)."""
+        sched, worker, kvc = self._pair()
+        manager = factories.make_kv_cache_manager(kvc)
+        pool = manager.block_pool
+        sched.bind_gpu_block_pool(pool)
+        worker.register_kv_caches(factories.make_kv_caches(kvc))
+        start = pool.get_num_free_blocks()
+        prompt = list(range(3 * factories.BLOCK_SIZE + 1))
+        for _ in range(2):  # the second request hits the first one's prefix
+            request = factories.make_request(prompt_token_ids=prompt)
+            self._admit(sched, manager, request)
+            manager.cache_blocks(request, request.num_tokens)
+            self._step(sched, worker, factories.scheduler_output_for(
+                [(request, manager.get_block_ids(request.request_id), request.num_tokens)]))
+            request.num_computed_tokens = request.num_tokens
+            sched.request_finished(request, list(manager.get_block_ids(request.request_id)[0]))
+            manager.free(request)
+        after: list[tuple[int, list[int]]] = []
+        for call in ("first", "second"):
+            try:
+                sched.shutdown()
+                worker.shutdown()
+            except Exception as exc:  # e.g. the pool refusing a block released twice
+                msg = f"the {call} shutdown raised {type(exc).__name__}: {exc}"
+                raise AssertionError(msg) from exc
+            after.append((pool.get_num_free_blocks(), [b.ref_cnt for b in pool.blocks[1:]]))
+        assert after[0] == after[1], "the second shutdown changed the block pool"
+        free, ref_counts = after[1]
+        assert free == start and all(r == 0 for r in ref_counts), (
+            f"after two shutdowns: {free} free blocks (want {start}), ref counts {sorted(set(ref_counts))}")
 
     def test_bind_gpu_block_pool_accepts_real_pool(self) -> None:
         """``bind_gpu_block_pool`` accepts the real BlockPool (which satisfies GPUBlockPoolView)."""

@@ -7,7 +7,9 @@ Installed with kvconnector, so these fixtures exist in every test session:
 - ``kv_cache_manager``: a real ``KVCacheManager`` over ``kv_cache_config``.
 - ``make_request``: factory ``make_request(num_tokens=..., prompt_token_ids=..., ...)``.
 - ``connector_pair``: factory ``connector_pair(config, registry=None) ->
-  (scheduler_side, worker_side)``; both are shut down after the test.
+  (scheduler_side, worker_side)``; both are shut down after the test, and a
+  ``shutdown()`` that raises fails the test (a :class:`ShutdownError` naming
+  every connector that failed, raised once all were shut down).
 
 The kit's modules are imported inside the fixtures, so loading the plugin
 costs nothing in sessions that do not use them.
@@ -75,8 +77,13 @@ def connector_pair(kv_cache_config: KVCacheConfig) -> Iterator[Callable[..., tup
         return pair
 
     yield factory
+    from kvconnector_core.errors import ShutdownError
+
+    failures: list[tuple[str, BaseException]] = []
     for conn in created:
         try:
             conn.shutdown()
-        except Exception:  # a failing shutdown is the test's business, not teardown's
-            pass
+        except Exception as exc:  # shut the others down first, then report every failure
+            failures.append((f"{type(conn).__name__} ({conn.role.name.lower()} side)", exc))
+    if failures:
+        raise ShutdownError(failures)

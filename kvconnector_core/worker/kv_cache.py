@@ -120,7 +120,8 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: str | torch.devic
         The tensors and per-layer views.
 
     Raises:
-        ConfigError: a group's spec is not an attention spec or has an unsupported dtype.
+        ConfigError: a group's spec is not an attention spec or has an unsupported dtype,
+            or the allocator refused a pool (the message gives its size).
     """
     device = torch.device(device)
     groups = kv_cache_config.kv_cache_groups
@@ -130,13 +131,13 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: str | torch.devic
             msg = (f"KV cache group {g} has spec {group.kv_cache_spec!r}; the worker allocates "
                    "attention specs only")
             raise ConfigError(msg)
+        torch_dtype(group.kv_cache_spec.dtype)  # an unsupported dtype fails before allocating
     result = KVCacheTensors(group_tensors=[None] * len(groups),  # type: ignore[list-item]
                             pool_of_group=[0] * len(groups))
     for p, pool in enumerate(kv_cache_config.physical_pools):
         page = groups[pool[0]].kv_cache_spec.page_size_bytes
         slots = max(len(groups[g].layer_names) for g in pool)
-        raw = torch.zeros((num_blocks, slots, page), dtype=torch.uint8, device=device,
-                          pin_memory=pin_memory and device.type == "cpu")
+        raw = _zeros_or_config_error((num_blocks, slots, page), device, pin_memory, pool)
         result.pool_tensors.append(raw.view(num_blocks, slots * page))
         for g in pool:
             result.pool_of_group[g] = p
@@ -148,6 +149,21 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: str | torch.devic
             result.layer_tensors[name] = result.group_tensors[g][:, i]
             result.layer_to_group[name] = (g, i)
     return result
+
+
+def _zeros_or_config_error(shape: tuple[int, int, int], device: torch.device, pin_memory: bool,
+                           pool: Sequence[int]) -> torch.Tensor:
+    """A zeroed uint8 pool; an allocation the allocator refuses is a ConfigError giving the size."""
+    try:
+        return torch.zeros(shape, dtype=torch.uint8, device=device,
+                           pin_memory=pin_memory and device.type == "cpu")
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        size = torch.Size(shape).numel()
+        which = f"group {pool[0]}" if len(pool) == 1 else f"groups {', '.join(map(str, pool))}"
+        msg = (f"cannot allocate the KV cache of {which} on {device}: {shape[0]} blocks of "
+               f"{size // shape[0]} bytes = {size / 2**30:.1f} GiB ({type(exc).__name__}); "
+               "use fewer blocks")
+        raise ConfigError(msg) from None
 
 
 def _group_view(raw: torch.Tensor, spec: Any, num_layers: int) -> torch.Tensor:

@@ -148,7 +148,7 @@ def test_budget_is_never_exceeded(env):
         run_and_free(manager, conn, make_request(prompt_token_ids=prefix(tag)))
         assert conn.num_pinned_blocks <= 4
     stats = conn.get_kv_connector_stats()
-    assert stats["pinned_blocks"] == 4 and stats["pins_refused"] == 2
+    assert stats["gauges"] == {"pinned_blocks": 4} and stats["pins_refused"] == 2
 
 
 def test_min_hits_delays_pinning():
@@ -206,11 +206,12 @@ def test_created_by_name_through_registry_and_inside_multi():
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    ({"ttl_seconds": "x"}, r"ttl_seconds='x' is not valid; expected a number of seconds > 0"),
-    ({"min_hits": 1.5}, r"min_hits=1.5 is not valid; expected an integer >= 1"),
-    ({"max_pinned_blocks": "many"}, r"max_pinned_blocks='many' is not valid; expected an integer >= 0"),
+    ({"ttl_seconds": "x"}, r"TTLPinConnector: extra_config ttl_seconds='x' is not valid: Expected `float`"),
+    ({"min_hits": 1.5}, r"min_hits=1.5 is not valid: Expected `int`"),
+    ({"max_pinned_blocks": "many"}, r"max_pinned_blocks='many' is not valid: Expected `int"),
     ({"ttl_seconds": None}, r"ttl_seconds=None is not valid"),
-], ids=["ttl-str", "hits-float", "budget-str", "ttl-none"])
+    ({"ttl_secnds": 5}, r"unknown extra_config key 'ttl_secnds' \(did you mean 'ttl_seconds'\?\)"),
+], ids=["ttl-str", "hits-float", "budget-str", "ttl-none", "typo"])
 def test_wrongly_typed_settings_name_key_value_and_valid(extra, match):
     with pytest.raises(ConfigError, match=match):
         TTLPinConnector(KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER)
@@ -271,5 +272,67 @@ def test_pins_never_starve_admission_end_to_end():
     result = eng.run(trace)
     assert result.outputs == baseline.outputs
     assert result.metrics.num_finished == len(trace)
-    stats = eng.scheduler.connector.get_kv_connector_stats()
-    assert stats["pins"] > 0 and stats["starvation_releases"] > 0
+    stats = result.metrics.connector_stats  # per-step deltas, summed by the engine
+    assert stats["scheduler.pins"] > 0 and stats["scheduler.starvation_releases"] > 0
+
+
+def _empty_step():
+    from kvconnector_core.scheduler.output import SchedulerOutput
+
+    return SchedulerOutput.make_empty()
+
+
+def test_empty_step_after_a_finish_keeps_pins(env):
+    """An empty step with no refused request (vLLM runs one after every finish) is not starvation."""
+    manager, conn, _ = env
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
+    assert conn.num_pinned_blocks == 2
+    for _ in range(3):
+        conn.build_connector_meta(_empty_step())
+    assert conn.num_pinned_blocks == 2
+    assert conn.get_kv_connector_stats()["starvation_releases"] == 0
+
+
+def test_empty_step_that_refused_a_request_releases_pins(env):
+    """A step that asked about a request, admitted nothing and scheduled nothing releases half the pins."""
+    manager, conn, _ = env
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
+    blocked = make_request(prompt_token_ids=prefix(4))
+    assert conn.get_num_new_matched_tokens(blocked, 0) == (0, False)  # asked, never admitted
+    conn.build_connector_meta(_empty_step())
+    assert conn.num_pinned_blocks == 1
+    conn.build_connector_meta(_empty_step())  # not asked again this step: no release
+    assert conn.num_pinned_blocks == 1
+
+
+def test_stats_are_deltas_with_gauges_apart(env):
+    """Counters restart after each call; the pinned-blocks level is a gauge, reported every time."""
+    manager, conn, _ = env
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
+    run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
+    first = conn.get_kv_connector_stats()
+    assert first["pins"] == 2 and first["gauges"] == {"pinned_blocks": 2}
+    second = conn.get_kv_connector_stats()
+    assert second["pins"] == 0 and second["gauges"] == {"pinned_blocks": 2}
+
+
+def test_pins_do_not_block_a_prefix_cache_reset():
+    """The scheduler calls reset_cache before resetting the pool, so held pins no longer make it fail."""
+    from kvconnector_core.engine.engine import Engine, EngineConfig
+    from kvconnector_core.engine.workloads import TraceRequest
+
+    shared = list(range(100, 164))
+    trace = [TraceRequest(request_id=f"r{i}", arrival=i * 20, max_new_tokens=2,
+                          prompt_token_ids=shared + [i, i + 1]) for i in range(3)]
+    eng = Engine(EngineConfig(connector={"name": "ttl", "extra_config": {"ttl_seconds": 1e6}},
+                              num_gpu_blocks=32, block_size=16, max_model_len=256))
+    eng.run(trace)
+    ttl = eng.scheduler_connector
+    assert ttl.num_pinned_blocks > 0
+    assert eng.scheduler.kv_cache_manager.reset_prefix_cache() is False  # the pins hold blocks
+    assert eng.reset_prefix_cache() is True
+    assert ttl.num_pinned_blocks == 0
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

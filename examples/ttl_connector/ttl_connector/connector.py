@@ -12,7 +12,16 @@ through the ``GPUBlockPoolView`` handed to ``bind_gpu_block_pool``:
    cannot take it) if the budget ``max_pinned_blocks`` allows.
 3. ``build_connector_meta`` (every step) and ``update_state_after_alloc``
    release expired pins with ``free_blocks([block])``.
-4. ``shutdown`` releases every pin.
+4. ``reset_cache`` and ``shutdown`` release every pin.
+
+Empty steps are not starvation: engines step with nothing scheduled after a
+request finishes, while stores drain or loads arrive. Pins are released early
+only when a step schedules nothing *and* a request asked about in that step's
+``get_num_new_matched_tokens`` was not admitted (its ``update_state_after_alloc``
+never came), which is what a pool held by pins looks like.
+
+Stats (scheduler side) are per-call deltas of the counters, with the gauge
+``pinned_blocks`` under ``"gauges"``, as the base class's stats contract says.
 
 extra_config: ``ttl_seconds`` (float > 0, default 60), ``max_pinned_blocks``
 (int >= 0, default a quarter of the pool), ``min_hits`` (int >= 1, default 1).
@@ -26,9 +35,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+
+import msgspec
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -38,27 +50,25 @@ if TYPE_CHECKING:
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import SchedulerOutput
 
-__all__ = ["TTLMetadata", "TTLPinConnector"]
+__all__ = ["TTLMetadata", "TTLPinConnector", "TTLSettings"]
 
 
 class TTLMetadata(KVConnectorMetadata, kw_only=True):
     """Empty plan: the worker side has nothing to do."""
 
 
-def _number(extra: dict[str, Any], key: str, default: float, valid: str, *, integer: bool = False) -> float:
-    """Read a numeric setting; a value of the wrong type is a ConfigError naming it."""
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        ok = False
-    else:
-        try:
-            number = float(value)
-            ok = not integer or number.is_integer()
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ConfigError(f"TTLPinConnector {key}={value!r} is not valid; expected {valid}")
-    return int(number) if integer else number
+class TTLSettings(ConnectorSettings):
+    """The connector's ``extra_config``.
+
+    Attributes:
+        ttl_seconds: how long a pin lives after its last hit (> 0).
+        max_pinned_blocks: most blocks pinned at once (>= 0); None: a quarter of the pool.
+        min_hits: hits a block needs before it is pinned (>= 1).
+    """
+
+    ttl_seconds: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    max_pinned_blocks: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    min_hits: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 def _check_budget(max_pinned_blocks: int, usable: int) -> None:
@@ -66,6 +76,9 @@ def _check_budget(max_pinned_blocks: int, usable: int) -> None:
         msg = (f"TTLPinConnector max_pinned_blocks={max_pinned_blocks} would pin the whole pool "
                f"({usable} usable blocks); use at most {max(usable - 1, 0)}")
         raise ConfigError(msg)
+
+
+_COUNTERS = ("pins", "refreshes", "expiries", "pins_refused", "starvation_releases", "reset_releases")
 
 
 @dataclass(slots=True)
@@ -81,6 +94,7 @@ class TTLPinConnector(KVConnectorBase_V1):
     aliases: ClassVar[tuple[str, ...]] = ("ttl",)
     metadata_type: ClassVar[type[KVConnectorMetadata]] = TTLMetadata
     requires_block_pool: ClassVar[bool] = True
+    settings_type: ClassVar[type[Any] | None] = TTLSettings
 
     def __init__(
         self,
@@ -99,22 +113,14 @@ class TTLPinConnector(KVConnectorBase_V1):
             clock: seconds source; default ``time.monotonic``.
 
         Raises:
-            ConfigError: a setting has the wrong type or is out of range, or
+            ConfigError: an unknown key, a setting of the wrong type or out of range, or
                 ``max_pinned_blocks`` would pin the whole pool of ``kv_cache_config``.
         """
-        super().__init__(config, role, kv_cache_config)
-        extra = config.extra_config
-        self.ttl_seconds = _number(extra, "ttl_seconds", 60.0, "a number of seconds > 0")
-        self.min_hits = int(_number(extra, "min_hits", 1, "an integer >= 1", integer=True))
-        budget = extra.get("max_pinned_blocks")
-        self.max_pinned_blocks: int | None = (
-            None if budget is None else int(_number(extra, "max_pinned_blocks", 0, "an integer >= 0", integer=True)))
-        if self.ttl_seconds <= 0:
-            raise ConfigError(f"TTLPinConnector ttl_seconds={self.ttl_seconds!r}; must be > 0")
-        if self.min_hits < 1:
-            raise ConfigError(f"TTLPinConnector min_hits={self.min_hits!r}; must be >= 1")
-        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
-            raise ConfigError(f"TTLPinConnector max_pinned_blocks={self.max_pinned_blocks!r}; must be >= 0")
+        super().__init__(config, role, kv_cache_config)  # converts extra_config to TTLSettings
+        settings: TTLSettings = self.settings
+        self.ttl_seconds = settings.ttl_seconds
+        self.min_hits = settings.min_hits
+        self.max_pinned_blocks: int | None = settings.max_pinned_blocks
         num_blocks = getattr(kv_cache_config, "num_blocks", None)
         if self.max_pinned_blocks is not None and isinstance(num_blocks, int):
             # Checked again against the pool in bind_gpu_block_pool; failing here
@@ -126,8 +132,10 @@ class TTLPinConnector(KVConnectorBase_V1):
         # last pin/refresh is the order of expiry and expiring is O(expired).
         self._pins: OrderedDict[bytes, _Pin] = OrderedDict()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
+        # Requests asked about (get_num_new_matched_tokens) in the current step and not
+        # yet admitted; cleared by build_connector_meta, which ends every step.
         self._lookups: dict[str, int] = {}
-        self._stats = {"pins": 0, "refreshes": 0, "expiries": 0, "pins_refused": 0, "starvation_releases": 0}
+        self._stats = dict.fromkeys(_COUNTERS, 0)
 
     # -------------------------------------------------------- scheduler side
 
@@ -204,18 +212,30 @@ class TTLPinConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TTLMetadata:
         """Release expired pins, and pins that starve admission; the worker gets an empty plan.
 
-        Starvation guard: a step that schedules nothing while pins are held may mean
-        a waiting request needs blocks that pins hold (the budget only bounds pins,
-        it cannot know the longest request). Each such step releases the older half
-        of the pins, so admission is never blocked for more than a few steps. Pins are
-        an optimisation; dropping some early never affects correctness.
+        Starvation guard: a step that schedules nothing while a request it asked
+        about stays unadmitted may mean that request needs blocks the pins hold
+        (the budget only bounds pins, it cannot know the longest request). Each
+        such step releases the older half of the pins, so admission is never
+        blocked for more than a few steps. An empty step with no refused request
+        (after a finish, while stores drain) keeps every pin. Pins are an
+        optimisation; dropping some early never affects correctness.
         """
         self._expire(self.clock())
-        if self._pins and scheduler_output is not None and scheduler_output.total_num_scheduled_tokens == 0:
+        refused = bool(self._lookups)
+        self._lookups.clear()  # a request still waiting is asked again next step
+        if (self._pins and refused and scheduler_output is not None
+                and scheduler_output.total_num_scheduled_tokens == 0):
             for block_hash in list(self._pins)[: max(1, len(self._pins) // 2)]:
                 self._unpin(block_hash)
                 self._stats["starvation_releases"] += 1
         return TTLMetadata()
+
+    def reset_cache(self) -> bool:
+        """Release every pin and forget the hit counts, so the engine's prefix-cache reset can succeed."""
+        self._stats["reset_releases"] += len(self._pins)
+        self.shutdown()
+        self._hits.clear()
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; never delays the free."""
@@ -232,11 +252,13 @@ class TTLPinConnector(KVConnectorBase_V1):
         return bytes(block_hash) in self._pins
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """``pinned_blocks``, ``pins``, ``refreshes``, ``expiries``, ``pins_refused``,
-        ``starvation_releases`` (scheduler side)."""
+        """Counters since the previous call (``pins``, ``refreshes``, ``expiries``,
+        ``pins_refused``, ``starvation_releases``, ``reset_releases``) and the gauge
+        ``{"gauges": {"pinned_blocks": n}}`` (scheduler side)."""
         if self._role is not KVConnectorRole.SCHEDULER:
             return None
-        return {"pinned_blocks": len(self._pins), **self._stats}
+        counters, self._stats = self._stats, dict.fromkeys(_COUNTERS, 0)
+        return {**counters, "gauges": {"pinned_blocks": len(self._pins)}}
 
     def shutdown(self) -> None:
         """Release every pin (idempotent)."""

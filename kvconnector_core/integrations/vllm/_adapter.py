@@ -1,0 +1,413 @@
+"""The vLLM ``KVConnectorBase_V1`` subclass that runs any kvconnector connector.
+
+vLLM creates :class:`KVConnectorAdapter` once per role, as it creates any
+connector; the adapter creates the kvconnector connector named in
+``kv_connector_extra_config["kvconnector"]`` through kvconnector's registry
+(built-ins and third-party entry points alike) and forwards every hook,
+translating the records at the boundary (see ``_records``) and passing thin
+views of vLLM's live objects (see ``_views``). The members vLLM reads that
+kvconnector's base lacks come from vLLM's base class, except those whose value
+depends on the wrapped connector, which are overridden here.
+
+Every hook reaches the wrapped connector through kvconnector's guard
+(:class:`~kvconnector_core.connector.guard.GuardedScheduler` /
+:class:`~kvconnector_core.connector.guard.GuardedWorker`), so a raising hook is
+contained inside vLLM exactly as in kvconnector's engine: a miss, a failed load
+(reported to vLLM, which recomputes) or a failed store that never becomes
+visible. Where the guard needs a report vLLM's records cannot carry, the
+adapter carries it itself: the worker's ``loads_failed`` / ``stores_failed``
+flags in :class:`AdapterWorkerMetadata`, and loads the scheduler side knows
+will not happen (the connector raised while planning them) in
+:class:`AdapterMetadata`, which the worker reports as failed receives / load
+errors so that vLLM never waits for them.
+
+Hook order. vLLM's GPU model runner calls ``handle_preemptions`` *before*
+``bind_connector_metadata``; kvconnector's runner calls it after. Both are
+allowed by kvconnector's contract (the hook gets the plan as its argument),
+and the adapter forwards in vLLM's order; the guard's step starts at whichever
+comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1 as VllmConnectorBase,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole as VllmRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults as VllmTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+from kvconnector_core.connector.base import KVConnectorRole
+from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
+from kvconnector_core.connector.registry import create_connector, get_connector_class
+from kvconnector_core.errors import ConfigError, InvariantError
+from kvconnector_core.integrations.vllm._layouts import block_dense_views
+from kvconnector_core.integrations.vllm._records import (
+    AdapterKVEvents,
+    AdapterMetadata,
+    AdapterStats,
+    AdapterWorkerMetadata,
+    connector_config_from_vllm,
+    kv_cache_config_from_vllm,
+    output_from_vllm,
+    to_vllm_events,
+)
+from kvconnector_core.integrations.vllm._views import BlockPoolView, SchedulerOutputView
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+    from kvconnector_core.connector.base import KVConnectorBase_V1
+
+__all__ = ["KVConnectorAdapter", "KVConnectorAdapterHMA"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_REPORTED_RECVING = 100_000
+"""Receive ids remembered to drop a second report (a load failed by the adapter that the
+connector also reports later)."""
+
+
+def _wrapped_class(vllm_config: VllmConfig) -> type[KVConnectorBase_V1]:
+    return get_connector_class(connector_config_from_vllm(vllm_config))
+
+
+class KVConnectorAdapter(VllmConnectorBase):
+    """Runs the kvconnector connector named in ``kv_connector_extra_config["kvconnector"]``.
+
+    Select it with ``kv_connector="KVConnectorAdapter"`` and
+    ``kv_connector_module_path="kvconnector_core.integrations.vllm"``. It does
+    not support vLLM's hybrid KV cache manager (HMA): vLLM turns HMA off for it,
+    or refuses an explicit HMA-on; use :class:`KVConnectorAdapterHMA` for a
+    connector that handles several KV cache groups.
+
+    Attributes:
+        connector: the wrapped kvconnector connector (this role's instance).
+    """
+
+    requires_several_groups: ClassVar[bool] = False
+
+    def __init__(self, vllm_config: VllmConfig, role: VllmRole, kv_cache_config: Any) -> None:
+        """Create the wrapped connector for ``role``.
+
+        Raises:
+            ConfigError: no or a bad ``kvconnector`` entry in the extra config, an
+                unsupported KV cache spec, or the wrapped connector's own config errors.
+            RegistryError: the wrapped connector's name is unknown.
+        """
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._kvc_config = connector_config_from_vllm(vllm_config)
+        self._kvc_kv_cache_config = kv_cache_config_from_vllm(kv_cache_config)
+        self.connector: KVConnectorBase_V1 = create_connector(
+            self._kvc_config, KVConnectorRole(role.value), self._kvc_kv_cache_config)
+        self._check_groups()
+        is_scheduler = role == VllmRole.SCHEDULER
+        self._sched = GuardedScheduler(self.connector) if is_scheduler else None
+        self._worker = None if is_scheduler else GuardedWorker(self.connector)
+        groups = self._kvc_kv_cache_config.kv_cache_groups if self._kvc_kv_cache_config else []
+        self._block_size = groups[0].kv_cache_spec.block_size if groups else 1
+        # scheduler side: the last plan (update_connector_output's step), this step's
+        # answers, and loads that will not happen because planning them raised
+        self._last_plan: Any = None
+        self._answers: dict[str, bool] = {}
+        self._step_loads: dict[str, tuple[bool, list[int]]] = {}  # rid -> (async, block ids)
+        self._last_loads: dict[str, tuple[bool, list[int]]] = {}
+        self._unplanned_recving: set[str] = set()
+        self._unplanned_blocks: set[int] = set()
+        # worker side
+        self._step_begun = False
+        self._step_invalid: set[int] = set()
+        # Receives the adapter reported failed for the connector: a later report of the
+        # same request by the connector is dropped (vLLM asserts on a report for a request
+        # it has forgotten, and such a request never loads again: it recomputes).
+        # Bounded, oldest dropped.
+        self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
+        # Finished requests whose free the wrapped connector delayed, until reported sent.
+        self._delayed_frees: set[str] = set()
+        self._worker_events: list[Any] = []
+        # Requests whose load failed: vLLM asks the connector again when it
+        # re-admits them; they recompute instead (as kvconnector's scheduler does),
+        # so a persistently failing tier cannot livelock them.
+        self._recompute_only: set[str] = set()
+
+    def _check_groups(self) -> None:
+        groups = self._kvc_kv_cache_config.kv_cache_groups if self._kvc_kv_cache_config else []
+        several = bool(getattr(self.connector, "supports_multiple_kv_cache_groups", False))
+        if self.requires_several_groups and not several:
+            msg = (f"{type(self).__name__} declares HMA support, but the wrapped connector "
+                   f"{self._kvc_config.name!r} handles one KV cache group only; use "
+                   "KVConnectorAdapter (vLLM then turns HMA off) or --disable-hybrid-kv-cache-manager")
+            raise ConfigError(msg)
+        if len(groups) > 1 and not several:
+            msg = (f"the wrapped connector {self._kvc_config.name!r} handles one KV cache group, "
+                   f"but this model has {len(groups)}; run vLLM with --disable-hybrid-kv-cache-manager")
+            raise ConfigError(msg)
+
+    # ------------------------------------------------------------ capabilities
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False unless the wrapped connector says so: kvconnector's connectors are caches,
+        where a save dropped by a preemption is only a future miss."""
+        return bool(getattr(self.connector, "requires_kv_delivery", False))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The wrapped connector class's ``required_kv_cache_layout`` (None: any of the six)."""
+        return getattr(_wrapped_class(vllm_config), "required_kv_cache_layout", None)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AdapterStats:
+        """Rebuild stats shipped as ``to_dict()`` (vLLM's logger does this per interval)."""
+        return AdapterStats() if data is None else AdapterStats(data=data)
+
+    def has_pending_block_frees(self) -> bool:
+        """True while a finished request's blocks wait for its stores: vLLM then waits
+        for them instead of preempting when an allocation fails."""
+        return bool(self._delayed_frees)
+
+    # ------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Bind the wrapped connector to vLLM's block pool, and release its pins before
+        every prefix-cache reset.
+
+        vLLM resets the block pool first and calls ``reset_cache()`` only after; a
+        pool reset fails while any block is pinned (with ``reset_running_requests``
+        it raises). So the pool's ``reset_prefix_cache`` is wrapped to call the
+        connector's ``reset_cache()`` first.
+        """
+        self._kv_cache_manager = kv_cache_manager
+        pool = kv_cache_manager.block_pool
+        self._scheduler().bind_gpu_block_pool(BlockPoolView(pool))
+        pool_reset = pool.reset_prefix_cache
+
+        def reset_prefix_cache() -> bool:
+            if not self._scheduler().reset_cache():
+                return False
+            return pool_reset()
+
+        pool.reset_prefix_cache = reset_prefix_cache
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load."""
+        if request.request_id in self._recompute_only:
+            return 0, False
+        num, is_async = self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._answers[request.request_id] = bool(is_async)
+        return num, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Forwarded (vLLM's KVCacheBlocks is passed as is). If the connector raised while
+        planning a load, the load is reported failed by the worker next step."""
+        is_async = self._answers.pop(request.request_id, False)
+        ok = self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens == 0:
+            return
+        group = blocks.blocks[0]
+        local = next((i for i, b in enumerate(group) if b.block_hash is None), len(group))
+        load = (is_async, [b.block_id for b in group[local:local + num_external_tokens // self._block_size]])
+        if ok:
+            self._step_loads[request.request_id] = load
+        else:
+            self._fail_loads({request.request_id: load})
+
+    def _fail_loads(self, loads: dict[str, tuple[bool, list[int]]]) -> None:
+        """Have the worker report these loads failed (next plan): vLLM must not wait for them."""
+        for rid, (is_async, block_ids) in loads.items():
+            if is_async:
+                self._unplanned_recving.add(rid)
+            else:
+                self._unplanned_blocks.update(block_ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> AdapterMetadata:
+        """The wrapped plan (None if building it raised), in a vLLM metadata record."""
+        plan = self._scheduler().build_connector_meta(SchedulerOutputView(scheduler_output))
+        self._last_plan = plan
+        self._last_loads, self._step_loads = self._step_loads, {}
+        if plan is None:  # the step's loads are never planned: they fail now
+            self._fail_loads(self._last_loads)
+            self._last_loads = {}
+        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks)
+        self._unplanned_recving, self._unplanned_blocks = set(), set()
+        self._answers.clear()
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Translate vLLM's output (None sets, wrapped worker metadata) and forward it."""
+        out = output_from_vllm(connector_output)
+        self._delayed_frees -= out.finished_sending
+        self._recompute_only |= out.failed_recving
+        events = connector_output.kv_cache_events
+        if events is not None:
+            self._worker_events += events.aggregate().get_all_events()
+        self._scheduler().update_connector_output(out, self._last_plan)
+        if out.loads_failed:
+            # The worker could not run the step's loads: the connector may never report
+            # the ones it has not reported yet (as kvconnector's scheduler does, they
+            # fail; reported next step).
+            self._fail_loads({rid: load for rid, load in self._last_loads.items()
+                              if rid not in out.finished_recving})
+        self._last_loads = {}
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forwarded; a delayed free is remembered until it is reported sent."""
+        self._recompute_only.discard(request.request_id)
+        delay, params = self._scheduler().request_finished(request, block_ids)
+        if delay:
+            self._delayed_frees.add(request.request_id)
+        return bool(delay), params
+
+    def take_events(self) -> list[Any]:
+        """The wrapped connector's events, then the workers', as vLLM event objects."""
+        events = to_vllm_events(self._scheduler().take_events())
+        events += self._worker_events
+        self._worker_events = []
+        return events
+
+    def reset_cache(self) -> bool | None:
+        """Forwarded (idempotent: the wrapped pool reset already called it once)."""
+        return self._scheduler().reset_cache()
+
+    # --------------------------------------------------------------- both sides
+
+    def get_kv_connector_stats(self) -> AdapterStats | None:
+        """The wrapped stats under vLLM's stats protocol (None when empty)."""
+        side = self._sched if self._sched is not None else self._worker
+        stats = AdapterStats.from_kvconnector(side.get_kv_connector_stats())  # type: ignore[union-attr]
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        """Forwarded."""
+        self.connector.shutdown()
+
+    def _scheduler(self) -> GuardedScheduler:
+        if self._sched is None:
+            msg = "scheduler-side hook called on the adapter's worker-role instance"
+            raise InvariantError(msg)
+        return self._sched
+
+    def _guard(self) -> GuardedWorker:
+        if self._worker is None:
+            msg = "worker-side hook called on the adapter's scheduler-role instance"
+            raise InvariantError(msg)
+        return self._worker
+
+    def _begin_step(self) -> None:
+        if not self._step_begun:
+            self._step_begun = True
+            self._guard().begin_step()
+
+    # --------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Hand vLLM's per-layer tensors over as block-dense views (no copies; see ``_layouts``)."""
+        views: dict[str, torch.Tensor] = {}
+        for name, tensor in kv_caches.items():
+            views.update(block_dense_views(name, tensor))
+        self._guard().register_kv_caches(views)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Bind the wrapped plan (none when the scheduler side failed to build one)."""
+        super().bind_connector_metadata(connector_metadata)
+        self._begin_step()
+        if connector_metadata.inner is not None:
+            self._guard().bind_connector_metadata(connector_metadata.inner)
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind; the next hook starts the guard's next step."""
+        super().clear_connector_metadata()
+        self._guard().clear_connector_metadata()
+        self._step_begun = False
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
+        self._begin_step()
+        if kv_connector_metadata.inner is not None:
+            self._guard().handle_preemptions(kv_connector_metadata.inner)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Forwarded (model runner V2's extra keyword arguments are dropped)."""
+        self._guard().start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Forwarded."""
+        self._guard().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Forwarded."""
+        self._guard().save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        """Forwarded."""
+        self._guard().wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> VllmTransferResults:
+        """The wrapped results in vLLM's record, plus the receives the plan says failed.
+
+        The load errors are read here too (kvconnector's order: results, then errors):
+        vLLM takes ``failed_recving`` from this call, and when the errors hook raised
+        every receive of the step must count as failed.
+        """
+        guard = self._guard()
+        res = guard.get_transfer_results(set(finished_req_ids))
+        self._step_invalid = set(guard.get_block_ids_with_load_errors())
+        failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
+        recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
+        meta = self._connector_metadata
+        if isinstance(meta, AdapterMetadata):
+            recving |= meta.failed_recving
+            failed |= meta.failed_recving
+            self._step_invalid |= meta.invalid_block_ids
+            for rid in meta.failed_recving:
+                self._failed_for_connector[rid] = None
+            while len(self._failed_for_connector) > _MAX_REPORTED_RECVING:
+                self._failed_for_connector.popitem(last=False)
+        return VllmTransferResults(finished_sending=set(res.finished_sending),
+                                   finished_recving=recving, failed_recving=failed & recving)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Legacy form of :meth:`get_transfer_results`."""
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The step's load errors (read in :meth:`get_transfer_results`)."""
+        errors, self._step_invalid = self._step_invalid, set()
+        return errors
+
+    def get_kv_connector_kv_cache_events(self) -> AdapterKVEvents | None:
+        """The wrapped worker's events (its optional hook of that name), or None."""
+        events = to_vllm_events(self._guard().get_kv_connector_kv_cache_events())
+        return AdapterKVEvents(events) if events else None
+
+    def build_connector_worker_meta(self) -> AdapterWorkerMetadata | None:
+        """The wrapped worker metadata and the guard's step flags, foldable across
+        workers (None when there is nothing)."""
+        guard = self._guard()
+        meta = guard.build_connector_worker_meta()
+        if meta is None and not (guard.loads_failed or guard.stores_failed):
+            return None
+        return AdapterWorkerMetadata(meta, guard.loads_failed, guard.stores_failed)
+
+
+class KVConnectorAdapterHMA(KVConnectorAdapter, SupportsHMA):
+    """:class:`KVConnectorAdapter` with vLLM's HMA enabled, for connectors that handle
+    several KV cache groups (``supports_multiple_kv_cache_groups``)."""
+
+    requires_several_groups: ClassVar[bool] = True
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the first group's block ids (kvconnector's contract)."""
+        return self.request_finished(request, block_ids[0])
+

@@ -1,0 +1,294 @@
+"""Translations of the small records that cross the vLLM boundary.
+
+vLLM -> kvconnector: the connector config (from ``KVTransferConfig``), the
+``KVCacheConfig`` and the ``KVConnectorOutput`` (whose sets may be None).
+kvconnector -> vLLM: stats (:class:`AdapterStats`, vLLM's stats protocol),
+worker metadata (:class:`AdapterWorkerMetadata`, folded across workers with the
+connector's own ``aggregate``), worker events (:class:`AdapterKVEvents`) and
+KV events (vLLM's event classes, field for field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed import kv_events as vllm_events
+from vllm.distributed.kv_events import KVConnectorKVEvents, KVEventAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata as VllmMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorWorkerMetadata as VllmWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1 import kv_cache_interface as vkv
+
+from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.connector.metadata import KVConnectorOutput
+from kvconnector_core.errors import ConfigError, InvariantError
+from kvconnector_core.kv_cache import kv_cache_spec as kspec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.outputs import KVConnectorOutput as VllmOutput
+
+__all__ = [
+    "EXTRA_CONFIG_KEY",
+    "AdapterKVEvents",
+    "AdapterMetadata",
+    "AdapterStats",
+    "AdapterWorkerMetadata",
+    "connector_config_from_vllm",
+    "kv_cache_config_from_vllm",
+    "output_from_vllm",
+    "to_vllm_events",
+]
+
+EXTRA_CONFIG_KEY = "kvconnector"
+"""Key of ``kv_connector_extra_config`` holding the wrapped connector's kvconnector config."""
+
+
+def connector_config_from_vllm(vllm_config: VllmConfig) -> KVConnectorConfig:
+    """The wrapped connector's config, from vLLM's ``KVTransferConfig``.
+
+    ``kv_connector_extra_config["kvconnector"]`` is a kvconnector connector
+    config (``name``, ``extra_config``, optionally ``module_path``); ``role``,
+    ``engine_id`` and ``load_failure_policy`` come from vLLM's own fields, and
+    ``world_size`` from its parallel config.
+
+    Raises:
+        ConfigError: the key is missing or not a connector config.
+    """
+    ktc = vllm_config.kv_transfer_config
+    raw = (ktc.kv_connector_extra_config or {}).get(EXTRA_CONFIG_KEY) if ktc is not None else None
+    if not isinstance(raw, dict) or "name" not in raw:
+        msg = (f"kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] must name the kvconnector connector "
+               f"to wrap, e.g. {{\"{EXTRA_CONFIG_KEY}\": {{\"name\": \"cpu_offload\", \"extra_config\": "
+               f"{{...}}}}}}; got {raw!r}")
+        raise ConfigError(msg)
+    bad = sorted(set(raw) - {"name", "extra_config", "module_path"})
+    if bad:
+        msg = (f"kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] has unknown keys {bad}; valid: name, "
+               "extra_config, module_path (role, engine_id and the load failure policy come from "
+               "vLLM's kv_role, engine_id and kv_load_failure_policy)")
+        raise ConfigError(msg)
+    parallel = vllm_config.parallel_config
+    return KVConnectorConfig.from_dict({
+        **raw,
+        "role": ktc.kv_role or "kv_both",
+        "engine_id": ktc.engine_id,
+        "load_failure_policy": ktc.kv_load_failure_policy,
+        "world_size": parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+    })
+
+
+def _spec_from_vllm(spec: Any) -> kspec.KVCacheSpec:
+    common = {"block_size": spec.block_size, "num_kv_heads": getattr(spec, "num_kv_heads", 1),
+              "head_size": getattr(spec, "head_size", 1), "dtype": getattr(spec, "dtype", "bfloat16")}
+    if isinstance(spec, vkv.SlidingWindowSpec):
+        return kspec.SlidingWindowSpec(**common, sliding_window=spec.sliding_window)
+    if isinstance(spec, vkv.ChunkedLocalAttentionSpec):
+        return kspec.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, vkv.FullAttentionSpec) and spec.sliding_window is None \
+            and spec.attention_chunk_size is None:
+        return kspec.FullAttentionSpec(**common)
+    msg = (f"vLLM KV cache spec {type(spec).__name__} has no kvconnector counterpart; supported: "
+           "FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec")
+    raise ConfigError(msg)
+
+
+def kv_cache_config_from_vllm(kv_cache_config: Any) -> kspec.KVCacheConfig | None:
+    """kvconnector's ``KVCacheConfig`` for vLLM's (same pool size, groups and specs)."""
+    if kv_cache_config is None:
+        return None
+    groups = [kspec.KVCacheGroupSpec(list(g.layer_names), _spec_from_vllm(g.kv_cache_spec))
+              for g in kv_cache_config.kv_cache_groups]
+    return kspec.KVCacheConfig(num_blocks=kv_cache_config.num_blocks, kv_cache_groups=groups)
+
+
+def output_from_vllm(output: VllmOutput) -> KVConnectorOutput:
+    """kvconnector's output record for vLLM's (None sets become empty sets).
+
+    Stats and events are not carried: the adapter handles both itself.
+    """
+    meta = output.kv_connector_worker_meta
+    if not isinstance(meta, AdapterWorkerMetadata):
+        meta = AdapterWorkerMetadata()
+    return KVConnectorOutput(
+        finished_sending=set(output.finished_sending or ()),
+        finished_recving=set(output.finished_recving or ()),
+        failed_recving=set(output.failed_recving or ()),
+        invalid_block_ids=set(output.invalid_block_ids or ()),
+        kv_connector_worker_meta=meta.inner,
+        loads_failed=meta.loads_failed,
+        stores_failed=meta.stores_failed,
+    )
+
+
+def to_vllm_events(events: Any) -> list[Any]:
+    """kvconnector KV events as vLLM's event classes (same fields, same wire encoding)."""
+    out = []
+    for event in events or ():
+        cls = getattr(vllm_events, type(event).__name__, None)
+        if cls is None:
+            msg = f"KV event {type(event).__name__} has no vLLM counterpart"
+            raise InvariantError(msg)
+        out.append(cls(**msgspec.structs.asdict(event)))
+    return out
+
+
+@dataclass
+class AdapterMetadata(VllmMetadata):
+    """The wrapped connector's plan, carried in vLLM's ``SchedulerOutput`` (pickled).
+
+    Attributes:
+        inner: the wrapped connector's plan (None when its ``build_connector_meta``
+            raised: the guard then skips the step's loads and stores).
+        failed_recving: requests whose asynchronous load the scheduler side already
+            knows failed (the connector raised while planning it); the worker reports
+            them finished and failed, so vLLM stops waiting and recomputes.
+        invalid_block_ids: blocks of synchronous loads that will not happen, for the
+            same reason; the worker reports them as load errors.
+    """
+
+    inner: Any = None
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class AdapterWorkerMetadata(VllmWorkerMetadata):
+    """The wrapped connector's worker metadata and the guard's step flags, folded across
+    TP/PP workers.
+
+    Folding uses the record's own ``aggregate(other)`` (kvconnector's contract for
+    worker metadata that several workers produce); a flag is set if any worker set it.
+
+    Attributes:
+        inner: the wrapped connector's ``build_connector_worker_meta()`` result.
+        loads_failed: a worker hook failed so that the step's loads may not have run.
+        stores_failed: likewise for the step's stores.
+    """
+
+    inner: Any = None
+    loads_failed: bool = False
+    stores_failed: bool = False
+
+    def aggregate(self, other: VllmWorkerMetadata) -> AdapterWorkerMetadata:
+        """Fold another worker's record of the same step into this one.
+
+        Raises:
+            InvariantError: the wrapped record has no ``aggregate`` method.
+        """
+        if not isinstance(other, AdapterWorkerMetadata):
+            return self
+        mine, theirs = self.inner, other.inner
+        if mine is None or theirs is None:
+            inner = theirs if mine is None else mine
+        else:
+            fold = getattr(mine, "aggregate", None)
+            if fold is None:
+                msg = (f"worker metadata {type(mine).__qualname__} has no aggregate(other); "
+                       "it cannot be combined across several vLLM workers (TP/PP > 1)")
+                raise InvariantError(msg)
+            inner = fold(theirs)
+        return AdapterWorkerMetadata(inner, self.loads_failed or other.loads_failed,
+                                     self.stores_failed or other.stores_failed)
+
+
+class AdapterKVEvents(KVConnectorKVEvents):
+    """Worker-side KV events; across workers only the events every worker emitted are kept."""
+
+    def __init__(self, events: list[Any], num_workers: int = 1) -> None:
+        self._aggregator = KVEventAggregator(num_workers)
+        self._aggregator.add_events(events)
+
+    def add_events(self, events: list[Any]) -> None:
+        """Add another worker's events."""
+        self._aggregator.add_events(events)
+
+    def aggregate(self) -> AdapterKVEvents:
+        """Keep the events common to all workers (each once)."""
+        common = self._aggregator.get_common_events()
+        self._aggregator.clear_events()
+        self._aggregator.add_events(common)
+        self._aggregator.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        """Count more contributing workers."""
+        self._aggregator.increment_workers(count)
+
+    def get_all_events(self) -> list[Any]:
+        """Every event held."""
+        return self._aggregator.get_all_events()
+
+    def get_number_of_workers(self) -> int:
+        """Workers that contributed."""
+        return self._aggregator.get_number_of_workers()
+
+    def clear_events(self) -> None:
+        """Drop every event."""
+        self._aggregator.clear_events()
+        self._aggregator.reset_workers()
+
+
+def _flatten(stats: dict[str, Any], prefix: str, counters: dict[str, float],
+             gauges: dict[str, float]) -> None:
+    for key, value in stats.items():
+        name = f"{prefix}{key}"
+        if key == "gauges" and isinstance(value, dict):
+            for g, level in value.items():
+                if isinstance(level, int | float) and not isinstance(level, bool):
+                    gauges[f"{prefix}{g}"] = level
+        elif isinstance(value, dict):
+            _flatten(value, f"{name}.", counters, gauges)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            counters[name] = counters.get(name, 0) + value
+
+
+@dataclass
+class AdapterStats(KVConnectorStats):
+    """kvconnector stats under vLLM's stats protocol.
+
+    ``data`` is ``{"counters": {...}, "gauges": {...}}`` with dotted names
+    (nested dicts such as a MultiConnector's ``children`` are flattened).
+    Counters are per-step deltas that :meth:`aggregate` sums (across workers,
+    the scheduler side and the steps of a logging interval); gauges are
+    levels, of which the latest value wins.
+    """
+
+    data: dict[str, Any] = field(default_factory=lambda: {"counters": {}, "gauges": {}})
+
+    @classmethod
+    def from_kvconnector(cls, stats: dict[str, Any] | None) -> AdapterStats:
+        """Wrap one ``get_kv_connector_stats()`` result."""
+        counters: dict[str, float] = {}
+        gauges: dict[str, float] = {}
+        _flatten(stats or {}, "", counters, gauges)
+        return cls({"counters": counters, "gauges": gauges})
+
+    def reset(self) -> None:
+        """Forget everything."""
+        self.data = {"counters": {}, "gauges": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> AdapterStats:
+        """Sum the counters, keep ``other``'s gauges where it has them."""
+        counters = dict(self.data.get("counters", {}))
+        for key, value in other.data.get("counters", {}).items():
+            counters[key] = counters.get(key, 0) + value
+        gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}
+        self.data = {"counters": counters, "gauges": gauges}
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Counters summed over the interval, gauges as last seen (``gauges.`` prefix)."""
+        out: dict[str, int | float] = dict(self.data.get("counters", {}))
+        out.update({f"gauges.{k}": v for k, v in self.data.get("gauges", {}).items()})
+        return out
+
+    def is_empty(self) -> bool:
+        """True when neither counters nor gauges were reported."""
+        return not (self.data.get("counters") or self.data.get("gauges"))
