@@ -25,7 +25,11 @@ from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.timeline import StepRecord, Timeline
 from kvconnector_core.engine.workloads import Trace, TraceRequest
 from kvconnector_core.errors import ConfigError, InvariantError
-from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
+from kvconnector_core.kv_cache.kv_cache_spec import (
+    KVCacheConfig,
+    get_kv_cache_config,
+    kv_cache_bytes_per_block,
+)
 from kvconnector_core.request import Request
 from kvconnector_core.worker.model import ModelConfig
 
@@ -70,6 +74,9 @@ class EngineConfig:
         connector: the connector to create (both roles), or None.
         load_failure_policy: ``"recompute"`` or ``"fail"``; None takes the connector
             config's policy (``"recompute"`` without a connector).
+        reserve_full_output: admit a request only when its whole output fits (fewer
+            preemptions, fewer requests at once); default False counts the tokens a
+            request has now, as vLLM 0.33 does (``docs/admission.md``).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -83,6 +90,7 @@ class EngineConfig:
     device: str = "cpu"
     connector: KVConnectorConfig | None = None
     load_failure_policy: str | None = None
+    reserve_full_output: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -121,7 +129,7 @@ class EngineConfig:
             ConfigError: the pool cannot hold one request of ``max_model_len`` tokens.
         """
         specs = self.model.kv_cache_specs(self.block_size)
-        bytes_per_block = sum(s.page_size_bytes for s in specs.values())
+        bytes_per_block = kv_cache_bytes_per_block(specs)
         try:
             return get_kv_cache_config(specs, self.num_gpu_blocks * bytes_per_block,
                                        self.max_model_len, self.max_num_batched_tokens)
@@ -224,6 +232,7 @@ class RunResult(msgspec.Struct):
         outputs: request id -> generated tokens, in trace order.
         statuses: request id -> final status name.
         metrics: the run's metrics.
+        model: the model's KV shape (:meth:`ModelConfig.describe`).
         timeline: one record per step: token sources and bytes moved per tier.
     """
 
@@ -233,6 +242,7 @@ class RunResult(msgspec.Struct):
     outputs: dict[str, list[int]]
     statuses: dict[str, str]
     metrics: RunMetrics
+    model: str = ""
     timeline: list[StepRecord] = msgspec.field(default_factory=list)
 
 
@@ -307,6 +317,7 @@ class Engine:
             enable_kv_cache_events=config.enable_kv_cache_events,
             connector=self.scheduler_connector,
             load_failure_policy=config.effective_load_failure_policy,
+            reserve_full_output=config.reserve_full_output,
         )
         self.num_steps = 0
         self.event_counts: dict[str, int] = {}
@@ -524,6 +535,7 @@ class Engine:
             outputs={rid: results[rid].output_token_ids if rid in results else [] for rid in ids},
             statuses={rid: results[rid].status if rid in results else "UNFINISHED" for rid in ids},
             metrics=metrics,
+            model=self.config.model.describe(self.config.block_size),
         )
 
     def _connector_errors(self) -> dict[str, int]:
