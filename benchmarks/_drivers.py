@@ -34,7 +34,7 @@ import os
 import platform
 import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +59,7 @@ __all__ = [
     "run_manager_trace",
     "run_offload_trace",
     "machine_info",
+    "emit_table",
     "record_section",
     "stopwatch",
 ]
@@ -199,13 +200,13 @@ class Side:
         """
         return chains
 
-    def offload_runner(self, num_blocks: int, policy: str) -> Callable[[list[Any], str], int]:
-        """A fresh CPU offloading manager, wrapped as ``run(keys, req_id) -> hits``.
+    def offload_runner(self, num_blocks: int, policy: str) -> Callable[..., int]:
+        """A fresh CPU offloading manager, wrapped as ``run(keys, req_id, local=0) -> hits``.
 
-        ``run`` performs one request's offload protocol the way the implementation's own
-        connector drives its manager: look up the leading ready keys, pin and release
-        them as a load, record the use of what hit, store the rest. ``keys`` come from
-        :meth:`offload_keys`.
+        ``keys`` come from :meth:`offload_keys`. ``run`` performs one request's offload protocol the way the implementation's own
+        connector drives its manager: the first ``local`` keys are GPU prefix-cache hits;
+        look up the leading ready keys after them, pin and release them as a load,
+        record the use, store the rest (keys already held are skipped by the manager).
         """
         raise NotImplementedError
 
@@ -260,23 +261,25 @@ class KvconnectorSide(Side):
 
         return kv_events, kv_events.encode_event_batch, kv_events.decode_event_batch
 
-    def offload_runner(self, num_blocks: int, policy: str) -> Callable[[list[bytes], str], int]:
+    def offload_runner(self, num_blocks: int, policy: str) -> Callable[..., int]:
         from connectors.offload.manager import CPUOffloadingManager
 
         m = CPUOffloadingManager(num_blocks, cache_policy=policy)
 
-        def run(keys: list[bytes], req_id: str) -> int:
-            # As OffloadingConnector does with no GPU prefix hit: look up, then record
-            # recency only for the chunks this admission reuses (the hits).
-            hits = m.lookup(keys)
-            m.touch(keys[:hits])
+        def run(keys: list[bytes], req_id: str, local: int = 0) -> int:
+            # As OffloadingConnector does: load the leading ready keys after the GPU hit
+            # (update_state_after_alloc), store every key not loaded (build_connector_meta;
+            # held keys are skipped), and record the use of the keys the request hit, on
+            # the GPU or in the tier, when it finishes (request_finished).
+            hits = m.lookup(keys[local:])
             if hits:
-                loaded = keys[:hits]
+                loaded = keys[local:local + hits]
                 m.prepare_load(loaded)
                 m.complete_load(loaded)
-            out = m.prepare_store(keys[hits:])
+            out = m.prepare_store(keys[:local] + keys[local + hits:])
             if out is not None and out.keys_to_store:
                 m.complete_store(out.keys_to_store)
+            m.touch(keys[:local + hits])
             return hits
 
         return run
@@ -362,7 +365,7 @@ class VllmSide(Side):
         group = (0).to_bytes(4, "big")
         return [[k + group for k in keys] for keys in chains]
 
-    def offload_runner(self, num_blocks: int, policy: str) -> Callable[[list[bytes], str], int]:
+    def offload_runner(self, num_blocks: int, policy: str) -> Callable[..., int]:
         from vllm.v1.kv_offload.base import LookupResult, ReqContext
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -370,23 +373,24 @@ class VllmSide(Side):
         hit = LookupResult.HIT
         block_size = BLOCK_SIZE
 
-        def run(okeys: list[bytes], req_id: str) -> int:
+        def run(okeys: list[bytes], req_id: str, local: int = 0) -> int:
             # vLLM 0.33's offloading connector: per-request context with each key's token
-            # position, per-key lookups, recency committed at request finish (no touch).
+            # position, per-key lookups after the GPU hit, recency committed at request
+            # finish (no touch).
             ctx = ReqContext(req_id=req_id)
             m.on_new_request(ctx)
             for i, k in enumerate(okeys):
                 ctx.set_offload_key_position(k, (i + 1) * block_size)
             hits = 0
-            for k in okeys:
+            for k in okeys[local:]:
                 if m.lookup(k, ctx) is not hit:
                     break
                 hits += 1
             if hits:
-                loaded = okeys[:hits]
+                loaded = okeys[local:local + hits]
                 m.prepare_load(loaded, ctx)
                 m.complete_load(loaded, ctx)
-            out = m.prepare_store(okeys[hits:], ctx)
+            out = m.prepare_store(okeys[:local] + okeys[local + hits:], ctx)
             if out is not None and out.keys_to_store:
                 m.complete_store(out.keys_to_store, ctx)
             m.on_request_finished(ctx)
@@ -648,6 +652,7 @@ class OffloadStats:
         requests: requests driven.
         keys: keys offered (sum of chain lengths).
         hit_keys: keys served by the offload tier (leading ready keys).
+        gpu_hit_keys: keys served by the GPU prefix cache model (``gpu_blocks``).
         ns: nanoseconds in the timed region.
 
     One *operation* is one key offered to the manager (looked up, then loaded or
@@ -657,6 +662,7 @@ class OffloadStats:
     requests: int = 0
     keys: int = 0
     hit_keys: int = 0
+    gpu_hit_keys: int = 0
     ns: int = 0
 
     @property
@@ -664,9 +670,15 @@ class OffloadStats:
         """Hit keys / keys offered."""
         return self.hit_keys / self.keys if self.keys else 0.0
 
+    @property
+    def tier_hit_rate(self) -> float:
+        """Hit keys / keys the tier was asked for (those past the GPU prefix hits)."""
+        asked = self.keys - self.gpu_hit_keys
+        return self.hit_keys / asked if asked else 0.0
+
 
 def run_offload_trace(side: Side, chains: list[list[bytes]], *, policy: str = "lru",
-                      num_blocks: int = 4096) -> OffloadStats:
+                      num_blocks: int = 4096, gpu_blocks: int = 0) -> OffloadStats:
     """Drive every request's key chain through a fresh CPU offloading manager (timed).
 
     Args:
@@ -674,6 +686,9 @@ def run_offload_trace(side: Side, chains: list[list[bytes]], *, policy: str = "l
         chains: one list of keys per request (see :func:`offload_key_chains`).
         policy: ``"lru"`` or ``"arc"``.
         num_blocks: slots of the CPU tier.
+        gpu_blocks: size of a GPU prefix cache in front of the tier (an LRU of keys,
+            0 = none). Its leading hits are served before the tier is asked, and are
+            not counted as tier hits; they are recorded as uses, as the connector does.
 
     Returns:
         Counters and elapsed nanoseconds.
@@ -683,9 +698,21 @@ def run_offload_trace(side: Side, chains: list[list[bytes]], *, policy: str = "l
     ids = [f"r{i}" for i in range(len(chains))]
     keyed = side.offload_keys(chains)  # untimed on both sides
     hits_total = 0
+    gpu: OrderedDict[bytes, None] = OrderedDict()
     with stopwatch() as sw:
         for keys, rid in zip(keyed, ids):
-            hits_total += run(keys, rid)
+            local = 0
+            if gpu_blocks:
+                while local < len(keys) and keys[local] in gpu:
+                    local += 1
+            st.gpu_hit_keys += local
+            hits_total += run(keys, rid, local)
+            if gpu_blocks:
+                for key in reversed(keys):  # the head of the prefix ends most recent
+                    gpu[key] = None
+                    gpu.move_to_end(key)
+                while len(gpu) > gpu_blocks:
+                    gpu.popitem(last=False)
     st.ns = sw.ns
     st.hit_keys = hits_total
     st.keys = sum(len(c) for c in chains)
@@ -875,3 +902,16 @@ def record_section(path: Path, section: str, text: str) -> None:
     before = "".join(lines[:end]).rstrip("\n") + "\n\n"
     after = "".join(lines[end:])
     path.write_text(before + block + ("\n" + after if after else ""))
+
+
+def emit_table(lines: Sequence[str], record: Path | None, section: str) -> int:
+    """Print a Markdown table (one line per entry) and append it to ``record``'s section.
+
+    Returns:
+        0, the exit code of a benchmark's ``main``.
+    """
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if record is not None:
+        record_section(record, section, table)
+    return 0

@@ -86,12 +86,12 @@ class EventReplica:
     """What a consumer of the KV event stream believes each medium holds.
 
     GPU: a multiset of (group, hash) (two blocks may hold the same hash); CPU: a set of
-    hashes. ``AllBlocksCleared`` clears its medium (every medium when it names none).
+    (group, hash). ``AllBlocksCleared`` clears its medium (every medium when it names none).
     """
 
     def __init__(self) -> None:
         self.gpu: Counter[tuple[int, int]] = Counter()
-        self.cpu: set[int] = set()
+        self.cpu: set[tuple[int, int]] = set()
         self.errors: list[str] = []
 
     def apply(self, events: Iterable[Any]) -> None:
@@ -108,7 +108,7 @@ class EventReplica:
                     if medium == MEDIUM_GPU:
                         self.gpu[(ev.group_idx or 0, h)] += 1
                     else:
-                        self.cpu.add(h)
+                        self.cpu.add((ev.group_idx or 0, h))
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
                     if medium == MEDIUM_GPU:
@@ -119,9 +119,9 @@ class EventReplica:
                         if self.gpu[key] <= 0:
                             del self.gpu[key]
                     else:
-                        self.cpu.discard(h)
+                        self.cpu.discard((ev.group_idx or 0, h))
 
-    def diff(self, gpu: Counter[tuple[int, int]], cpu: set[int] | None) -> str | None:
+    def diff(self, gpu: Counter[tuple[int, int]], cpu: set[tuple[int, int]] | None) -> str | None:
         """None when the replica equals the real state, else what differs (short)."""
         if self.gpu != gpu:
             extra, missing = self.gpu - gpu, gpu - self.gpu
@@ -131,7 +131,7 @@ class EventReplica:
         return None
 
 
-def real_media(engine: Any) -> tuple[Counter[tuple[int, int]], set[int] | None]:
+def real_media(engine: Any) -> tuple[Counter[tuple[int, int]], set[tuple[int, int]] | None]:
     """What the GPU prefix cache and the CPU tier (if any) really hold now."""
     pool = engine.scheduler.kv_cache_manager.block_pool
     gpu = Counter((get_group_id(b.block_hash), to_external_hash(get_block_hash(b.block_hash)))
@@ -139,8 +139,10 @@ def real_media(engine: Any) -> tuple[Counter[tuple[int, int]], set[int] | None]:
     managers = [o for o in walk([engine.scheduler_connector]) if isinstance(o, CPUOffloadingManager)]
     if not managers:
         return gpu, None
-    # blocks_per_chunk=1 in the sweep: a chunk key is its GPU block's hash.
-    cpu = {to_external_hash(k) for m in managers for k, e in m.policy if e.is_ready}
+    # blocks_per_chunk=1 in the sweep: a chunk key is its GPU block's hash followed by
+    # its KV cache group (4 big-endian bytes).
+    cpu = {(int.from_bytes(k[-4:], "big"), to_external_hash(k[:-4]))
+           for m in managers for k, e in m.policy if e.is_ready}
     return gpu, cpu
 
 

@@ -109,6 +109,9 @@ _LAZY = {
     "get_workload": "kvconnector_core.engine.workloads",
     "load_trace_jsonl": "kvconnector_core.engine.workloads",
     "dump_trace_jsonl": "kvconnector_core.engine.workloads",
+    "ModelConfig": "kvconnector_core.worker.model",
+    "MODEL_PRESETS": "kvconnector_core.engine.models",
+    "get_model": "kvconnector_core.engine.models",
 }
 
 
@@ -162,6 +165,7 @@ __all__ = [
     "get_kv_cache_config",
     "get_kv_cache_coordinator",
     "get_manager_for_kv_cache_spec",
+    "get_model",
     "get_registry",
     "get_workload",
     "GPUBlockPoolView",
@@ -195,6 +199,8 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
+    "MODEL_PRESETS",
+    "ModelConfig",
     "ModelRunnerOutput",
     "NewRequestData",
     "NoFreeBlocksError",

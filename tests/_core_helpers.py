@@ -61,6 +61,7 @@ def make_manager(
     max_num_batched_tokens: int = 64,
     enable_caching: bool = True,
     enable_kv_cache_events: bool = False,
+    reserve_full_output: bool = False,
 ) -> KVCacheManager:
     """A KVCacheManager with one group per spec (block sizes default to the first spec's)."""
     groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
@@ -73,6 +74,7 @@ def make_manager(
         hash_block_size=hash_block_size or bs,
         enable_caching=enable_caching,
         enable_kv_cache_events=enable_kv_cache_events,
+        reserve_full_output=reserve_full_output,
     )
 
 

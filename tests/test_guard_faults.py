@@ -157,7 +157,7 @@ def test_a_cpu_replica_stays_exact_when_take_events_raises(monkeypatch, caplog, 
     side = offload_of(eng, "scheduler").scheduler_side
 
     def check(_: int) -> None:
-        infos = side._chunk_info._info
+        infos = side._events.tables[0]._info
         assert replica == {to_external_hash(h) for key in side.manager.ready_keys()
                            for h in infos[key].block_hashes}
 

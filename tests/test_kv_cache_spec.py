@@ -196,7 +196,17 @@ def test_get_kv_cache_config_groups_by_spec_full_first():
     cfg = get_kv_cache_config(layers, 10**8, max_model_len=1024, max_num_batched_tokens=64)
     assert [g.kv_cache_spec for g in cfg.kv_cache_groups] == [f, s]
     assert [g.layer_names for g in cfg.kv_cache_groups] == [["f0", "f1"], ["s0", "s1"]]
-    assert cfg.bytes_per_block == 4 * f.page_size_bytes
+    # Equal page sizes: the two groups share one physical pool of 2 layer slots.
+    assert cfg.physical_pools == [[0, 1]]
+    assert cfg.bytes_per_block == 2 * f.page_size_bytes
+
+
+def test_groups_of_different_page_size_do_not_share_memory():
+    f, s = full(bs=16, heads=1, head=8), swa(32, bs=16, heads=2, head=8)
+    cfg = get_kv_cache_config({"f0": f, "s0": s, "s1": s}, 10**8, max_model_len=1024,
+                              max_num_batched_tokens=64)
+    assert cfg.physical_pools == [[0], [1]]
+    assert cfg.bytes_per_block == f.page_size_bytes + 2 * s.page_size_bytes
 
 
 def test_get_kv_cache_config_too_small_budget_names_numbers():

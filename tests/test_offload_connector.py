@@ -57,9 +57,20 @@ def test_invalid_config(extra: dict, match: str) -> None:
         make(extra)
 
 
-def test_multi_group_is_refused() -> None:
-    with pytest.raises(ConfigError, match="single KV cache group"):
-        make({"num_cpu_blocks": 4}, kv_config(groups=2))
+def test_several_groups_get_per_group_geometry() -> None:
+    """Hybrid models are offloaded: per group its block size, factor and window."""
+    from kvconnector_core.kv_cache.kv_cache_spec import SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8)
+    swa = SlidingWindowSpec(block_size=8, num_kv_heads=2, head_size=8, sliding_window=64)
+    kv = KVCacheConfig(num_blocks=32, kv_cache_groups=[KVCacheGroupSpec(["f"], full),
+                                                       KVCacheGroupSpec(["s"], swa)])
+    cfg = make({"num_cpu_blocks": 4, "block_size": 32}, kv).offload_config
+    assert cfg.gpu_block_size == 16 and cfg.chunk_tokens == 32
+    assert [(g.block_size, g.factor, g.window) for g in cfg.groups] == [(16, 2, 0), (8, 4, 64)]
+    assert cfg.sub_blocks_per_chunk == 4
+    with pytest.raises(ConfigError, match="block_size=24 must be a positive multiple of the GPU block size 16"):
+        make({"num_cpu_blocks": 4, "block_size": 24}, kv)
 
 
 def test_capacity_from_bytes_and_chunk_size_from_tokens() -> None:
@@ -139,8 +150,10 @@ def test_engine_serves_prefixes_from_cpu_with_identical_outputs(device: str, pol
         assert isinstance(e, (BlockStored, BlockRemoved))
     manager = eng.scheduler_connector.manager
     ready = {key for key, entry in manager.policy if entry.ref_cnt >= 0}
-    # Each chunk key is its last GPU block's hash, which must be on the wire.
-    assert {to_external_hash(k) for k in ready} <= held
+    # Each chunk key is its last GPU block's hash plus the group, and that hash must be
+    # on the wire.
+    assert all(k[-4:] == bytes(4) for k in ready)
+    assert {to_external_hash(k[:-4]) for k in ready} <= held
     assert len(held) == 2 * len(ready)
     eng.shutdown()
 
@@ -373,7 +386,7 @@ def test_event_replay_is_exact_when_chunks_share_blocks(policy: str, seed: int) 
         for i in range(len(hashes) // 2):
             chunk_blocks[hashes[2 * i + 1]] = hashes[2 * i:2 * i + 2]
     ready = [k for k, entry in eng.scheduler_connector.manager.policy if entry.ref_cnt >= 0]
-    assert held == {to_external_hash(h) for k in ready for h in chunk_blocks[k]}
+    assert held == {to_external_hash(h) for k in ready for h in chunk_blocks[k[:-4]]}
     eng.shutdown()
 
 
@@ -385,7 +398,7 @@ def test_no_chunk_info_is_kept_without_events() -> None:
     eng = engine("cpu", {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4, "enable_events": False}})
     result = eng.run(trace)
     assert result.metrics.bytes_stored > 0
-    assert len(eng.scheduler_connector.scheduler_side._chunk_info) == 0
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
     assert list(eng.scheduler_connector.take_events()) == []
 
 
@@ -405,6 +418,27 @@ def test_arc_does_not_promote_a_requests_own_chunks() -> None:
     while eng.has_unfinished_requests():
         eng.step()
     assert len(policy.t2) >= 100 // 16 - 1
+    eng.shutdown()
+
+
+def test_recency_of_hit_chunks_is_recorded_when_the_request_finishes() -> None:
+    """As in vLLM 0.33, a request's hits are touched after its stores, at finish: while
+    it runs its GPU-hit chunks stay where they were (ARC: T1); then they move to T2."""
+    rng = random.Random(1)
+    eng = Engine(EngineConfig(num_gpu_blocks=40, block_size=16, max_model_len=512, connector={
+        "name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "cache_policy": "arc"}}))
+    prompt = [rng.randrange(1000) for _ in range(100)]
+    eng.add_request(prompt, 4, request_id="first")
+    while eng.has_unfinished_requests():
+        eng.step()
+    policy = eng.scheduler_connector.manager.policy
+    assert len(policy.t2) == 0
+    eng.add_request(prompt + [1, 2, 3], 8, request_id="again")  # a GPU prefix hit
+    eng.step()
+    assert eng.has_unfinished_requests() and len(policy.t2) == 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(policy.t2) == 100 // 16
     eng.shutdown()
 
 

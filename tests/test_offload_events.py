@@ -207,36 +207,82 @@ def test_snapshot_of_a_manager_without_ready_keys_changes_nothing() -> None:
     assert manager.events == ["pending"]
 
 
+def doc_trace(seed: int, num_docs: int, doc_len: int, num_requests: int) -> list[TraceRequest]:
+    """Requests that share a few document prefixes, each with its own short tail."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(1000) for _ in range(doc_len)] for _ in range(num_docs)]
+    return [TraceRequest(request_id=f"r{i}", arrival=i * 3, max_new_tokens=4,
+                         prompt_token_ids=docs[i % num_docs] + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))])
+            for i in range(num_requests)]
+
+
+def lose_every_third_take(conn, apply) -> list[int]:  # noqa: ANN001
+    """Every third take of ``conn`` that has events loses them and returns the snapshot
+    instead (what the guard sends after a failed take); ``apply`` sees what is returned.
+    Returns a one-item list counting the resyncs."""
+    take = conn.take_events
+    calls, resyncs = [0], [0]
+
+    def lossy_take() -> list:
+        calls[0] += 1
+        events = take()
+        if calls[0] % 3 == 0 and events:
+            resyncs[0] += 1
+            events = list(conn.get_event_snapshot())
+        apply(events)
+        return events
+
+    conn.take_events = lossy_take
+    return resyncs
+
+
 def test_engine_replica_with_lost_takes_ends_exact() -> None:
     """cpu_offload in the engine; every third take drains and loses its events and is
     answered with the snapshot (as the guard does). The replica ends equal to the tier."""
-    rng = random.Random(7)
-    docs = [[rng.randrange(1000) for _ in range(80)] for _ in range(5)]
-    trace = [TraceRequest(request_id=f"r{i}", arrival=i * 3, max_new_tokens=4,
-                          prompt_token_ids=docs[i % 5] + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))])
-             for i in range(20)]
     eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, max_num_batched_tokens=128,
                               max_num_seqs=2, connector={"name": "cpu_offload", "extra_config": {
                                   "num_cpu_blocks": 6, "blocks_per_chunk": 2}}))
     conn = eng.scheduler_connector
-    take = conn.take_events
     replica = Replica()
-    calls = resyncs = 0
-
-    def lossy_take() -> list:
-        nonlocal calls, resyncs
-        calls += 1
-        events = take()
-        if calls % 3 == 0 and events:
-            resyncs += 1
-            events = list(conn.get_event_snapshot())  # what the guard sends after a failed take
-        replica.apply(events)
-        return events
-
-    conn.take_events = lossy_take  # type: ignore[method-assign]
-    result = eng.run(trace)
-    assert result.metrics.bytes_stored > 0 and resyncs > 0
-    info = conn.scheduler_side._chunk_info._info
+    resyncs = lose_every_third_take(conn, replica.apply)
+    result = eng.run(doc_trace(7, 5, 80, 20))
+    assert result.metrics.bytes_stored > 0 and resyncs[0] > 0
+    info = conn.scheduler_side._events.tables[0]._info
     assert replica.held("CPU") == {to_external_hash(h) for k in conn.manager.ready_keys()
                                    for h in info[k].block_hashes}
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-two-windows"])
+def test_hybrid_snapshot_resyncs_every_group(model: str) -> None:
+    """Several KV cache groups: the snapshot announces each group's blocks with its group
+    index, so a replica per (medium, group) that loses every third take ends equal to
+    the tier, group by group."""
+    from kvconnector_core.engine.models import get_model
+
+    eng = Engine(EngineConfig(model=get_model(model), num_gpu_blocks=64, block_size=16, max_model_len=256,
+                              max_num_batched_tokens=128, max_num_seqs=2,
+                              connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 12}}))
+    conn = eng.scheduler_connector
+    held: dict[int, set[int]] = {}
+
+    def apply(events: list) -> None:
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared) and ev.medium == "CPU":
+                held.clear()
+            elif isinstance(ev, BlockStored) and ev.medium == "CPU":
+                held.setdefault(ev.group_idx, set()).update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved) and ev.medium == "CPU":
+                held.setdefault(ev.group_idx, set()).difference_update(ev.block_hashes)
+
+    resyncs = lose_every_third_take(conn, apply)
+    result = eng.run(doc_trace(11, 4, 160, 16))
+    tables = conn.scheduler_side._events.tables
+    assert result.metrics.bytes_stored > 0 and resyncs[0] > 0
+    want: dict[int, set[int]] = {}
+    for key in conn.manager.ready_keys():
+        g = int.from_bytes(key[-4:], "big")
+        want.setdefault(g, set()).update(to_external_hash(h) for h in tables[g]._info[key].block_hashes)
+    assert len(want) == 2
+    assert {g: s for g, s in held.items() if s} == want
     eng.shutdown()

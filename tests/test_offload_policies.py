@@ -206,3 +206,58 @@ def test_register_custom_policy(monkeypatch: pytest.MonkeyPatch) -> None:
         register_cache_policy("lru", FIFO)
     with pytest.raises(ConfigError, match="not a subclass"):
         register_cache_policy("bad", dict)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ ARC driven by stores
+def _stored(m: CPUOffloadingManager, *ids: int) -> None:
+    out = m.prepare_store(ks(*ids))
+    assert out is not None
+    m.complete_store(out.keys_to_store)
+
+
+def test_arc_store_miss_of_b1_ghost_raises_target() -> None:
+    # The connector only touches the keys a request hits; a block evicted from T1 comes
+    # back as a *store*, and that is where ARC must see the re-reference.
+    m = CPUOffloadingManager(2, "arc")
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    _stored(m, 1, 2)
+    _stored(m, 3)  # evicts 1 -> B1
+    assert policy.b1 == (k(1),) and policy.target == 0.0
+    _stored(m, 1)  # 1 is stored again: a B1 ghost re-referenced
+    assert policy.target == pytest.approx(1.0)
+    assert k(1) in policy.t1  # re-inserted into T1, as vLLM 0.33 does
+
+
+def test_arc_store_miss_of_b2_ghost_lowers_target_even_when_refused() -> None:
+    m = CPUOffloadingManager(2, "arc")
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    _stored(m, 1, 2)
+    m.touch(ks(1, 2))  # both -> T2
+    policy.target = 2.0
+    _stored(m, 3)  # T1 empty, so T2's LRU (2) is evicted -> B2
+    assert policy.b2 == (k(2),)
+    m.prepare_load(ks(1, 3))  # pin everything: the next store is refused
+    assert m.prepare_store(ks(2)) is None
+    assert policy.target == pytest.approx(1.0)  # adapted anyway (vLLM 0.33 does too)
+
+
+def test_policy_on_store_miss_default_is_a_no_op() -> None:
+    p = LRUCachePolicy(2)
+    fill(p, 1)
+    p.on_store_miss(ks(1, 2))
+    assert [key for key, _ in p] == ks(1)
+
+
+def test_arc_store_miss_adapts_once_per_ghost_across_retries() -> None:
+    """A refused store retried next step is one re-reference: the target moves once."""
+    m = CPUOffloadingManager(2, "arc")
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    _stored(m, 1, 2)
+    _stored(m, 3)  # evicts 1 -> B1
+    m.prepare_load(ks(2, 3))  # pin everything: storing 1 again is refused
+    assert m.prepare_store(ks(1)) is None
+    assert m.prepare_store(ks(1)) is None  # the retry
+    assert policy.target == pytest.approx(1.0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from connectors.offload.records import TierRead, TierWrite
-from connectors.offload.tiering import TierLookups, WorkerTiers, make_tiers
+from connectors.offload.tiering import TierLookups, WorkerTiers, make_tiers, tier_key
 from connectors.tiers import DiskTier, TierKey
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_events import BlockStored, to_external_hash
@@ -18,8 +18,9 @@ def _disk(tmp_path, name):
     return DiskTier({"path": str(tmp_path / name), "capacity_bytes": 1 << 20})
 
 
-def _keys(n):
-    return [bytes([i]) * 32 for i in range(n)]
+def _keys(n, group=0):
+    """Offload keys: a chained hash, then the KV cache group (4 bytes, big-endian)."""
+    return [bytes([i]) * 32 + group.to_bytes(4, "big") for i in range(n)]
 
 
 def _poll(fn, timeout=30.0):
@@ -33,8 +34,8 @@ def _poll(fn, timeout=30.0):
 def test_lookups_chain_across_tiers_and_ask_again(tmp_path):
     first, second = _disk(tmp_path, "a"), _disk(tmp_path, "b")
     keys = _keys(6)
-    first.store([(TierKey(k), b"x") for k in keys[1:3]])
-    second.store([(TierKey(k), b"x") for k in keys[3:4]])
+    first.store([(tier_key(k), b"x") for k in keys[1:3]])
+    second.store([(tier_key(k), b"x") for k in keys[3:4]])
     first.flush(30)
     second.flush(30)
     lookups = TierLookups([first, second])
@@ -71,16 +72,34 @@ def test_worker_moves_chunks_between_cpu_buffer_and_tier(tmp_path):
     worker.close()
 
 
+def test_tier_keys_carry_the_kv_cache_group(tmp_path):
+    """A chunk of group 3 is stored under its hash and group 3: only group 3's key finds
+    it, and its tier event names group 3."""
+    tier = _disk(tmp_path, "t")
+    worker = WorkerTiers([tier], block_size=16)
+    worker.bind_buffer((torch.ones(4, 8, dtype=torch.uint8),))
+    key = _keys(1, group=3)[0]
+    assert tier_key(key) == TierKey(bytes(32), 3)
+    worker.write([TierWrite(key, [0], [b"h" * 32], None)])
+    tier.flush(30)
+    lookups = TierLookups([tier])
+    assert _poll(lambda: lookups.lookup("a", [key], 0)) == [1]
+    assert _poll(lambda: lookups.lookup("b", _keys(1, group=0), 0)) == [0]
+    assert [e.group_idx for e in worker.take_events()] == [3]
+    lookups.close()
+    worker.close()
+
+
 def test_a_missing_or_damaged_chunk_fails_the_whole_read_job(tmp_path):
     tier = _disk(tmp_path, "t")
     plane = torch.zeros(4, 8, dtype=torch.uint8)
     worker = WorkerTiers([tier])
     worker.bind_buffer((plane,))
     keys = _keys(2)
-    tier.store([(TierKey(keys[0]), bytes(8))])
-    tier.store([(TierKey(keys[1]), bytes(5))])  # another geometry: must not be copied
+    tier.store([(tier_key(keys[0]), bytes(8))])
+    tier.store([(tier_key(keys[1]), bytes(5))])  # another geometry: must not be copied
     tier.flush(30)
-    worker.start_reads(1, [TierRead(0, keys[0], [0]), TierRead(0, b"\x09" * 32, [1])])
+    worker.start_reads(1, [TierRead(0, keys[0], [0]), TierRead(0, b"\x09" * 36, [1])])
     worker.start_reads(2, [TierRead(0, keys[1], [2])])
     done = []
     deadline = time.monotonic() + 30
@@ -109,3 +128,21 @@ def test_redis_tier_gets_the_connector_layout_unless_given(tmp_path):
     finally:
         for t in tiers:
             t.close()
+
+
+@pytest.mark.parametrize("layer_types", [("full", "sliding:48"), ("sliding:48",)],
+                         ids=["two-groups", "one-windowed-group"])
+def test_tiers_need_one_full_attention_group(tmp_path, layer_types):
+    """Tier lookups follow one prefix of chunks: a hybrid or windowed model with tiers is
+    a config error naming the limitation, not a silently wrong hit."""
+    from connectors.offload.config import OffloadConfig
+    from kvconnector_core.engine.engine import EngineConfig
+    from kvconnector_core.worker.model import ModelConfig
+
+    model = ModelConfig(layer_types=layer_types, vocab_size=1000)
+    kv_cache_config = EngineConfig(model=model, num_gpu_blocks=64, max_model_len=256).kv_cache_config()
+    extra = {"num_cpu_blocks": 4, "tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 20}]}
+    with pytest.raises(ConfigError, match="tiers need a model with one full-attention KV cache group"):
+        OffloadConfig.from_extra(extra, kv_cache_config)
+    extra.pop("tiers")
+    assert len(OffloadConfig.from_extra(extra, kv_cache_config).groups) == len(set(layer_types))

@@ -554,7 +554,10 @@ def test_request_released_after_its_load_is_new_to_the_worker():
                           cache_salt=r["salt"], request_id=f"r{i}") for i, r in enumerate(case["requests"])]
     baseline_cfg = {**case["cfg"], "enable_prefix_caching": False, "num_gpu_blocks": 2000}
     baseline = Engine(EngineConfig(model=model, **baseline_cfg)).run(trace)
-    eng = Engine(EngineConfig(model=model, **case["cfg"], connector=case["connector"]))
+    # Found under whole-output reservation (the admission of the time); keep it so the
+    # release-after-load path is still reached.
+    eng = Engine(EngineConfig(model=model, **case["cfg"], connector=case["connector"],
+                              reserve_full_output=True))
     result = eng.run(trace)  # used to raise: "cached request ... was never sent as a new request"
     assert result.outputs == baseline.outputs
     assert eng.scheduler.stats.num_preemptions > 0

@@ -59,6 +59,27 @@ def test_cross_layer_block_view_shares_memory_per_group():
     assert cross_layer_block_view({"a": torch.zeros(4, 2, 3)}) is not None
 
 
+def test_groups_of_equal_page_size_share_one_pool():
+    """Layer i of every group of a pool is slot i of the same memory (vLLM's layout):
+    a full + sliding model of 2 + 1 layers allocates 2 layers' pages per block, not 3."""
+    cfg = make_kv_cache_config(HYBRID, block_size=4, num_blocks=100)
+    kv = allocate_kv_caches(cfg)
+    page = cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    assert len(kv.pool_tensors) == 1 and kv.pool_of_group == [0, 0]
+    assert kv.nbytes == cfg.num_blocks * 2 * page == cfg.num_blocks * cfg.bytes_per_block
+    sliding, full0 = kv.layer_tensors["layers.1.attn"], kv.layer_tensors["layers.0.attn"]
+    assert sliding.data_ptr() == full0.data_ptr()  # slot 0 of the same pool
+    sliding[9, 0, 1] = 3  # block 9 used by the sliding group
+    assert int(full0[9, 0, 1].sum()) == 3 * 32 and int(full0[8].abs().sum()) == 0
+
+
+def test_group_layers_by_storage_splits_groups_of_a_shared_pool():
+    cfg = make_kv_cache_config(HYBRID, block_size=4, num_blocks=100)
+    kv = allocate_kv_caches(cfg)
+    groups = group_layers_by_storage(kv.layer_tensors)
+    assert [list(g) for g in groups] == [["layers.0.attn", "layers.2.attn"], ["layers.1.attn"]]
+
+
 class _Meta(KVConnectorMetadata, kw_only=True):
     step: int = 0
 

@@ -118,6 +118,13 @@ def build_block_layout(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Te
             counts, or a block that is not one contiguous chunk.
     """
     tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+    # Layers of KV cache groups that share a physical pool are views of the same
+    # memory (slot i of each group): move each piece of memory once.
+    unique: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    for t in tensors:
+        unique.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                           t.stride()), t)
+    tensors = list(unique.values())
     if not tensors:
         msg = "no KV cache tensors to register"
         raise ValueError(msg)

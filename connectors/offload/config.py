@@ -3,11 +3,13 @@
 
 Importing this module does not import torch: a config is checked where it is loaded.
 
-Primitives: :class:`OffloadSettings`, :class:`OffloadConfig`, :data:`TRANSFER_METHODS`.
+Primitives: :class:`OffloadSettings`, :class:`OffloadConfig`, :class:`OffloadGroup`,
+:data:`TRANSFER_METHODS`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -19,7 +21,7 @@ from kvconnector_core.errors import ConfigError
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
 
-__all__ = ["TRANSFER_METHODS", "OffloadConfig", "OffloadSettings"]
+__all__ = ["TRANSFER_METHODS", "OffloadConfig", "OffloadGroup", "OffloadSettings"]
 
 # transfer.METHODS, repeated so that validating a config does not import torch
 # (a test checks the two agree).
@@ -57,16 +59,54 @@ class OffloadSettings(ConnectorSettings):
 
 
 @dataclass(frozen=True, slots=True)
+class OffloadGroup:
+    """How one KV cache group is offloaded.
+
+    Attributes:
+        index: the group's index (its offload keys end with it as 4 big-endian bytes).
+        block_size: tokens per GPU block of the group.
+        factor: GPU blocks of the group per offloaded chunk.
+        window: sliding window in tokens (0: not a sliding-window group).
+        attention_chunk: chunked-local attention chunk in tokens (0: not chunked).
+    """
+
+    index: int
+    block_size: int
+    factor: int
+    window: int = 0
+    attention_chunk: int = 0
+
+    @property
+    def is_full(self) -> bool:
+        """True for full attention: a hit needs every chunk of the prefix."""
+        return not (self.window or self.attention_chunk)
+
+    def first_needed_token(self, num_tokens: int) -> int:
+        """First token whose KV the group reads to continue after ``num_tokens`` tokens.
+
+        Full attention: 0. Sliding window: the window's start. Chunked local: the start
+        of the current attention chunk.
+        """
+        if self.window:
+            return max(0, num_tokens - self.window + 1)
+        if self.attention_chunk:
+            return num_tokens // self.attention_chunk * self.attention_chunk
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
 class OffloadConfig:
     """The settings checked against the KV cache layout.
 
     Attributes:
-        gpu_block_size: tokens per GPU block (from the KV cache spec).
-        blocks_per_chunk: GPU blocks per offloaded chunk (the factor ``f``).
+        gpu_block_size: the alignment of loads: the least common multiple of the KV
+            cache groups' block sizes (with one group, its block size).
+        blocks_per_chunk: ``gpu_block_size`` blocks per offloaded chunk.
         num_cpu_blocks: offloaded chunks the CPU tier holds.
         cache_policy: eviction policy name.
         enable_events: emit CPU-medium KV events.
         transfer_method: :class:`KVBlockMover` method.
+        groups: per KV cache group, its geometry (one entry for a plain model).
         tiers: settings of the secondary tiers behind the CPU tier, in order
             (``docs/tiers.md``); empty for none.
         layout: the chunk geometry (block size, chunk factor, bytes per block); shared
@@ -79,6 +119,7 @@ class OffloadConfig:
     cache_policy: str
     enable_events: bool
     transfer_method: str
+    groups: tuple[OffloadGroup, ...] = ()
     tiers: tuple[dict[str, Any], ...] = ()
     layout: str = ""
 
@@ -86,6 +127,12 @@ class OffloadConfig:
     def chunk_tokens(self) -> int:
         """Tokens per offloaded chunk."""
         return self.gpu_block_size * self.blocks_per_chunk
+
+    @property
+    def sub_blocks_per_chunk(self) -> int:
+        """CPU sub-blocks (one GPU block of all layers each) per offloaded chunk: the
+        largest group factor (a group with smaller blocks has more per chunk)."""
+        return max((g.factor for g in self.groups), default=self.blocks_per_chunk)
 
     @classmethod
     def from_extra(cls, extra: dict[str, object], kv_cache_config: KVCacheConfig | None) -> OffloadConfig:
@@ -98,22 +145,31 @@ class OffloadConfig:
         """Check the settings against the KV cache layout.
 
         Raises:
-            ConfigError: missing KV cache config, several KV cache groups, a block size
-                that is not a multiple of the GPU block size, both ``block_size`` and
-                ``blocks_per_chunk`` or both ``num_cpu_blocks`` and ``cpu_bytes``, or no
-                CPU capacity.
+            ConfigError: missing KV cache config, a block size that is not a multiple of
+                every group's GPU block size, both ``block_size`` and ``blocks_per_chunk``
+                or both ``num_cpu_blocks`` and ``cpu_bytes``, no CPU capacity, or ``tiers``
+                with a model that is not one full-attention KV cache group.
         """
         if kv_cache_config is None:
             msg = "OffloadingConnector needs the engine's KV cache config (got None)"
             raise ConfigError(msg)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            msg = (f"OffloadingConnector supports a single KV cache group; this model has "
-                   f"{len(groups)} (hybrid models are a known limitation)")
-            raise ConfigError(msg)
-        gpu_bs = groups[0].kv_cache_spec.block_size
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        gpu_bs = math.lcm(*(spec.block_size for spec in specs))
         factor = _blocks_per_chunk(settings, gpu_bs)
-        chunk_bytes = factor * kv_cache_config.bytes_per_block
+        chunk_tokens = factor * gpu_bs
+        groups = tuple(
+            OffloadGroup(i, spec.block_size, chunk_tokens // spec.block_size,
+                         getattr(spec, "sliding_window", 0) or 0,
+                         getattr(spec, "attention_chunk_size", 0) or 0)
+            for i, spec in enumerate(specs))
+        if settings.tiers and (len(groups) != 1 or not groups[0].is_full):
+            # Tier lookups and promotions follow one prefix of chunks; hybrid models would
+            # need them per group and window (a known limitation).
+            kind = f"{len(groups)} KV cache groups" if len(groups) != 1 else "a windowed KV cache group"
+            msg = (f"OffloadingConnector: extra_config tiers need a model with one full-attention "
+                   f"KV cache group; this model has {kind}; remove 'tiers' for this model")
+            raise ConfigError(msg)
+        chunk_bytes = max(g.factor for g in groups) * kv_cache_config.bytes_per_block
         if settings.num_cpu_blocks is not None and settings.cpu_bytes is not None:
             msg = "OffloadingConnector: give either 'num_cpu_blocks' or 'cpu_bytes' in extra_config, not both"
             raise ConfigError(msg)
@@ -130,7 +186,7 @@ class OffloadConfig:
                    f"{chunk_bytes} bytes; extra_config cpu_bytes={settings.cpu_bytes} is less")
             raise ConfigError(msg)
         return cls(gpu_bs, factor, num, settings.cache_policy, settings.enable_events,
-                   settings.transfer_method, tuple(dict(t) for t in settings.tiers),
+                   settings.transfer_method, groups, tuple(dict(t) for t in settings.tiers),
                    f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B")
 
 

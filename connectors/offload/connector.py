@@ -1,9 +1,10 @@
 """OffloadingConnector: a CPU tier for KV blocks evicted from (or copied out of) the GPU.
 
 Registered as ``OffloadingConnector``, alias ``cpu_offload``. An offloaded *chunk* holds
-``blocks_per_chunk`` consecutive GPU blocks of a request; its key is the chained hash of
-its last GPU block (``request.block_hashes[f*i + f - 1]``), which identifies the whole
-prefix. See ``docs/offload.md`` for the config keys.
+one KV cache group's GPU blocks of ``chunk_tokens`` consecutive tokens of a request; its
+key is the chained hash of its last block (which identifies the whole prefix) plus the
+group index (4 bytes), so hybrid models offload per group. See ``docs/offload.md`` for
+the config keys and the sliding-window rules.
 
 The connector is a :class:`~kvconnector_core.connector.roles.RoleSplitConnector`: the
 scheduler-role instance is an :class:`~connectors.offload.scheduler_side.OffloadSchedulerSide`
@@ -55,7 +56,7 @@ class OffloadingConnector(RoleSplitConnector):
             ``blocks_per_chunk``, ``cache_policy``, ``enable_events``, ``transfer_method``,
             ``tiers``: secondary tiers behind the CPU tier, see ``docs/tiers.md``).
         role: scheduler or worker.
-        kv_cache_config: the engine's KV cache layout (one group).
+        kv_cache_config: the engine's KV cache layout (one or several groups).
 
     Raises:
         ConfigError: invalid ``extra_config`` (see :class:`OffloadSettings`, :meth:`OffloadConfig.from_settings`).

@@ -20,13 +20,15 @@ events) :func:`snapshot_events` resyncs consumers: a clear of the medium, then o
 later events continue from the snapshot. Token ids are kept (compactly) for every held
 chunk so that a snapshot is as self-describing as the events it replaces.
 
-Primitives: ChunkInfo, ChunkInfoTable, to_wire_events, snapshot_events.
+Primitives: ChunkInfo, ChunkInfoTable, to_wire_events, snapshot_events,
+snapshot_grouped_events (one table per KV cache group), GroupedEvents (the tables and
+wire events of a tier keyed per group).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from connectors.offload.manager import OffloadingEvent, OffloadingManager
@@ -40,7 +42,14 @@ from kvconnector_core.kv_events import (
     to_external_hash,
 )
 
-__all__ = ["ChunkInfo", "ChunkInfoTable", "snapshot_events", "to_wire_events"]
+__all__ = [
+    "ChunkInfo",
+    "ChunkInfoTable",
+    "GroupedEvents",
+    "snapshot_events",
+    "snapshot_grouped_events",
+    "to_wire_events",
+]
 
 
 @dataclass(slots=True)
@@ -214,14 +223,8 @@ def _announce(key: OffloadKey, table: ChunkInfoTable, block_size: int, medium: s
 
 def snapshot_events(manager: OffloadingManager, table: ChunkInfoTable, block_size: int, *,
                     medium: str = MEDIUM_CPU, group_idx: int = 0) -> list[KVCacheEvent]:
-    """Resync consumers with what the tier holds now, after events were lost.
-
-    The snapshot supersedes every event the manager recorded and the caller has not
-    returned yet: the manager's pending events are drained and dropped here, and the
-    caller must drop the wire events it still holds (translated, not yet returned).
-    The table's counts are rebuilt so that later :func:`to_wire_events` calls continue
-    from the snapshot's state. Call it only with events enabled (the table is filled
-    only then).
+    """Resync consumers with what the tier holds now, after events were lost (one KV
+    cache group; see :func:`snapshot_grouped_events`, which this calls).
 
     Args:
         manager: the tier; it must implement ``ready_keys``.
@@ -232,9 +235,41 @@ def snapshot_events(manager: OffloadingManager, table: ChunkInfoTable, block_siz
 
     Returns:
         ``AllBlocksCleared(medium=medium)``, then per ready chunk one ``BlockStored``
-        for its GPU blocks not already in the snapshot (parent hash, token ids and LoRA
-        name as in normal events). A consumer applying it holds exactly the tier's
-        ready blocks.
+        for its GPU blocks not already in the snapshot.
+
+    Raises:
+        NotImplementedError: the manager cannot list its keys; nothing was changed,
+            so the snapshot can be retried.
+    """
+    return snapshot_grouped_events(manager, {group_idx: (table, block_size)},
+                                   lambda _key: group_idx, medium=medium)
+
+
+def snapshot_grouped_events(manager: OffloadingManager,
+                            tables: Mapping[int, tuple[ChunkInfoTable, int]],
+                            group_of: Callable[[OffloadKey], int], *,
+                            medium: str = MEDIUM_CPU) -> list[KVCacheEvent]:
+    """Resync consumers with what the tier holds now, after events were lost, for a tier
+    whose keys belong to several KV cache groups.
+
+    The snapshot supersedes every event the manager recorded and the caller has not
+    returned yet: the manager's pending events are drained and dropped here, and the
+    caller must drop the wire events it still holds (translated, not yet returned).
+    Each group's table has its counts rebuilt so that later :func:`to_wire_events`
+    calls continue from the snapshot's state. Call it only with events enabled (the
+    tables are filled only then).
+
+    Args:
+        manager: the tier; it must implement ``ready_keys``.
+        tables: per group index, the group's chunk information and its tokens per GPU block.
+        group_of: the group index of a key (every ready key's group must be in ``tables``).
+        medium: the tier's medium.
+
+    Returns:
+        ``AllBlocksCleared(medium=medium)``, then per group and ready chunk one
+        ``BlockStored`` (with the group's index and block size) for its GPU blocks not
+        already in the snapshot (parent hash, token ids and LoRA name as in normal
+        events). A consumer applying it holds exactly the tier's ready blocks.
 
     Raises:
         NotImplementedError: the manager cannot list its keys; nothing was changed,
@@ -242,10 +277,75 @@ def snapshot_events(manager: OffloadingManager, table: ChunkInfoTable, block_siz
     """
     ready = manager.ready_keys()  # first: if it raises, nothing has changed
     manager.take_events()  # superseded by the snapshot
-    table.restart(ready)
-    out: list[KVCacheEvent] = [AllBlocksCleared(medium=medium)]
+    by_group: dict[int, list[OffloadKey]] = {g: [] for g in tables}
     for key in ready:
-        stored = _announce(key, table, block_size, medium, group_idx)
-        if stored is not None:
-            out.append(stored)
+        by_group[group_of(key)].append(key)
+    out: list[KVCacheEvent] = [AllBlocksCleared(medium=medium)]
+    for g, (table, block_size) in tables.items():
+        table.restart(by_group[g])
+        for key in by_group[g]:
+            stored = _announce(key, table, block_size, medium, g)
+            if stored is not None:
+                out.append(stored)
     return out
+
+
+class GroupedEvents:
+    """Wire events of a tier whose keys belong to KV cache groups (a key ends with its
+    group index as 4 big-endian bytes): one :class:`ChunkInfoTable` per group, events
+    translated per group (its index and block size) as the manager records them.
+
+    Args:
+        block_sizes: per group, tokens per GPU block.
+        enabled: events on; off, nothing is kept or translated.
+    """
+
+    def __init__(self, block_sizes: Sequence[int], *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.block_sizes = list(block_sizes)
+        self.tables = [ChunkInfoTable() for _ in self.block_sizes]
+        """Per group: what its wire events need, per stored key."""
+        self._wire: list[KVCacheEvent] = []
+
+    @staticmethod
+    def group_of(key: OffloadKey) -> int:
+        """The group index a key ends with."""
+        return int.from_bytes(key[-4:], "big")
+
+    def add(self, key: OffloadKey, info: ChunkInfo) -> None:
+        """Remember a planned store's chunk (nothing with events off)."""
+        if self.enabled:
+            self.tables[self.group_of(key)].add(key, info)
+
+    def discard(self, keys: Iterable[OffloadKey]) -> None:
+        """Forget keys whose store failed (they never appeared on the wire)."""
+        for key in keys:
+            self.tables[self.group_of(key)].discard((key,))
+
+    def translate(self, manager: OffloadingManager) -> None:
+        """Turn the manager's events into wire events now, while the chunk info is current."""
+        if not self.enabled:
+            return
+        for event in manager.take_events():
+            by_group: dict[int, list[OffloadKey]] = {}
+            for key in event.keys:
+                by_group.setdefault(self.group_of(key), []).append(key)
+            for g, keys in by_group.items():
+                part = OffloadingEvent(tuple(keys), event.medium, event.removed)
+                self._wire += to_wire_events([part], self.tables[g], self.block_sizes[g], group_idx=g)
+
+    def take(self, manager: OffloadingManager) -> list[KVCacheEvent]:
+        """Every wire event not yet returned (the manager's pending ones translated first)."""
+        self.translate(manager)
+        events, self._wire = self._wire, []
+        return events
+
+    def snapshot(self, manager: OffloadingManager) -> list[KVCacheEvent]:
+        """:func:`snapshot_grouped_events` over every group; it supersedes every event not
+        yet returned. Nothing with events off."""
+        if not self.enabled:
+            return []
+        tables = {g: (table, self.block_sizes[g]) for g, table in enumerate(self.tables)}
+        events = snapshot_grouped_events(manager, tables, self.group_of)
+        self._wire = []  # superseded by the snapshot
+        return events

@@ -241,6 +241,9 @@ class CPUOffloadingManager(OffloadingManager):
         """See :meth:`OffloadingManager.prepare_store`."""
         new_keys = list(dict.fromkeys(k for k in keys if self.policy.get(k) is None))
         self.num_stores_skipped += len(keys) - len(new_keys)
+        # Before evicting, and also when the store is then refused (as vLLM 0.33 does):
+        # an adaptive policy learns from the keys it no longer holds.
+        self.policy.on_store_miss(new_keys)
         need = len(new_keys) - self.num_free_blocks
         evicted: list[OffloadKey] = []
         if need > 0:

@@ -97,6 +97,15 @@ class CachePolicy(ABC):
         recent and the tail is evicted first.
         """
 
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """Learn from ``keys`` being offered for storing while the tier does not hold them.
+
+        Called by the manager's ``prepare_store`` before it evicts, also when the store
+        is then refused. A policy that adapts (ARC) uses it: under the offload protocol
+        a block that left the tier is usually *stored again*, not looked up again, so a
+        store miss is where the re-reference of an evicted key shows. Default: nothing.
+        """
+
     @abstractmethod
     def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
         """Remove and return ``n`` evictable entries not in ``protected``.
@@ -174,9 +183,23 @@ class ARCCachePolicy(CachePolicy):
 
     Live entries sit in T1 (seen once) or T2 (seen again); evicted keys are remembered
     in the ghost lists B1 / B2, each bounded by ``capacity``. ``target`` is the size T1
-    should have: a touch that hits a B1 ghost raises it (recency is paying off), one
-    that hits a B2 ghost lowers it. Adaptation happens in :meth:`touch` only (the
-    classic vLLM behaviour); ``prepare_store`` never changes the target.
+    should have: a re-reference of a B1 ghost raises it (recency is paying off), one of
+    a B2 ghost lowers it.
+
+    A re-reference of a ghost shows in two places:
+
+    - :meth:`touch` of a key that is a ghost (a hit the GPU prefix cache served while
+      the tier had evicted the key), as in the classic algorithm;
+    - :meth:`on_store_miss`, which ``prepare_store`` calls for the keys it is asked to
+      store and does not hold, as vLLM 0.33 does. Our connector touches only the keys
+      a request hits, so without this the ghosts of the blocks it stores again would
+      never be seen and the target would stay at 0.
+
+    A stored key enters T1 even when it comes back from a ghost list (as in vLLM 0.33;
+    Megiddo & Modha put it in T2). Measured on the reference chat trace
+    (``benchmarks/bench_offload_hits.py``), T2 insertion lost 3-15 points of hit rate:
+    blocks that are only ever stored again, never hit, crowded out of T2 the blocks
+    that lookups actually hit.
 
     Attributes:
         target: the adaptive target size of T1, in ``[0, capacity]``.
@@ -187,8 +210,9 @@ class ARCCachePolicy(CachePolicy):
         self.target = 0.0
         self._t1: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
         self._t2: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
-        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        # Ghost key -> whether a store miss already adapted the target on it.
+        self._b1: OrderedDict[OffloadKey, bool] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, bool] = OrderedDict()
 
     # Read-only views for tests and diagnostics.
     @property
@@ -241,14 +265,37 @@ class ARCCachePolicy(CachePolicy):
                     self._t1.move_to_end(key)
             elif key in self._t2:
                 self._t2.move_to_end(key)
-            elif key in self._b1:
-                step = max(1.0, len(self._b2) / len(self._b1))
-                self.target = min(self.target + step, float(self.capacity))
-                self._b1.move_to_end(key)
-            elif key in self._b2:
-                step = max(1.0, len(self._b1) / len(self._b2))
-                self.target = max(self.target - step, 0.0)
-                self._b2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`CachePolicy.on_store_miss`; adapts the target on ghost keys.
+
+        A ghost adapts the target once through store misses: a store that is refused
+        and offered again next step is one re-reference, not one per retry (vLLM 0.33
+        dedupes per request for the same reason).
+        """
+        for key in keys:
+            ghost = self._b1 if key in self._b1 else self._b2 if key in self._b2 else None
+            if ghost is not None and ghost[key]:
+                ghost.move_to_end(key)
+                continue
+            if self._ghost_hit(key):
+                (self._b1 if key in self._b1 else self._b2)[key] = True
+
+    def _ghost_hit(self, key: OffloadKey) -> bool:
+        """Adapt the target if ``key`` is a ghost (classic ARC's cases II and III)."""
+        if key in self._b1:
+            step = max(1.0, len(self._b2) / len(self._b1))
+            self.target = min(self.target + step, float(self.capacity))
+            self._b1.move_to_end(key)
+            return True
+        if key in self._b2:
+            step = max(1.0, len(self._b1) / len(self._b2))
+            self.target = max(self.target - step, 0.0)
+            self._b2.move_to_end(key)
+            return True
+        return False
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
         """See :meth:`CachePolicy.evict`.
@@ -280,7 +327,7 @@ class ARCCachePolicy(CachePolicy):
         for from_t1, key in picks:
             live, ghost = (self._t1, self._b1) if from_t1 else (self._t2, self._b2)
             victims.append((key, live.pop(key)))
-            ghost[key] = None
+            ghost[key] = False
         for ghost in (self._b1, self._b2):
             while len(ghost) > self.capacity:
                 ghost.popitem(last=False)

@@ -14,7 +14,11 @@ A tier never sees GPU memory:
   copy. If any value is missing or fails its checksum the whole job fails: its GPU blocks
   are recomputed and the reserved CPU slots are dropped, never made visible.
 
-Primitives: TierLookups, SchedulerTiers, WorkerTiers, make_tiers (the records TierRead,
+Keys: an offload key ends with its KV cache group (4 bytes, big-endian, as in vLLM 0.33);
+:func:`tier_key` splits it into the tier's ``TierKey(block_hash, group)``, so a tier file or
+Redis key names the group.
+
+Primitives: TierLookups, SchedulerTiers, WorkerTiers, make_tiers, tier_key (the records TierRead,
 TierWrite and TierWriteJob are in :mod:`connectors.offload.records`).
 """
 
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
     from connectors.offload.manager import CPUOffloadingManager
     from connectors.tiers import TierLoad
 
-__all__ = ["SchedulerTiers", "TierLookups", "WorkerTiers", "make_tiers"]
+__all__ = ["SchedulerTiers", "TierLookups", "WorkerTiers", "make_tiers", "tier_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +75,21 @@ def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: b
     return tiers
 
 
+def tier_key(key: bytes) -> TierKey:
+    """The tier key of an offload key: its chained hash and its KV cache group (the key's
+    last 4 bytes)."""
+    return TierKey(key[:-4], int.from_bytes(key[-4:], "big"))
+
+
+def _offload_key(key: TierKey) -> bytes:
+    return key.block_hash + key.group.to_bytes(4, "big")
+
+
 class TierLookups:
     """Scheduler side: which chunks after the CPU hit each tier serves, asked asynchronously."""
 
-    def __init__(self, tiers: Sequence[SecondaryTier], group: int = 0) -> None:
+    def __init__(self, tiers: Sequence[SecondaryTier]) -> None:
         self.tiers = list(tiers)
-        self.group = group
         # req id -> (index of the first key asked, answers so far: keys served per tier)
         self._asked: dict[str, tuple[int, list[int]]] = {}
 
@@ -97,7 +110,7 @@ class TierLookups:
         pos = first + sum(answers)
         while len(answers) < len(self.tiers):
             tier = self.tiers[len(answers)]
-            held = tier.lookup([TierKey(k, self.group) for k in keys[pos:]], token=(req_id, pos))
+            held = tier.lookup([tier_key(k) for k in keys[pos:]], token=(req_id, pos))
             if held is None:
                 return None
             answers.append(held)
@@ -209,9 +222,8 @@ class _ReadJob:
 class WorkerTiers:
     """Worker side: copies chunks between the CPU buffer and the tiers; never blocks a step."""
 
-    def __init__(self, tiers: Sequence[SecondaryTier], *, group: int = 0, block_size: int = 0) -> None:
+    def __init__(self, tiers: Sequence[SecondaryTier], *, block_size: int = 0) -> None:
         self.tiers = list(tiers)
-        self.group = group
         self.block_size = block_size
         self._planes: tuple[torch.Tensor, ...] = ()
         self._jobs: dict[int, _ReadJob] = {}
@@ -258,7 +270,7 @@ class WorkerTiers:
         """Copy the chunks out of the CPU buffer and queue them on every tier (non-blocking)."""
         if not writes or not self.tiers:
             return
-        items = [(TierKey(w.key, self.group), self._read_cpu(w.cpu_block_ids)) for w in writes]
+        items = [(tier_key(w.key), self._read_cpu(w.cpu_block_ids)) for w in writes]
         for w in writes:
             self._described[w.key] = (w.block_hashes, w.parent_block_hash)
             self._described.move_to_end(w.key)
@@ -274,7 +286,7 @@ class WorkerTiers:
         for r in reads:
             by_tier.setdefault(r.tier, []).append(r)
         ordered = [r for t in sorted(by_tier) for r in by_tier[t]]
-        loads = [self.tiers[t].load([TierKey(r.key, self.group) for r in rs])
+        loads = [self.tiers[t].load([tier_key(r.key) for r in rs])
                  for t, rs in sorted(by_tier.items())]
         self._jobs[job_id] = _ReadJob(ordered, loads)
 
@@ -309,7 +321,7 @@ class WorkerTiers:
         for tier in self.tiers:
             for event in tier.take_events():
                 for key in event.keys:
-                    hashes, parent = self._described.get(key.block_hash, ([key.block_hash], None))
+                    hashes, parent = self._described.get(_offload_key(key), ([key.block_hash], None))
                     wire = [to_external_hash(h) for h in hashes]
                     if event.removed:
                         out.append(BlockRemoved(block_hashes=wire, medium=event.medium,

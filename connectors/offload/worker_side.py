@@ -81,14 +81,13 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         """Allocate the (pinned on CUDA) CPU buffer next to the KV cache.
 
         Raises:
-            ConfigError: the layers live in several tensors of different block counts
-                (several KV cache groups are not supported).
+            ConfigError: the layers live in tensors of different block counts or devices.
         """
         from connectors.offload.transfer import KVBlockMover
 
         cfg = self.offload_config
         try:
-            self.mover = KVBlockMover(kv_caches, cfg.num_cpu_blocks * cfg.blocks_per_chunk,
+            self.mover = KVBlockMover(kv_caches, cfg.num_cpu_blocks * cfg.sub_blocks_per_chunk,
                                       method=cfg.transfer_method)
         except ValueError as exc:
             msg = f"OffloadingConnector cannot use this KV cache: {exc}"

@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"registered connector name (default {DEFAULT_CONNECTOR!r} if "
                            "installed; 'none' for no connector)")
     conn.add_argument("--config", metavar="FILE", help="connector config JSON file")
+    parser.add_argument("--model", metavar="NAME|FILE", default=None,
+                        help="model preset (tiny, tiny-hybrid, tiny-chunked, tiny-two-windows, "
+                             "llama-3-8b, gpt-oss-20b, gpt-oss-120b, llama-4-style; default "
+                             "tiny) or a model-config JSON file")
+    parser.add_argument("--reserve-full-output", action="store_true",
+                        help="admit a request only if its whole output fits (default: its "
+                             "current tokens, as vLLM 0.33)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--json", action="store_true",
                         help="print the report as JSON (with a per-step timeline)")
@@ -158,6 +165,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvconnector_core.engine.engine import DEVICES, Engine, EngineConfig
+    from kvconnector_core.engine.models import DEFAULT_MODEL, get_model
     from kvconnector_core.engine.report import compare_outputs, format_report, report_dict
     from kvconnector_core.engine.workloads import get_workload, load_trace_jsonl
     from kvconnector_core.errors import KVConnectorError
@@ -174,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
     if problem:
         return _fail(problem)
     try:
-        vocab = EngineConfig().model.vocab_size
+        model = get_model(DEFAULT_MODEL if args.model is None else args.model)
+        vocab = model.vocab_size
         trace = (load_trace_jsonl(args.trace, vocab_size=vocab) if args.trace is not None
                  else get_workload(DEFAULT_WORKLOAD if args.workload is None else args.workload,
                                    args.seed))
@@ -186,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
             return _fail(f"the longest request of {trace.name!r} has {longest} tokens (prompt + "
                          f"max_new_tokens); the engine supports at most "
                          f"{MAX_MODEL_LEN - _MODEL_LEN_HEADROOM}")
-        sizing = EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        sizing = EngineConfig(model=model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                               max_model_len=max_model_len)
         min_blocks = sizing.min_num_gpu_blocks
         if args.num_gpu_blocks is None:
@@ -204,8 +213,10 @@ def main(args: argparse.Namespace) -> int:
         else:
             num_gpu_blocks = args.num_gpu_blocks
         connector = _connector_config(args, num_gpu_blocks)
-        base = dict(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                    max_num_seqs=MAX_NUM_SEQS, device=args.device, max_model_len=max_model_len)
+        base = dict(model=model, num_gpu_blocks=num_gpu_blocks,
+                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
+                    device=args.device, max_model_len=max_model_len,
+                    reserve_full_output=args.reserve_full_output)
         runs = [("connector" if connector else "no connector",
                  EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args)))]
         if not args.no_baseline and connector is not None:

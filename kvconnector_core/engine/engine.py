@@ -26,7 +26,11 @@ from kvconnector_core.engine.timeline import StepRecord, Timeline
 from kvconnector_core.engine.workloads import Trace, TraceRequest
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.event_publisher import EventPublisherConfig
-from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
+from kvconnector_core.kv_cache.kv_cache_spec import (
+    KVCacheConfig,
+    get_kv_cache_config,
+    kv_cache_bytes_per_block,
+)
 from kvconnector_core.request import Request
 from kvconnector_core.worker.model import ModelConfig
 
@@ -77,6 +81,9 @@ class EngineConfig:
             config's policy (``"recompute"`` without a connector).
         kv_events_publisher: publish each step's KV events over ZeroMQ in vLLM's wire
             format (see :mod:`kvconnector_core.event_publisher`); None publishes nothing.
+        reserve_full_output: admit a request only when its whole output fits (fewer
+            preemptions, fewer requests at once); default False counts the tokens a
+            request has now, as vLLM 0.33 does (``docs/admission.md``).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -91,6 +98,7 @@ class EngineConfig:
     connector: KVConnectorConfig | None = None
     load_failure_policy: str | None = None
     kv_events_publisher: EventPublisherConfig | None = None
+    reserve_full_output: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -129,7 +137,7 @@ class EngineConfig:
             ConfigError: the pool cannot hold one request of ``max_model_len`` tokens.
         """
         specs = self.model.kv_cache_specs(self.block_size)
-        bytes_per_block = sum(s.page_size_bytes for s in specs.values())
+        bytes_per_block = kv_cache_bytes_per_block(specs)
         try:
             return get_kv_cache_config(specs, self.num_gpu_blocks * bytes_per_block,
                                        self.max_model_len, self.max_num_batched_tokens)
@@ -232,6 +240,7 @@ class RunResult(msgspec.Struct):
         outputs: request id -> generated tokens, in trace order.
         statuses: request id -> final status name.
         metrics: the run's metrics.
+        model: the model's KV shape (:meth:`ModelConfig.describe`).
         timeline: one record per step: token sources and bytes moved per tier.
     """
 
@@ -241,6 +250,7 @@ class RunResult(msgspec.Struct):
     outputs: dict[str, list[int]]
     statuses: dict[str, str]
     metrics: RunMetrics
+    model: str = ""
     timeline: list[StepRecord] = msgspec.field(default_factory=list)
 
 
@@ -315,6 +325,7 @@ class Engine:
             enable_kv_cache_events=config.enable_kv_cache_events,
             connector=self.scheduler_connector,
             load_failure_policy=config.effective_load_failure_policy,
+            reserve_full_output=config.reserve_full_output,
         )
         self.num_steps = 0
         self.event_counts: dict[str, int] = {}
@@ -544,6 +555,7 @@ class Engine:
             outputs={rid: results[rid].output_token_ids if rid in results else [] for rid in ids},
             statuses={rid: results[rid].status if rid in results else "UNFINISHED" for rid in ids},
             metrics=metrics,
+            model=self.config.model.describe(self.config.block_size),
         )
 
     def _connector_errors(self) -> dict[str, int]:

@@ -72,14 +72,16 @@ def report_dict(result: RunResult, baseline: RunResult | None = None) -> dict[st
         baseline: the no-connector run of the same trace, if any.
 
     Returns:
-        ``{"workload", "connector", "device", "metrics", "baseline_metrics"?, "comparison"?,
-        "timeline"}`` (outputs are left out; they are in the RunResult; ``timeline`` is one
-        record per step, see :class:`~kvconnector_core.engine.timeline.StepRecord`).
+        ``{"workload", "connector", "device", "model", "metrics", "baseline_metrics"?,
+        "comparison"?, "timeline"}`` (outputs are left out; they are in the RunResult;
+        ``timeline`` is one record per step, see
+        :class:`~kvconnector_core.engine.timeline.StepRecord`).
     """
     out: dict[str, Any] = {
         "workload": result.workload,
         "connector": result.connector,
         "device": result.device,
+        "model": result.model,
         "metrics": msgspec.to_builtins(result.metrics),
     }
     if baseline is not None:
@@ -99,7 +101,8 @@ def _fmt_bytes(n: float) -> str:
 
 def _rows(result: RunResult) -> list[tuple[str, str]]:
     m = result.metrics
-    rows = [
+    rows = [("model", result.model)] if result.model else []
+    rows += [
         ("requests", f"{m.num_finished} finished / {m.num_requests}"
                      + (f" ({m.num_failed} failed)" if m.num_failed else "")),
         ("prompt tokens", f"{m.num_prompt_tokens}"),

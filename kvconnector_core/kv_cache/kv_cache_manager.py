@@ -73,6 +73,9 @@ class KVCacheManager:
         hash_block_size: tokens per hashed block (the unit of ``Request.block_hashes``).
         enable_caching: enable prefix caching.
         enable_kv_cache_events: record KV events for :meth:`take_events`.
+        reserve_full_output: admission reserves blocks for each request's whole output
+            (prompt + ``max_tokens``) instead of its current tokens (vLLM 0.33's count);
+            see :meth:`admission_tokens`.
 
     Raises:
         BlockSizeError: inconsistent block sizes.
@@ -88,8 +91,10 @@ class KVCacheManager:
         hash_block_size: int,
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
+        reserve_full_output: bool = False,
     ) -> None:
         self.kv_cache_config = kv_cache_config
+        self.reserve_full_output = reserve_full_output
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduler_block_size = scheduler_block_size
@@ -143,6 +148,20 @@ class KVCacheManager:
         )
         return need <= self.block_pool.num_gpu_blocks - 1
 
+    def admission_tokens(self, request: Request) -> int:
+        """Tokens the full-sequence admission check counts for ``request``.
+
+        By default what vLLM 0.33 counts: the tokens the request has now (prompt plus
+        the outputs generated so far). With ``reserve_full_output`` the whole sequence
+        (prompt + ``max_tokens``) instead: fewer requests run at once, and fewer of
+        them are preempted when their outputs grow (``docs/admission.md``). Capped at
+        ``max_model_len``; the sliding-window and chunked-local admission caps apply on
+        top (``apply_admission_cap``).
+        """
+        tokens = (request.num_prompt_tokens + request.max_tokens if self.reserve_full_output
+                  else request.num_tokens)
+        return min(tokens, self.max_model_len)
+
     def allocate_slots(
         self,
         request: Request,
@@ -166,7 +185,7 @@ class KVCacheManager:
             num_external_computed_tokens: tokens a connector will load.
             delay_cache_blocks: do not cache yet (async loads cache on arrival).
             full_sequence_must_fit: first check, with the admission caps, that the
-                whole sequence (prompt + max_tokens) fits in the free blocks.
+                request's :meth:`admission_tokens` fit in the free blocks.
             reserved_blocks: free blocks that must stay free (promised elsewhere).
 
         Returns:
@@ -190,7 +209,7 @@ class KVCacheManager:
         free = self.block_pool.get_num_free_blocks() - reserved_blocks
 
         if full_sequence_must_fit:
-            full = max(min(request.num_prompt_tokens + request.max_tokens, self.max_model_len), num_tokens_need_slot)
+            full = max(self.admission_tokens(request), num_tokens_need_slot)
             need_full = groups.get_num_blocks_to_allocate(
                 request.request_id, full, new_blocks_per_group, total_computed, apply_admission_cap=True
             )

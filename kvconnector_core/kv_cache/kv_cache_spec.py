@@ -27,10 +27,12 @@ __all__ = [
     "SlidingWindowSpec",
     "cdiv",
     "get_kv_cache_config",
+    "kv_cache_bytes_per_block",
 ]
 
 DTYPE_SIZES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "int8": 1, "uint8": 1,
+    "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "int16": 2, "int8": 1,
+    "uint8": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 """Bytes per element of every dtype name a spec accepts."""
@@ -169,8 +171,11 @@ class KVCacheGroupSpec:
 class KVCacheConfig:
     """The KV cache layout: pool size and the groups that draw blocks from it.
 
-    Every group allocates from one shared pool of ``num_blocks`` block ids; a
-    block id used by group ``g`` indexes group ``g``'s own KV tensors.
+    Every group allocates from one shared pool of ``num_blocks`` block ids, so a
+    block id belongs to one group at a time. Groups whose pages have the same size
+    therefore share physical memory, as in vLLM: layer ``i`` of each such group uses
+    the same tensor (see :attr:`physical_pools`). Memory then grows with the number
+    of layers per group, not with the number of groups.
     """
 
     num_blocks: int
@@ -184,14 +189,47 @@ class KVCacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id costs across all groups' layers."""
+        """Bytes one block id costs: per physical pool, its page times its layer slots."""
         return _bytes_per_block(self.kv_cache_groups)
+
+    @property
+    def physical_pools(self) -> list[list[int]]:
+        """Indices of the groups that share one physical pool (equal page size), in
+        first-group order; a pool has as many layer slots as its largest group."""
+        return _physical_pools(self.kv_cache_groups)
+
+
+def _physical_pools(groups: list[KVCacheGroupSpec]) -> list[list[int]]:
+    by_page: dict[int, list[int]] = {}
+    for g, group in enumerate(groups):
+        by_page.setdefault(group.kv_cache_spec.page_size_bytes, []).append(g)
+    return list(by_page.values())
 
 
 def _bytes_per_block(groups: list[KVCacheGroupSpec]) -> int:
-    # Every group has storage for every block id (see KVCacheConfig), so one id
-    # costs the pages of all layers of all groups.
-    return sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
+    # A block id belongs to one group at a time, so groups of equal page size share
+    # memory: a pool costs its page times the layers of its largest group.
+    return sum(groups[pool[0]].kv_cache_spec.page_size_bytes
+               * max(len(groups[g].layer_names) for g in pool)
+               for pool in _physical_pools(groups))
+
+
+def kv_cache_bytes_per_block(layer_specs: Mapping[str, KVCacheSpec]) -> int:
+    """Bytes one block id costs for these layers once grouped (see :class:`KVCacheConfig`).
+
+    Args:
+        layer_specs: spec of every attention layer, by layer name.
+    """
+    return _bytes_per_block(_group_layers(layer_specs))
+
+
+def _group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    groups: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        groups.setdefault(spec, []).append(name)
+    # Full attention first: the hybrid coordinator looks those up first.
+    ordered = sorted(groups.items(), key=lambda kv: not isinstance(kv[0], FullAttentionSpec))
+    return [KVCacheGroupSpec(names, spec) for spec, names in ordered]
 
 
 def get_kv_cache_config(
@@ -219,12 +257,7 @@ def get_kv_cache_config(
     """
     if not layer_specs:
         raise ConfigError("layer_specs is empty; give the spec of at least one layer")
-    groups: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in layer_specs.items():
-        groups.setdefault(spec, []).append(name)
-    # Full attention first: the hybrid coordinator looks those up first.
-    ordered = sorted(groups.items(), key=lambda kv: not isinstance(kv[0], FullAttentionSpec))
-    group_specs = [KVCacheGroupSpec(names, spec) for spec, names in ordered]
+    group_specs = _group_layers(layer_specs)
     bytes_per_block = _bytes_per_block(group_specs)
     num_blocks = available_memory // bytes_per_block
     needed_blocks = 1 + sum(

@@ -112,6 +112,8 @@ class Scheduler:
         enable_kv_cache_events: record KV events.
         connector: the scheduler-role connector, or None.
         load_failure_policy: ``"recompute"`` (default) or ``"fail"``.
+        reserve_full_output: admit a request only if its whole output fits (see
+            :meth:`KVCacheManager.admission_tokens`); default: its current tokens.
 
     Raises:
         ConfigError: an unknown ``load_failure_policy`` or non-positive budgets.
@@ -130,6 +132,7 @@ class Scheduler:
         enable_kv_cache_events: bool = False,
         connector: KVConnectorBase_V1 | None = None,
         load_failure_policy: str = "recompute",
+        reserve_full_output: bool = False,
     ) -> None:
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ConfigError(
@@ -153,6 +156,7 @@ class Scheduler:
             hash_block_size=hash_block_size,
             enable_caching=enable_prefix_caching,
             enable_kv_cache_events=enable_kv_cache_events,
+            reserve_full_output=reserve_full_output,
         )
         self.block_size = scheduler_block_size
         self.stats = SchedulerStats()
@@ -471,8 +475,11 @@ class Scheduler:
         return out
 
     def _remaining_need(self, req: Request) -> int:
-        """Blocks a waiting request that already holds blocks still needs to finish (admission-capped)."""
-        full = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        """Blocks a waiting request that already holds blocks still needs (admission-capped).
+
+        Counts what admission counts (:meth:`KVCacheManager.admission_tokens`).
+        """
+        full = self.kv_cache_manager.admission_tokens(req)
         coord = self.kv_cache_manager.coordinator
         return coord.get_num_blocks_to_allocate(
             req.request_id, full, self.kv_cache_manager.empty_kv_cache_blocks.blocks,

@@ -1,6 +1,12 @@
-"""Allocation of the paged KV tensors, one tensor per KV cache group.
+"""Allocation of the paged KV tensors: one physical pool per page size, shared by groups.
 
-Layout of group ``g``'s tensor::
+A block id belongs to one KV cache group at a time (all groups draw from one block
+pool), so KV cache groups whose pages have the same size share memory, as in vLLM:
+the pool is one byte tensor ``(num_blocks, num_slots, page_bytes)`` with as many layer
+slots as its largest group has layers, and layer ``i`` of every group of the pool lives
+in slot ``i``. Memory grows with the layers per group, not with the number of groups
+(a full + sliding-window model with 2 x 16 layers costs 16 layers' pages per block, not
+32). Group ``g``'s tensor is the view::
 
     (num_blocks, num_layers_in_group, 2, block_size, num_kv_heads, head_size)
 
@@ -8,7 +14,8 @@ Block-major and *cross-layer*: one block id of all layers of a group is one cont
 chunk of memory, so a connector moves a whole block (every layer, K and V) with one copy.
 Layer ``i`` of the group sees the strided view ``t[:, i]`` of shape
 ``(num_blocks, 2, block_size, num_kv_heads, head_size)``; those views are what
-``register_kv_caches(dict[layer_name, Tensor])`` receives.
+``register_kv_caches(dict[layer_name, Tensor])`` receives. Layers of different groups of
+one pool share storage (slot ``i`` of block ``b`` is used by whichever group owns ``b``).
 
 Primitives:
 
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,7 +50,8 @@ __all__ = [
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8,
+    "int32": torch.int32, "int64": torch.int64, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8,
 }
 
 
@@ -65,17 +73,27 @@ class KVCacheTensors:
     """The paged KV cache of one worker.
 
     Attributes:
-        group_tensors: per KV cache group, the block-major cross-layer tensor.
+        group_tensors: per KV cache group, the block-major cross-layer tensor (a view
+            of its pool).
         layer_tensors: layer name -> that layer's view ``group_tensors[g][:, i]``, in group
             order then layer order (the dict handed to ``register_kv_caches``).
         layer_to_group: layer name -> ``(group index, index within the group)``.
         block_sizes: block size (tokens) of every group.
+        pool_tensors: the physical pools, ``(num_blocks, bytes per block)`` uint8 each.
+        pool_of_group: per group, the index of its pool in ``pool_tensors``.
     """
 
     group_tensors: list[torch.Tensor]
     layer_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     layer_to_group: dict[str, tuple[int, int]] = field(default_factory=dict)
     block_sizes: list[int] = field(default_factory=list)
+    pool_tensors: list[torch.Tensor] = field(default_factory=list)
+    pool_of_group: list[int] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV cache memory allocated (all pools)."""
+        return sum(t.numel() for t in self.pool_tensors)
 
     @property
     def num_blocks(self) -> int:
@@ -90,7 +108,7 @@ class KVCacheTensors:
 
 def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: str | torch.device = "cpu",
                        *, pin_memory: bool = False) -> KVCacheTensors:
-    """Allocate one zeroed block-major tensor per KV cache group.
+    """Allocate one zeroed pool per page size and view each KV cache group in it.
 
     Args:
         kv_cache_config: pool size and groups (every group's spec must be an attention
@@ -102,49 +120,85 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: str | torch.devic
         The tensors and per-layer views.
 
     Raises:
-        ConfigError: a group's spec is not an attention spec or has an unsupported dtype.
+        ConfigError: a group's spec is not an attention spec or has an unsupported dtype,
+            or the allocator refused a pool (the message gives its size).
     """
     device = torch.device(device)
-    result = KVCacheTensors(group_tensors=[])
-    for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if not hasattr(spec, "num_kv_heads"):
-            msg = f"KV cache group {g} has spec {spec!r}; the worker allocates attention specs only"
+    groups = kv_cache_config.kv_cache_groups
+    num_blocks = kv_cache_config.num_blocks
+    for g, group in enumerate(groups):
+        if not hasattr(group.kv_cache_spec, "num_kv_heads"):
+            msg = (f"KV cache group {g} has spec {group.kv_cache_spec!r}; the worker allocates "
+                   "attention specs only")
             raise ConfigError(msg)
-        shape = (kv_cache_config.num_blocks, len(group.layer_names), 2, spec.block_size,
-                 spec.num_kv_heads, spec.head_size)
-        dtype = torch_dtype(spec.dtype)
-        try:
-            tensor = torch.zeros(shape, dtype=dtype, device=device,
-                                 pin_memory=pin_memory and device.type == "cpu")
-        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            size = torch.Size(shape).numel() * dtype.itemsize
-            msg = (f"cannot allocate the KV cache of group {g} on {device}: "
-                   f"{kv_cache_config.num_blocks} blocks of {size // kv_cache_config.num_blocks} "
-                   f"bytes = {size / 2**30:.1f} GiB ({type(exc).__name__}); use fewer blocks")
-            raise ConfigError(msg) from None
-        result.group_tensors.append(tensor)
-        result.block_sizes.append(spec.block_size)
+        torch_dtype(group.kv_cache_spec.dtype)  # an unsupported dtype fails before allocating
+    result = KVCacheTensors(group_tensors=[None] * len(groups),  # type: ignore[list-item]
+                            pool_of_group=[0] * len(groups))
+    for p, pool in enumerate(kv_cache_config.physical_pools):
+        page = groups[pool[0]].kv_cache_spec.page_size_bytes
+        slots = max(len(groups[g].layer_names) for g in pool)
+        raw = _zeros_or_config_error((num_blocks, slots, page), device, pin_memory, pool)
+        result.pool_tensors.append(raw.view(num_blocks, slots * page))
+        for g in pool:
+            result.pool_of_group[g] = p
+            result.group_tensors[g] = _group_view(raw, groups[g].kv_cache_spec,
+                                                  len(groups[g].layer_names))
+    for g, group in enumerate(groups):
+        result.block_sizes.append(group.kv_cache_spec.block_size)
         for i, name in enumerate(group.layer_names):
-            result.layer_tensors[name] = tensor[:, i]
+            result.layer_tensors[name] = result.group_tensors[g][:, i]
             result.layer_to_group[name] = (g, i)
     return result
 
 
+def _zeros_or_config_error(shape: tuple[int, int, int], device: torch.device, pin_memory: bool,
+                           pool: Sequence[int]) -> torch.Tensor:
+    """A zeroed uint8 pool; an allocation the allocator refuses is a ConfigError giving the size."""
+    try:
+        return torch.zeros(shape, dtype=torch.uint8, device=device,
+                           pin_memory=pin_memory and device.type == "cpu")
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        size = torch.Size(shape).numel()
+        which = f"group {pool[0]}" if len(pool) == 1 else f"groups {', '.join(map(str, pool))}"
+        msg = (f"cannot allocate the KV cache of {which} on {device}: {shape[0]} blocks of "
+               f"{size // shape[0]} bytes = {size / 2**30:.1f} GiB ({type(exc).__name__}); "
+               "use fewer blocks")
+        raise ConfigError(msg) from None
+
+
+def _group_view(raw: torch.Tensor, spec: Any, num_layers: int) -> torch.Tensor:
+    """``raw[:, :num_layers]`` seen as ``(num_blocks, num_layers, 2, bs, heads, head_size)``."""
+    # The last dim is contiguous, so the dtype view and the split of the page are views.
+    part = raw[:, :num_layers].view(torch_dtype(spec.dtype))
+    return part.view(raw.shape[0], num_layers, 2, spec.block_size, spec.num_kv_heads,
+                     spec.head_size)
+
+
 def group_layers_by_storage(kv_caches: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Split per-layer KV views by the storage they live in (one dict per group tensor).
+    """Split per-layer KV views into KV cache groups (one dict per group tensor).
+
+    Layers of one group live in one storage at increasing offsets. Groups of a shared
+    physical pool live in the same storage and start again at the pool's first slot,
+    so a layer whose offset does not increase starts the next group.
 
     Args:
-        kv_caches: layer name -> KV tensor, as given to ``register_kv_caches``.
+        kv_caches: layer name -> KV tensor, as given to ``register_kv_caches`` (group
+            order, then layer order).
 
     Returns:
         Dicts in first-seen order; within each, the layers keep their order.
     """
-    by_storage: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    out: list[dict[str, torch.Tensor]] = []
+    current: dict[tuple[str, int], tuple[dict[str, torch.Tensor], int]] = {}
     for name, t in kv_caches.items():
         key = (str(t.device), t.untyped_storage().data_ptr())
-        by_storage.setdefault(key, {})[name] = t
-    return list(by_storage.values())
+        group, last = current.get(key, (None, -1))
+        if group is None or t.storage_offset() <= last:
+            group = {}
+            out.append(group)
+        group[name] = t
+        current[key] = (group, t.storage_offset())
+    return out
 
 
 def cross_layer_block_view(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]

@@ -14,7 +14,8 @@ Per token at position ``p`` (hidden width ``D = num_kv_heads * head_size``)::
     per layer:
       q, k, v = h Wq, h Wk + (p + 1) * pk, h Wv                        (mod P)
       write k, v to the paged cache at the token's slot (block table)
-      for every visible key position j (j <= p; and j > p - window for sliding layers),
+      for every visible key position j (j <= p; j > p - window for sliding layers;
+      j // chunk == p // chunk for chunked-local layers),
       per head:  w_j = (q . k_j + 1) * c(j),   c(j) = j mod (P - 1) + 1  (mod P)
       a = sum_j w_j v_j                                                (mod P)
       h = h + a Wo;   h = h + S[h W1] W2                               (mod P)
@@ -38,12 +39,15 @@ import torch
 
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.kv_cache_spec import (
+    DTYPE_SIZES,
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     SlidingWindowSpec,
 )
 
 __all__ = [
+    "KV_DTYPES",
     "LAYER_TYPES",
     "PRIME",
     "ForwardBatch",
@@ -59,8 +63,15 @@ PRIME = 65521
 #: Exactness bound: float64 sums of products of residues stay exact below this many terms.
 _MAX_EXACT_TERMS = 2**21
 
-LAYER_TYPES = ("full", "sliding")
-"""Valid entries of :attr:`ModelConfig.layer_types`."""
+LAYER_TYPES = ("full", "sliding", "chunked")
+"""Kinds of :attr:`ModelConfig.layer_types` entries (``"sliding:N"`` / ``"chunked:N"`` give
+a layer its own window / chunk size)."""
+
+KV_DTYPES = ("int32", "int16")
+"""KV cache element types: residues as int32, or as int16 offset by 2**15 (2 bytes per
+element, the size of a real bf16 KV cache)."""
+
+_INT16_OFFSET = 32768
 
 LayerHook = Callable[..., None]
 """``before(layer_name)`` / ``after(layer_name, kv_layer, attn_metadata)`` callbacks."""
@@ -72,13 +83,16 @@ class ModelConfig:
 
     Attributes:
         vocab_size: number of token ids; prompts must use ids below it.
-        layer_types: one entry per layer, ``"full"`` or ``"sliding"``. Mixing both gives a
-            hybrid model with two KV cache groups.
+        layer_types: one entry per layer: ``"full"``, ``"sliding"`` (window
+            ``sliding_window``), ``"sliding:N"`` (window N), ``"chunked"`` (chunked local
+            attention of ``attention_chunk_size`` tokens) or ``"chunked:N"``. Each distinct
+            kind and size is one KV cache group, so mixing them gives a hybrid model.
         num_kv_heads: attention heads (one KV head per query head).
         head_size: width of a head; the hidden width is ``num_kv_heads * head_size``.
         mlp_size: width of the MLP.
-        sliding_window: tokens a sliding layer sees (the current one included); required
-            when any layer is ``"sliding"``.
+        sliding_window: tokens a ``"sliding"`` layer sees (the current one included).
+        attention_chunk_size: tokens per chunk of a ``"chunked"`` layer.
+        kv_dtype: ``"int32"`` or ``"int16"`` (see :data:`KV_DTYPES`).
         seed: seed of the weights.
     """
 
@@ -88,6 +102,8 @@ class ModelConfig:
     head_size: int = 16
     mlp_size: int = 64
     sliding_window: int = 0
+    attention_chunk_size: int = 0
+    kv_dtype: str = "int32"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -98,14 +114,33 @@ class ModelConfig:
         if not self.layer_types:
             msg = "ModelConfig.layer_types is empty; give at least one layer"
             raise ConfigError(msg)
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if bad:
-            msg = f"ModelConfig.layer_types has {bad[0]!r}; valid layer types: {list(LAYER_TYPES)}"
+        if self.kv_dtype not in KV_DTYPES:
+            msg = f"ModelConfig.kv_dtype={self.kv_dtype!r}; valid: {', '.join(KV_DTYPES)}"
             raise ConfigError(msg)
-        if "sliding" in self.layer_types and self.sliding_window < 1:
-            msg = (f"ModelConfig.sliding_window={self.sliding_window}; sliding layers need a "
-                   "window >= 1")
+        for t in self.layer_types:
+            self._parse_layer_type(t)
+
+    def _parse_layer_type(self, layer_type: str) -> tuple[str, int]:
+        kind, sep, size = str(layer_type).partition(":")
+        if kind not in LAYER_TYPES or (sep and (kind == "full" or not size.isdigit())):
+            msg = (f"ModelConfig.layer_types has {layer_type!r}; valid layer types: "
+                   "'full', 'sliding', 'sliding:<window>', 'chunked', 'chunked:<chunk size>'")
             raise ConfigError(msg)
+        if kind == "full":
+            return kind, 0
+        default, field_name = ((self.sliding_window, "sliding_window") if kind == "sliding"
+                               else (self.attention_chunk_size, "attention_chunk_size"))
+        value = int(size) if sep else default
+        if value < 1:
+            msg = (f"ModelConfig layer type {layer_type!r} needs a size >= 1 (give "
+                   f"'{kind}:<N>' or set {field_name}; it is {default})")
+            raise ConfigError(msg)
+        return kind, value
+
+    def layer_attention(self) -> list[tuple[str, int]]:
+        """Per layer, ``(kind, size)``: ``("full", 0)``, ``("sliding", window)`` or
+        ``("chunked", chunk size)``."""
+        return [self._parse_layer_type(t) for t in self.layer_types]
 
     @property
     def num_layers(self) -> int:
@@ -122,7 +157,7 @@ class ModelConfig:
         return [f"layers.{i}.attn" for i in range(self.num_layers)]
 
     def kv_cache_specs(self, block_size: int) -> dict[str, AttentionSpec]:
-        """KV cache spec of every layer (dtype ``int32``).
+        """KV cache spec of every layer (dtype :attr:`kv_dtype`).
 
         Args:
             block_size: tokens per block.
@@ -130,12 +165,28 @@ class ModelConfig:
         Returns:
             Layer name -> spec, in layer order.
         """
-        full = FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, "int32")
-        sliding = (SlidingWindowSpec(block_size, self.num_kv_heads, self.head_size, "int32",
-                                     sliding_window=self.sliding_window)
-                   if "sliding" in self.layer_types else None)
-        return {name: (full if kind == "full" else sliding)
-                for name, kind in zip(self.layer_names(), self.layer_types)}
+        shape = (block_size, self.num_kv_heads, self.head_size, self.kv_dtype)
+        specs: dict[str, AttentionSpec] = {}
+        for name, (kind, size) in zip(self.layer_names(), self.layer_attention()):
+            if kind == "full":
+                specs[name] = FullAttentionSpec(*shape)
+            elif kind == "sliding":
+                specs[name] = SlidingWindowSpec(*shape, sliding_window=size)
+            else:
+                specs[name] = ChunkedLocalAttentionSpec(*shape, attention_chunk_size=size)
+        return specs
+
+    def describe(self, block_size: int = 16) -> str:
+        """One line stating the KV shape, e.g. for a run's report."""
+        counts: dict[str, int] = {}
+        for kind, size in self.layer_attention():
+            label = kind if kind == "full" else f"{kind} {size}"
+            counts[label] = counts.get(label, 0) + 1
+        layers = ", ".join(f"{n} {label}" for label, n in counts.items())
+        per_token = 2 * self.num_layers * self.hidden_size * DTYPE_SIZES[self.kv_dtype]
+        return (f"{self.num_layers} layers ({layers}), {self.num_kv_heads} KV heads x "
+                f"{self.head_size}, {self.kv_dtype} KV: {per_token * block_size / 2**20:.2f} MiB "
+                f"per {block_size}-token block of all layers")
 
 
 @dataclass
@@ -224,6 +275,9 @@ class PagedIntModel:
         ]
         self.sbox = torch.randperm(PRIME, generator=gen).to(self.device)
         self.lm_head = rand(d, v)
+        self._attention_of_layer = config.layer_attention()
+        # int16 holds residues (< 2**16) shifted by 2**15; int32 holds them as they are.
+        self._kv_offset = _INT16_OFFSET if config.kv_dtype == "int16" else 0
 
     def forward(self, batch: ForwardBatch, kv_caches: dict[str, torch.Tensor], *,
                 before_layer: LayerHook | None = None,
@@ -242,10 +296,9 @@ class PagedIntModel:
         Returns:
             The final hidden states, ``(T, hidden_size)`` float64 residues.
         """
-        cfg = self.config
         pos1 = (batch.positions + 1).to(torch.float64).unsqueeze(1)
         h = _mod(self.embedding[batch.token_ids] + pos1 * self.pos_embedding)
-        for name, kind, w in zip(self.layer_names, cfg.layer_types, self.layers):
+        for name, (kind, size), w in zip(self.layer_names, self._attention_of_layer, self.layers):
             meta = batch.groups[self.layer_to_group[name][0]]
             if before_layer is not None:
                 before_layer(name)
@@ -254,8 +307,9 @@ class PagedIntModel:
             v = _mod(h @ w["wv"])
             kv_layer = kv_caches[name]
             self._write_kv(kv_layer, meta, k, v)
-            window = cfg.sliding_window if kind == "sliding" else 0
-            attn = self._attention(kv_layer, meta, q, batch.positions, window)
+            window = size if kind == "sliding" else 0
+            chunk = size if kind == "chunked" else 0
+            attn = self._attention(kv_layer, meta, q, batch.positions, window, chunk)
             if after_layer is not None:
                 after_layer(name, kv_layer, meta)
             h = _mod(h + _mod(attn @ w["wo"]))
@@ -286,18 +340,21 @@ class PagedIntModel:
                   k: torch.Tensor, v: torch.Tensor) -> None:
         blocks = torch.div(meta.slot_mapping, meta.block_size, rounding_mode="floor")
         offsets = meta.slot_mapping - blocks * meta.block_size
-        kv_layer[blocks, 0, offsets] = self._heads(k).to(kv_layer.dtype)
-        kv_layer[blocks, 1, offsets] = self._heads(v).to(kv_layer.dtype)
+        off = self._kv_offset
+        kv_layer[blocks, 0, offsets] = (self._heads(k) - off).to(kv_layer.dtype)
+        kv_layer[blocks, 1, offsets] = (self._heads(v) - off).to(kv_layer.dtype)
 
     def _gather(self, kv_layer: torch.Tensor, slots: torch.Tensor, block_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = torch.div(slots, block_size, rounding_mode="floor")
         offsets = slots - blocks * block_size
-        return (kv_layer[blocks, 0, offsets].to(torch.float64),
-                kv_layer[blocks, 1, offsets].to(torch.float64))
+        off = self._kv_offset
+        return (kv_layer[blocks, 0, offsets].to(torch.float64) + off,
+                kv_layer[blocks, 1, offsets].to(torch.float64) + off)
 
     def _attention(self, kv_layer: torch.Tensor, meta: GroupAttentionMetadata,
-                   q: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+                   q: torch.Tensor, positions: torch.Tensor, window: int,
+                   chunk: int = 0) -> torch.Tensor:
         out = torch.zeros_like(q)
         qh = self._heads(q)
         for q_start, q_end, key_slots, key_pos in meta.segments:
@@ -305,7 +362,7 @@ class PagedIntModel:
             # scores: (H, Tq, L) = q (H, Tq, hs) @ k^T (H, hs, L)
             scores = qh[q_start:q_end].transpose(0, 1) @ keys.permute(1, 2, 0)
             qpos = positions[q_start:q_end].unsqueeze(1)
-            weights = self._weights(scores, qpos, key_pos.unsqueeze(0), window)
+            weights = self._weights(scores, qpos, key_pos.unsqueeze(0), window, chunk)
             att = _mod(weights @ values.transpose(0, 1))  # (H, Tq, hs)
             out[q_start:q_end] = att.transpose(0, 1).reshape(q_end - q_start, -1)
         if meta.decode_rows is not None and meta.decode_rows.numel():
@@ -315,18 +372,21 @@ class PagedIntModel:
             scores = torch.einsum("rhd,rlhd->rhl", qh[rows], keys)
             qpos = positions[rows].view(-1, 1, 1)
             kpos = meta.decode_key_positions.unsqueeze(1)
-            weights = self._weights(scores, qpos, kpos, window)  # (R, H, Lmax)
+            weights = self._weights(scores, qpos, kpos, window, chunk)  # (R, H, Lmax)
             att = _mod(torch.einsum("rhl,rlhd->rhd", weights, values))
             out[rows] = att.reshape(rows.numel(), -1)
         return out
 
     @staticmethod
     def _weights(scores: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                 window: int) -> torch.Tensor:
-        """Position-weighted scores ``(q.k + 1) * c(j)`` with causal/window/padding masks."""
+                 window: int, chunk: int = 0) -> torch.Tensor:
+        """Position-weighted scores ``(q.k + 1) * c(j)`` with causal/window/chunk/padding masks."""
         coeff = (torch.remainder(kpos, PRIME - 1) + 1).to(torch.float64)
         weights = _mod((_mod(scores) + 1) * coeff)
         visible = (kpos <= qpos) & (kpos >= 0)
         if window:
             visible &= kpos > qpos - window
+        if chunk:
+            visible &= torch.div(kpos, chunk, rounding_mode="floor") == torch.div(
+                qpos, chunk, rounding_mode="floor")
         return weights * visible

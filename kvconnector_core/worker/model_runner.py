@@ -55,7 +55,7 @@ import torch
 from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput
 from kvconnector_core.errors import ConfigError, InvariantError
-from kvconnector_core.kv_cache.kv_cache_spec import SlidingWindowSpec
+from kvconnector_core.kv_cache.kv_cache_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from kvconnector_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvconnector_core.worker.kv_cache import KVCacheTensors, allocate_kv_caches
 from kvconnector_core.worker.model import (
@@ -87,13 +87,14 @@ class _RequestState:
 class _GroupBuilder:
     """Accumulates one KV cache group's attention metadata while a batch is built."""
 
-    __slots__ = ("block_size", "decode_pos", "decode_rows", "decode_slots", "group_id",
+    __slots__ = ("block_size", "chunk", "decode_pos", "decode_rows", "decode_slots", "group_id",
                  "segments", "slot_parts", "window")
 
-    def __init__(self, group_id: int, block_size: int, window: int) -> None:
+    def __init__(self, group_id: int, block_size: int, window: int, chunk: int = 0) -> None:
         self.group_id = group_id
         self.block_size = block_size
         self.window = window
+        self.chunk = chunk
         self.slot_parts: list[torch.Tensor] = []
         self.segments: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self.decode_rows: list[int] = []
@@ -104,6 +105,8 @@ class _GroupBuilder:
         """Add request rows ``[row, row + num_tokens)`` at positions ``start...``."""
         end = start + num_tokens
         key_start = max(0, start - self.window + 1) if self.window else 0
+        if self.chunk:  # keys of earlier chunks are never visible (their blocks are freed)
+            key_start = start // self.chunk * self.chunk
         key_pos = torch.arange(key_start, end, dtype=torch.int64)
         block_idx = torch.div(key_pos, self.block_size, rounding_mode="floor")
         block_ids = state.block_ids[self.group_id]
@@ -178,6 +181,11 @@ class ModelRunner:
             g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
             for g in kv_cache_config.kv_cache_groups
         ]
+        self._chunks = [
+            g.kv_cache_spec.attention_chunk_size
+            if isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) else 0
+            for g in kv_cache_config.kv_cache_groups
+        ]
         self._check_windows(model_config)
         self.requests: dict[str, _RequestState] = {}
         self._sync_loads = False
@@ -188,12 +196,13 @@ class ModelRunner:
             self.connector.register_kv_caches(self.kv_caches.layer_tensors)
 
     def _check_windows(self, model_config: ModelConfig) -> None:
-        for name, kind in zip(model_config.layer_names(), model_config.layer_types):
-            window = self._windows[self.kv_caches.layer_to_group[name][0]]
-            expected = model_config.sliding_window if kind == "sliding" else 0
-            if window != expected:
-                msg = (f"layer {name!r} is {kind!r} (window {expected}) but its KV cache group "
-                       f"has window {window}; build the KVCacheConfig from "
+        for name, (kind, size) in zip(model_config.layer_names(), model_config.layer_attention()):
+            g = self.kv_caches.layer_to_group[name][0]
+            got = (self._windows[g], self._chunks[g])
+            expected = (size if kind == "sliding" else 0, size if kind == "chunked" else 0)
+            if got != expected:
+                msg = (f"layer {name!r} is {kind!r} (window, chunk {expected}) but its KV cache "
+                       f"group has window, chunk {got}; build the KVCacheConfig from "
                        "ModelConfig.kv_cache_specs()")
                 raise ConfigError(msg)
 
@@ -256,7 +265,8 @@ class ModelRunner:
         return out
 
     def _build_batch(self, work: list[tuple[_RequestState, int, int]]) -> tuple[ForwardBatch, list[str]]:
-        builders = [_GroupBuilder(g, g_spec.kv_cache_spec.block_size, self._windows[g])
+        builders = [_GroupBuilder(g, g_spec.kv_cache_spec.block_size, self._windows[g],
+                                  self._chunks[g])
                     for g, g_spec in enumerate(self.kv_cache_config.kv_cache_groups)]
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []

@@ -1,0 +1,146 @@
+"""CPU offload of hybrid models: keys per group, window-aware hits, partial loads,
+stores that skip out-of-window chunks, per-group events, identical outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvconnector_core.engine.engine import Engine, EngineConfig
+from kvconnector_core.engine.workloads import get_workload
+from kvconnector_core.kv_events import BlockRemoved, BlockStored
+from kvconnector_core.worker.model import ModelConfig
+
+GPU_BLOCKS = 80
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _run(layer_types: tuple[str, ...], connector: dict | None):
+    model = ModelConfig(layer_types=layer_types, vocab_size=1000)
+    cfg = EngineConfig(model=model, max_num_batched_tokens=64, max_model_len=1024,
+                       num_gpu_blocks=GPU_BLOCKS, connector=connector)
+    eng = Engine(cfg)
+    events: list = []
+    if connector is not None:
+        take = eng.scheduler_connector.take_events
+
+        def recording_take():
+            out = take()
+            events.extend(out)
+            return out
+
+        eng.scheduler_connector.take_events = recording_take
+    result = eng.run(get_workload("documents"))
+    return eng, result, events
+
+
+OFFLOAD = {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 256}}
+
+
+@pytest.mark.parametrize("layer_types", [
+    ("full", "sliding:48") * 2,      # full + sliding window (gpt-oss-like)
+    ("full", "chunked:64") * 2,      # full + chunked local (Llama 4-like)
+    ("sliding:40", "sliding:96") * 2,  # two sliding windows, no full attention
+], ids=["full+swa", "full+chunked", "two-windows"])
+def test_hybrid_models_offload_with_identical_outputs(layer_types):
+    _, baseline, _ = _run(layer_types, None)
+    eng, result, events = _run(layer_types, OFFLOAD)
+    assert result.outputs == baseline.outputs
+    m = result.metrics
+    assert m.connector_hit_tokens > 0 and m.connector_errors == {}
+    assert m.prefill_tokens_computed < baseline.metrics.prefill_tokens_computed
+    # Keys carry the group; every group has chunks in the tier.
+    keys = [k for k, _ in eng.scheduler_connector.manager.policy]
+    assert {int.from_bytes(k[-4:], "big") for k in keys} == {0, 1}
+    # Partial loads: fewer bytes than every group's blocks of the hit tokens.
+    kv = eng.kv_cache_config
+    everything = m.connector_hit_tokens // 16 * len(kv.kv_cache_groups) * kv.bytes_per_block
+    assert 0 < m.bytes_loaded < everything
+    # Events per group, each with its group's index; a replay per group is consistent.
+    held: dict[int, set[int]] = {0: set(), 1: set()}
+    for e in events:
+        assert isinstance(e, (BlockStored, BlockRemoved)) and e.group_idx in held
+        if isinstance(e, BlockStored):
+            assert e.block_size == 16 and not held[e.group_idx] & set(e.block_hashes)
+            held[e.group_idx] |= set(e.block_hashes)
+        else:
+            assert set(e.block_hashes) <= held[e.group_idx]
+            held[e.group_idx] -= set(e.block_hashes)
+    assert held[0] and held[1]
+    eng.shutdown()
+
+
+def test_sliding_window_group_stores_only_chunks_in_its_window():
+    """With a 48-token window and 64-token prefill steps, the sliding group stores only
+    the chunks still in the window after each step, far fewer than the full group."""
+    eng, _, _ = _run(("full", "sliding:48"), OFFLOAD)
+    keys = [k for k, _ in eng.scheduler_connector.manager.policy]
+    full = sum(1 for k in keys if k[-4:] == bytes(4))
+    sliding = len(keys) - full
+    assert 0 < sliding < full / 2
+    eng.shutdown()
+
+
+def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
+    """Offload keys the scheduler side computes in each decode step of one request."""
+    from connectors.offload.connector import OffloadingConnector
+    from kvconnector_core.connector.base import KVConnectorRole
+    from kvconnector_core.connector.config import KVConnectorConfig
+    from kvconnector_core.kv_cache.block_pool import KVCacheBlock
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    n_blocks = prompt_len // 16 + steps // 16 + 4
+    kv = KVCacheConfig(n_blocks + 1, [KVCacheGroupSpec(["l"], FullAttentionSpec(16, 1, 4))])
+    conn = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={
+        "num_cpu_blocks": n_blocks, "enable_events": False}), KVConnectorRole.SCHEDULER, kv)
+    side = conn.scheduler_side
+    calls = [0]
+    key = side._key
+
+    def counting_key(*args):
+        calls[0] += 1
+        return key(*args)
+
+    side._key = counting_key
+    prompt = list(range(prompt_len))
+    req = Request("r", prompt, steps + 1, hash_block_size=16)
+    ids = list(range(1, prompt_len // 16 + 1))
+
+    def out(new, cached, n):
+        return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={"r": n}, total_num_scheduled_tokens=n,
+                               finished_req_ids=set(), preempted_req_ids=set())
+
+    conn.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in ids],)), 0)
+    conn.build_connector_meta(out([NewRequestData("r", prompt, (ids,), 0)],
+                                  CachedRequestData([], set(), [], [], []), prompt_len))
+    counts = []
+    next_id = len(ids) + 1
+    for step in range(steps):
+        req.append_output_token_ids(step)
+        computed = prompt_len + step
+        new_ids = ([next_id],) if computed % 16 == 0 else None
+        next_id += new_ids is not None
+        calls[0] = 0
+        conn.build_connector_meta(out([], CachedRequestData(["r"], set(), [[step]], [new_ids],
+                                                            [computed]), 1))
+        counts.append(calls[0])
+    return counts
+
+
+def test_store_planning_computes_only_the_new_chunks_keys():
+    """Store planning is O(new blocks): a decode step computes the key of the chunk it
+    completes (if any), never the request's whole key list, whatever the prompt length."""
+    short, long = _decode_key_counts(256), _decode_key_counts(16384)
+    assert short == long
+    assert max(long) == 1 and sum(long) == 40 // 16  # one key per completed chunk
