@@ -312,3 +312,23 @@ def test_unknown_load_errors_fail_the_steps_loads():
     probe.fail["get_block_ids_with_load_errors"] = 1
     assert guard.get_block_ids_with_load_errors() == set()
     assert guard.load_errors_unknown and guard.loads_failed
+
+
+def test_a_repair_that_raises_is_retried_in_order_before_the_next_report():
+    """plan_failed / forget_requests raising used to leave what the plan held (CPU slots)
+    held for good; they are retried, in order, before the next report."""
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["plan_failed"] = 1
+    guard.update_connector_output(KVConnectorOutput(stores_failed=True), KVConnectorMetadata())
+    assert "plan_failed" in probe.hooks() and guard.errors == {"plan_failed": 1}
+    probe.calls.clear()
+    probe.fail["forget_requests"] = 1
+    probe.fail["request_finished"] = 1
+    guard.request_finished(request("b"), [1])
+    # The pending plan_failed ran first (now it succeeds); the forget raised and waits.
+    assert probe.hooks() == ["request_finished", "plan_failed", "forget_requests"]
+    assert guard.errors == {"plan_failed": 1, "request_finished": 1, "forget_requests": 1}
+    probe.calls.clear()
+    guard.update_connector_output(KVConnectorOutput())
+    assert probe.hooks() == ["forget_requests", "update_connector_output"]
