@@ -9,7 +9,7 @@ import pytest
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
 from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
-from kvconnector_core.connector.metadata import KVConnectorOutput
+from kvconnector_core.connector.metadata import KVConnectorOutput, KVConnectorTransferResults
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvconnector_core.request import Request
 from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -332,3 +332,22 @@ def test_a_repair_that_raises_is_retried_in_order_before_the_next_report():
     probe.calls.clear()
     guard.update_connector_output(KVConnectorOutput())
     assert probe.hooks() == ["forget_requests", "update_connector_output"]
+
+
+def test_finished_ids_a_raising_get_transfer_results_missed_are_passed_again():
+    """Regression (sweep, memory connector: a delayed free was never reported, deadlock)."""
+    seen: list[set[str]] = []
+    probe = Probe(KVConnectorRole.WORKER)
+
+    def results(finished_req_ids):
+        seen.append(set(finished_req_ids))
+        probe._rec("get_transfer_results")
+        return KVConnectorTransferResults()
+
+    probe.get_transfer_results = results  # type: ignore[method-assign]
+    guard = GuardedWorker(probe)
+    probe.fail["get_transfer_results"] = 1
+    guard.get_transfer_results({"a"})
+    guard.get_transfer_results({"b"})
+    guard.get_transfer_results(set())
+    assert seen == [{"a"}, {"a", "b"}, set()]
