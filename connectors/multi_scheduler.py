@@ -175,6 +175,9 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                 stores_failed=i in worker_meta.stores_failed,
             )
             guard.update_connector_output(own, self._last_plans[i])
+        for req_id in connector_output.finished_sending:
+            # A delayed free re-sent by plan_failed but reported meanwhile: nothing to send.
+            self._step_delayed.pop(req_id, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay the free if any child asks; merge the children's params (earlier child wins a key)."""

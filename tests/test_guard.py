@@ -9,7 +9,7 @@ import pytest
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
 from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
-from kvconnector_core.connector.metadata import KVConnectorOutput
+from kvconnector_core.connector.metadata import KVConnectorOutput, KVConnectorTransferResults
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvconnector_core.request import Request
 from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -312,3 +312,42 @@ def test_unknown_load_errors_fail_the_steps_loads():
     probe.fail["get_block_ids_with_load_errors"] = 1
     assert guard.get_block_ids_with_load_errors() == set()
     assert guard.load_errors_unknown and guard.loads_failed
+
+
+def test_a_repair_that_raises_is_retried_in_order_before_the_next_report():
+    """plan_failed / forget_requests raising used to leave what the plan held (CPU slots)
+    held for good; they are retried, in order, before the next report."""
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["plan_failed"] = 1
+    guard.update_connector_output(KVConnectorOutput(stores_failed=True), KVConnectorMetadata())
+    assert "plan_failed" in probe.hooks() and guard.errors == {"plan_failed": 1}
+    probe.calls.clear()
+    probe.fail["forget_requests"] = 1
+    probe.fail["request_finished"] = 1
+    guard.request_finished(request("b"), [1])
+    # The pending plan_failed ran first (now it succeeds); the forget raised and waits.
+    assert probe.hooks() == ["request_finished", "plan_failed", "forget_requests"]
+    assert guard.errors == {"plan_failed": 1, "request_finished": 1, "forget_requests": 1}
+    probe.calls.clear()
+    guard.update_connector_output(KVConnectorOutput())
+    assert probe.hooks() == ["forget_requests", "update_connector_output"]
+
+
+def test_finished_ids_a_raising_get_transfer_results_missed_are_passed_again():
+    """Regression (sweep, memory connector: a delayed free was never reported, deadlock)."""
+    seen: list[set[str]] = []
+    probe = Probe(KVConnectorRole.WORKER)
+
+    def results(finished_req_ids):
+        seen.append(set(finished_req_ids))
+        probe._rec("get_transfer_results")
+        return KVConnectorTransferResults()
+
+    probe.get_transfer_results = results  # type: ignore[method-assign]
+    guard = GuardedWorker(probe)
+    probe.fail["get_transfer_results"] = 1
+    guard.get_transfer_results({"a"})
+    guard.get_transfer_results({"b"})
+    guard.get_transfer_results(set())
+    assert seen == [{"a"}, {"a", "b"}, set()]

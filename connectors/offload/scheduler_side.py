@@ -417,6 +417,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             state = self._reqs.get(rid)
             if state is not None and state.finished and not state.store_jobs:
                 del self._reqs[rid]
+        if connector_output.finished_sending and self._delayed_free:
+            # A delayed free re-sent by plan_failed but reported meanwhile: nothing to send.
+            self._delayed_free = [r for r in self._delayed_free if r not in connector_output.finished_sending]
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -58,6 +58,8 @@ class GuardedWorker(GuardBase):
         self.load_errors_unknown = False
         """``get_block_ids_with_load_errors`` raised this step: which loads failed is unknown."""
         self._has_plan = False
+        # finished_req_ids a raising get_transfer_results did not take: passed again.
+        self._unseen_finished: set[str] = set()
 
     @property
     def has_sync_kv_loads(self) -> bool:
@@ -127,10 +129,13 @@ class GuardedWorker(GuardBase):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished and failed transfers; empty on a raise (a connector keeps what it did
-        not return and reports it next step)."""
-        results, _ = self._contained("get_transfer_results", _NEXT_STEP,
-                                     lambda: self.connector.get_transfer_results(finished_req_ids),
-                                     KVConnectorTransferResults())
+        not return and reports it next step; the guard passes the step's
+        ``finished_req_ids`` again next time, so no delayed free is lost)."""
+        finished = self._unseen_finished | finished_req_ids
+        results, ok = self._contained("get_transfer_results", _NEXT_STEP,
+                                      lambda: self.connector.get_transfer_results(finished),
+                                      KVConnectorTransferResults())
+        self._unseen_finished = set() if ok else finished
         return KVConnectorTransferResults(
             finished_sending=set(results.finished_sending),
             finished_recving=set(results.finished_recving),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -80,6 +80,7 @@ class GuardedScheduler(GuardBase):
         self.detached: set[str] = set()
         """Requests the connector is no longer shown (see the module docstring)."""
         self._undelivered: list[KVConnectorOutput] = []
+        self._repairs: list[tuple[str, Callable[[], None]]] = []
         self._resync_events = False
 
     @property
@@ -92,8 +93,19 @@ class GuardedScheduler(GuardBase):
         ids = set(request_ids) - self.detached
         if ids:
             self.detached |= ids
-            self._contained("forget_requests", "the requests stay detached",
-                            lambda: self.connector.forget_requests(ids), None)
+            self._repairs.append(("forget_requests", lambda: self.connector.forget_requests(ids)))
+            self._run_repairs()
+
+    def _run_repairs(self) -> None:
+        """Run the pending repair calls (``forget_requests``, ``plan_failed``) in order; one
+        that raises is retried, with the ones after it, at the next call (before the next
+        report), so what a failed plan or a forgotten request holds is released at last."""
+        while self._repairs:
+            hook, call = self._repairs[0]
+            _, ok = self._contained(hook, "retried next step", call, None)
+            if not ok:
+                return
+            self._repairs.pop(0)
 
     # ------------------------------------------------------------------ hooks
 
@@ -188,10 +200,11 @@ class GuardedScheduler(GuardBase):
             total_num_scheduled_tokens=sum(num_scheduled.values()))
 
     def plan_failed(self, plan: KVConnectorMetadata, *, loads_failed: bool, stores_failed: bool) -> None:
-        """Tell the connector the worker could not carry out part of ``plan``."""
-        self._contained("plan_failed", "what the plan held may stay held",
-                        lambda: self.connector.plan_failed(plan, loads_failed=loads_failed,
-                                                           stores_failed=stores_failed), None)
+        """Tell the connector the worker could not carry out part of ``plan`` (retried
+        until it succeeds, see :meth:`_run_repairs`)."""
+        self._repairs.append(("plan_failed", lambda: self.connector.plan_failed(
+            plan, loads_failed=loads_failed, stores_failed=stores_failed)))
+        self._run_repairs()
 
     def update_connector_output(self, connector_output: KVConnectorOutput,
                                 plan: KVConnectorMetadata | None = None) -> None:
@@ -206,6 +219,8 @@ class GuardedScheduler(GuardBase):
         if plan is not None and (connector_output.loads_failed or connector_output.stores_failed):
             self.plan_failed(plan, loads_failed=connector_output.loads_failed,
                              stores_failed=connector_output.stores_failed)
+        else:
+            self._run_repairs()
         self._undelivered.append(connector_output)
         while self._undelivered:
             report = self._undelivered[0]
