@@ -32,6 +32,8 @@ def baselines():
 KNOWN_DAMAGE: dict[tuple[str, str], str] = {
     ("cpu_offload", "raise_10pct"): "seed 1: the CPU replica is short for some steps after take_events "
                                     "raised (not analysed yet)",
+    ("memory", "raise_10pct"): "seed 0: the in-memory test connector keeps request state ('r5', 'r8', "
+                               "'r9' in InMemoryConnector._reqs) when its own hooks raise (not analysed yet)",
 }
 
 
