@@ -7,8 +7,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
+import _vllm033_events
 import msgspec
 import pytest
 
@@ -25,56 +25,9 @@ from kvconnector_core.kv_events import BlockRemoved, BlockStored, KVEventBatch  
 ANY_PORT = EventPublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
 
 
-# vLLM 0.33's event structs (vllm/distributed/kv_events.py), written out here so that the
-# test decodes our bytes the way a vLLM consumer would, independent of our own structs.
-# (Module level on purpose: test_kv_events.vllm_033_batch_type() defines them inside a
-# function, where msgspec resolves the string annotation of ``events`` to the module's
-# imported kvconnector classes, so its decoder yields ours, not the replica.)
-class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class VBlockStored(VKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VKVEventBatch(VEventBatch):
-    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
-
-
-VLLM_DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
+# vLLM 0.33's event structs, replicated independently of ours (see _vllm033_events), so the
+# test decodes our bytes the way a vLLM consumer would.
+VLLM_DECODER = msgspec.msgpack.Decoder(_vllm033_events.KVEventBatch)
 
 
 def _batch(k: int) -> KVEventBatch:
@@ -142,7 +95,7 @@ def test_subscriber_in_another_process_replays_the_gap_and_decodes_as_vllm():
     for line in lines:
         decoded = VLLM_DECODER.decode(bytes.fromhex(line["payload"]))
         stored, removed = decoded.events
-        assert isinstance(stored, VBlockStored) and isinstance(removed, VBlockRemoved)
+        assert isinstance(stored, _vllm033_events.BlockStored) and isinstance(removed, _vllm033_events.BlockRemoved)
         assert stored.block_hashes == [1000 + line["seq"]]
         assert (stored.medium, stored.block_size, stored.group_idx) == ("DISK", 4, 0)
         assert removed.block_hashes == [2000 + line["seq"]] and removed.medium == "CPU"
