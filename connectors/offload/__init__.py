@@ -11,8 +11,9 @@ Names are imported lazily so that ``import connectors.offload`` stays cheap.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvconnector_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from connectors.offload.connector import OffloadingConnector, OffloadWorkerMetadata
@@ -53,13 +54,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
-    return getattr(import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from kvconnector_core._lazy import lazy_exports
+
 if TYPE_CHECKING:
     from connectors.tiers._base import SecondaryTier, TierEvent, TierKey, TierLoad
     from connectors.tiers.disk import DiskTier, DiskTierConfig
@@ -55,13 +57,4 @@ def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryT
     return cls(spec, enable_events=enable_events)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
-    return getattr(import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
