@@ -160,7 +160,9 @@ def test_engine_publishes_every_step_with_events():
             deadline = time.monotonic() + 30
             while pub.sent == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            engine.add_request(prompt, 2)  # one more batch: the live one that reveals the gap
+            # One more batch, live, that reveals the gap: a new prompt, so that it surely has
+            # events (the same prompt again may hit the prefix cache and publish nothing).
+            engine.add_request(list(range(100, 139)), 2)
             while engine.has_unfinished_requests():
                 engine.step()
             received = []
