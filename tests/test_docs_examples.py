@@ -236,3 +236,17 @@ def test_signature_blocks_match_the_base_class(block: str):
     assert lines
     for line in lines:
         assert line == _signature(line.split("(")[0]), line
+
+
+def test_readme_lists_every_doc_page_and_both_examples():
+    """The README links every page in docs/ and both example packages, and its quick start
+    stays the two commands `make run` and `make test`."""
+    root = DOC.parent.parent
+    readme = (root / "README.md").read_text()
+    for page in sorted((root / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in readme, page.name
+    for example in sorted(p.name for p in (root / "examples").iterdir() if (p / "pyproject.toml").exists()):
+        assert f"`examples/{example}/`" in readme, example
+    quick = readme.split("## Quick start")[1].split("```bash\n")[1].split("```")[0]
+    assert [line.split("#")[0].strip() for line in quick.splitlines() if not line.startswith(" ")] == [
+        "make run", "make test"]
