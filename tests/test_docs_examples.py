@@ -139,7 +139,7 @@ def test_kit_block_defines_contract_and_data_checks_for_both_examples():
 def test_kit_block(package, cls: str, method: str):
     """The guide's own kit block, run: contract and data check of both example connectors."""
     namespace: dict[str, object] = {}
-    exec(compile(BLOCKS["kit"], f"{DOC}:kit", "exec"), namespace)  # noqa: S102 - the doc's code
+    exec(compile(BLOCKS["kit"], f"{DOC}:kit", "exec", dont_inherit=True), namespace)  # noqa: S102 - the doc's code
     getattr(namespace[cls](), method)()
 
 
@@ -175,7 +175,7 @@ def test_data_check_catches_loading_whole_blocks_of_the_claim_only(package):
 def test_settings_block(package):
     """The settings example converts, and typos and bad values are errors naming the key."""
     namespace: dict[str, object] = {}
-    exec(compile(BLOCKS["settings"], f"{DOC}:settings", "exec"), namespace)  # noqa: S102
+    exec(compile(BLOCKS["settings"], f"{DOC}:settings", "exec", dont_inherit=True), namespace)  # noqa: S102
     cls = namespace["TierConnector"]
     from kvconnector_core.testing import make_kv_cache_config
 
