@@ -9,7 +9,9 @@ clock and thermal drift hit both sides alike. Reported per (layout, method):
 
 * ``compute GPU ms``: CUDA events around the compute kernels (does DMA or a copy kernel
   slow the kernels themselves?);
-* ``step wall ms`` and its slowdown against the baseline measured in the same loop;
+* ``step wall ms`` and its slowdown against the baseline measured in the same loop: the
+  median over pairs of neighbouring steps (which side runs first alternates), with the
+  quartiles of those pairs as the spread;
 * ``store / load issue ms``: caller's host time to submit each job (the engine pays it
   before the forward), and the host time the issue thread spent on a job, if one is used.
 
@@ -113,8 +115,13 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
             base_s, xfer_s = [], []
             for i in range(args.warmup + args.steps):
-                base = _step(compute, timer, device, None)
-                xfer = _step(compute, timer, device, submit)
+                # Swap which side goes first every step: neither always follows the other.
+                if i % 2:
+                    xfer = _step(compute, timer, device, submit)
+                    base = _step(compute, timer, device, None)
+                else:
+                    base = _step(compute, timer, device, None)
+                    xfer = _step(compute, timer, device, submit)
                 mover.wait()  # already done: the step synchronised the whole device
                 finished += mover.get_finished()
                 if i >= args.warmup:
@@ -126,11 +133,17 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
             ok = (len(finished) == 2 * (args.warmup + args.steps)
                   and all(r.success for r in finished)
                   and all(r.num_bytes == B * mover.layout.block_bytes for r in finished))
+            # Slowdown per pair of neighbouring steps, then its median and quartiles: drift
+            # over the run (clocks, host noise) cancels within a pair.
+            pairs = sorted(x[1] / b[1] for b, x in zip(base_s, xfer_s, strict=True))
             row = {
                 "layout": layout + (" [2D]" if mover._plan.pitch is not None else ""),
                 "method": label, "blocks_each_way": B,
                 "base_gpu_ms": g0, "gpu_ms": g1, "gpu_slowdown_pct": (g1 / g0 - 1) * 100,
-                "base_wall_ms": w0, "wall_ms": w1, "wall_slowdown_pct": (w1 / w0 - 1) * 100,
+                "base_wall_ms": w0, "wall_ms": w1,
+                "wall_slowdown_pct": (med(pairs) - 1) * 100,
+                "wall_slowdown_p25_pct": (pairs[len(pairs) // 4] - 1) * 100,
+                "wall_slowdown_p75_pct": (pairs[(3 * len(pairs)) // 4] - 1) * 100,
                 "store_issue_ms": med(s[2] for s in xfer_s),
                 "load_issue_ms": med(s[3] for s in xfer_s), "ok": ok,
                 "issue_thread_ms_per_job": med(r.issue_seconds or 0.0 for r in finished) * 1e3,
@@ -148,13 +161,14 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 def _table(rows: list[dict]) -> str:
     lines = ["| layout | method | blocks each way | compute GPU ms (base) | compute GPU ms | "
-             "step wall ms (base) | step wall ms | step slowdown | store issue ms | "
+             "step wall ms (base) | step wall ms | step slowdown [p25, p75] | store issue ms | "
              "load issue ms | issue-thread ms per job | ok |", "|" + "---|" * 12]
     for r in rows:
         lines.append(
             f"| {r['layout']} | {r['method']} | {r['blocks_each_way']} | {r['base_gpu_ms']:.2f} | "
             f"{r['gpu_ms']:.2f} ({r['gpu_slowdown_pct']:+.1f}%) | {r['base_wall_ms']:.2f} | "
-            f"{r['wall_ms']:.2f} | {r['wall_slowdown_pct']:+.1f}% | {r['store_issue_ms']:.3f} | "
+            f"{r['wall_ms']:.2f} | {r['wall_slowdown_pct']:+.1f}% [{r['wall_slowdown_p25_pct']:+.1f}, "
+            f"{r['wall_slowdown_p75_pct']:+.1f}] | {r['store_issue_ms']:.3f} | "
             f"{r['load_issue_ms']:.3f} | {r['issue_thread_ms_per_job']:.3f} | "
             f"{'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
@@ -170,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--matmul-pairs", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--methods", nargs="+",
                    default=["auto", "pitched", "batched", "gather", "coalesced",

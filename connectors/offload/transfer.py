@@ -69,7 +69,7 @@ import torch
 from connectors.offload import _cudart
 from connectors.offload._copy_plan import CopyPlan, run_starts
 from connectors.offload._issuer import IssueThread
-from connectors.offload._staged import staged_copy
+from connectors.offload._staged import GatherPlan, plan_gather, staged_copy
 from connectors.offload._layout import (
     BlockLayout,
     build_block_layout,
@@ -90,6 +90,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 _SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
+_DMA_LANES = 4  # streams per direction that a batched job is split over
 
 
 # ---------------------------------------------------------------------------- id helpers
@@ -249,12 +250,16 @@ class KVBlockMover:
             self.cpu_planes = tuple(planes)
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._kernel_streams: dict[bool, torch.cuda.Stream] = {}
+        self._lanes: dict[bool, list[torch.cuda.Stream]] = {True: [], False: []}
         if self.is_cuda:
             self._streams = {True: torch.cuda.Stream(self.device),
                              False: torch.cuda.Stream(self.device)}
             # Gather / scatter kernels of the staged method, beside each direction's DMAs.
             self._kernel_streams = {True: torch.cuda.Stream(self.device),
                                     False: torch.cuda.Stream(self.device)}
+            # Extra streams a batched job is split over, beside the direction's own.
+            self._lanes = {d: [torch.cuda.Stream(self.device) for _ in range(_DMA_LANES - 1)]
+                           for d in (True, False)}
         self._jobs: list[_Job] = []
         # Issue DMA copies through the CUDA runtime directly (None: when available).
         use_runtime = self.is_cuda and raw_memcpy is not False
@@ -268,12 +273,18 @@ class KVBlockMover:
         # Addresses and strides of every plane on both sides, computed once here so that
         # a job only adds block offsets (see _copy_plan).
         self._plan = CopyPlan(self.layout.planes, self.cpu_planes)
-        self._memcpy_2d = None
-        if use_runtime and self._plan.pitch is not None:
+        self._memcpy_2d = None  # set where the pitched method applies
+        self._stage_2d = _cudart.memcpy_2d_async() if use_runtime else None
+        limit = 0
+        if use_runtime:
             limit = _cudart.max_pitch(self.device.index if self.device.index is not None
                                       else torch.cuda.current_device())
-            if max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
-                self._memcpy_2d = _cudart.memcpy_2d_async()
+            if self._plan.pitch is not None and max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
+                self._memcpy_2d = self._stage_2d
+        # Staged copies (method gather): prepared here, used on CUDA only.
+        self._gather_plan: GatherPlan | None = (
+            plan_gather(self.layout.planes, self.cpu_planes, limit if self._stage_2d else 0)
+            if self.is_cuda else None)
         self._block_bytes = self.layout.block_bytes
         self._issuer: IssueThread | None = None
         if issue_thread or (self.is_cuda and issue_thread is None):
@@ -376,11 +387,12 @@ class KVBlockMover:
         method = self.method
         if method == "auto" and self._small_rows(g, c):
             method = "gather"
-        if method == "gather":
+        if method == "gather" and self._gather_plan is not None:
             cpu_runs = list(zip(*(t.tolist() for t in run_starts(torch.arange(len(c)), c)),
                                 strict=True))
-            staged_copy(job.is_store, self.layout.planes, self.cpu_planes, g, cpu_runs, stream,
-                        self._kernel_streams[job.is_store], self._memcpy, job.keep_alive)
+            staged_copy(self._gather_plan, job.is_store, g, cpu_runs, stream,
+                        self._kernel_streams[job.is_store], self._memcpy,
+                        self._stage_2d if self._memcpy is not None else None, job.keep_alive)
         elif self._memcpy_2d is not None and method in ("auto", "pitched"):
             self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
         elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
@@ -419,12 +431,30 @@ class KVBlockMover:
         # the per-layer layout cost one call's host time, and the copy engines see the
         # whole batch at once instead of a trickle of single copies.
         dsts, srcs, sizes = self._plan.descriptors(g, c, is_store)
-        rc = batch_memcpy(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(),
-                                stream.cuda_stream)
-        if rc != 0:
-            _cudart.clear_error()
-            msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {dsts.numel()} copies"
-            raise RuntimeError(msg)
+        # Split over the direction's DMA lanes (H100, 256 scattered 2 MiB blocks: 0.989x of
+        # the contiguous copy on one stream, 0.995x on four). Every lane starts where the
+        # job's stream stands now, and the job's stream waits for every lane at the end.
+        lanes = [stream, *self._lanes[is_store]] if dsts.numel() >= 2 * _DMA_LANES else [stream]
+        start = None
+        if len(lanes) > 1:
+            start = torch.cuda.Event()
+            start.record(stream)
+        per = -(-dsts.numel() // len(lanes))
+        for i, lane in enumerate(lanes):
+            if lane is not stream:
+                lane.wait_event(start)
+            part = slice(i * per, (i + 1) * per)
+            count = dsts[part].numel()
+            rc = batch_memcpy(dsts[part].data_ptr(), srcs[part].data_ptr(), sizes[part].data_ptr(),
+                              count, lane.cuda_stream)
+            if rc != 0:
+                _cudart.clear_error()
+                msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {count} copies"
+                raise RuntimeError(msg)
+        for lane in lanes[1:]:
+            done = torch.cuda.Event()
+            done.record(lane)
+            stream.wait_event(done)
 
     def _copy(self, job: _Job, is_store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
         runs = coalesce_runs(gpu_ids, cpu_ids)
