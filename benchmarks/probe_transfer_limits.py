@@ -451,5 +451,63 @@ def interference() -> list[dict]:
     return out
 
 
+def mover_breakdown() -> int:
+    """Where the mover loses against the bare mechanisms: variants of its internals, and a profile."""
+    import cProfile
+    import dataclasses
+    import pstats
+    cl_caches = {f"l{i}": cl_base.view(NB, L, ROW)[:, i] for i in range(L)}
+    pl_caches = {f"l{i}": pl[i] for i in range(L)}
+    jobs = iter(range(1 << 30))
+    rows = []
+
+    def bw(name: str, mover: KVBlockMover) -> None:
+        for d in ("store", "load"):
+            fn = ((lambda: (mover.submit_store(next(jobs), S_G, S_C), mover.wait(), mover.get_finished()))
+                  if d == "store" else
+                  (lambda: (mover.submit_load(next(jobs), L_C, L_G), mover.wait(), mover.get_finished())))
+            r = paired(fn, contig(d), NBYTES)
+            r.update(name=name, dir=d)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+
+    for thread in (False, True):
+        m = KVBlockMover(cl_caches, num_cpu_blocks=2 * N, issue_thread=thread)
+        bw(f"CL mover auto, issue thread {thread}", m)
+        m.shutdown()
+    for thread in (False, True):
+        m = KVBlockMover(pl_caches, num_cpu_blocks=2 * N, issue_thread=thread)
+        plan = m._gather_plan
+        print(json.dumps({"span": plan.source is not None, "cpu_pitch": plan.cpu_pitch, "word": str(plan.word)}))
+        bw(f"PL mover gather span+2D, issue thread {thread}", m)
+        m._gather_plan = dataclasses.replace(plan, cpu_pitch=None)
+        bw(f"PL mover gather span+1D, issue thread {thread}", m)
+        m._gather_plan = dataclasses.replace(plan, cpu_pitch=None, source=None)
+        bw(f"PL mover gather per-plane+1D, issue thread {thread}", m)
+        m._gather_plan = plan
+        m.shutdown()
+    for name, caches in (("CL", cl_caches), ("PL", pl_caches)):
+        m = KVBlockMover(caches, num_cpu_blocks=2 * N, issue_thread=False)
+        for _ in range(3):
+            m.submit_store(next(jobs), S_G, S_C)
+            m.wait()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            m.submit_store(next(jobs), S_G, S_C)
+            m.wait()
+        prof.disable()
+        m.get_finished()
+        print(f"--- profile: {name} mover auto, 20 inline store jobs of {N} blocks")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        m.shutdown()
+    print("| candidate | direction | GB/s | contiguous GB/s | x contig (median) | p25-p75 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['dir']} | {r['GBs']:.1f} | {r['contig_GBs']:.1f} | {r['x']:.3f} | "
+              f"{r['x_p25']:.3f}-{r['x_p75']:.3f} |")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(mover_breakdown() if "--mover" in sys.argv else main())
