@@ -156,7 +156,9 @@ def test_batched_job_split_over_lanes_is_byte_exact() -> None:
     if not mover.batched_available:
         pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
     original = base.clone()
-    src = [11, 0, 9, 2, 7, 4, 5, 1, 3]  # 9 copies: more than two per lane
+    # 9 copies on 4 lanes: parts of 3, 3 and 3, and no empty fourth part (regression: an
+    # empty batch call failed the job with "invalid argument")
+    src = [11, 0, 9, 2, 7, 4, 5, 1, 3]
     mover.submit_store(1, src, [9, 7, 5, 3, 1, 0, 2, 4, 6])
     mover.wait()
     base.fill_(-7.0)

@@ -440,6 +440,7 @@ class KVBlockMover:
             start = torch.cuda.Event()
             start.record(stream)
         per = -(-dsts.numel() // len(lanes))
+        lanes = lanes[:-(-dsts.numel() // per)]  # no empty part (9 copies on 4 lanes: 3+3+3)
         for i, lane in enumerate(lanes):
             if lane is not stream:
                 lane.wait_event(start)
