@@ -536,7 +536,9 @@ def bisect() -> int:
 
     def b3() -> None:
         stream.wait_stream(torch.cuda.current_stream())
-        m._copy_batched(batch, True, g_t, c_t, stream)
+        begin = torch.cuda.Event()
+        begin.record(stream)
+        m._copy_batched(batch, True, g_t, c_t, stream, begin)
     bw("B3 mover _copy_batched (descriptors + lanes)", b3)
 
     def b4() -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from connectors.offload._copy_plan import run_starts, scan_runs
 from connectors.offload._staged import GatherPlan, group_planes, plan_gather, span_layout, staging_copies
 from connectors.offload.transfer import KVBlockMover
 from test_offload_transfer import CUDA_ONLY, NUM_BLOCKS, cross_layer_cache, run_2d_copies
@@ -170,3 +171,17 @@ def test_batched_job_split_over_lanes_is_byte_exact() -> None:
         assert torch.equal(base[d].view(torch.int16), original[s].view(torch.int16))
     assert bool((base[[7, 9, 11]] == -7.0).all())
     mover.shutdown()
+
+
+@pytest.mark.parametrize(("gpu", "cpu"), [
+    ([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 8]),  # joint runs 3-5, 9-10; CPU runs 0-4, 8
+    ([7, 2, 9, 4], [0, 1, 2, 3]),  # scattered device ids into one CPU run
+    ([5], [9]),
+    ([1, 2, 3], [4, 6, 7]),  # consecutive device ids, broken CPU run
+], ids=["mixed", "scattered", "single", "cpu-break"])
+def test_scan_runs_matches_run_starts(gpu: list[int], cpu: list[int]) -> None:
+    """The issue path's one-pass scan agrees with the tensor version it replaced."""
+    joint, runs = scan_runs(gpu, cpu)
+    assert joint == run_starts(torch.tensor(gpu), torch.tensor(cpu))[2].numel()
+    starts = run_starts(torch.arange(len(cpu)), torch.tensor(cpu))
+    assert runs == list(zip(*(t.tolist() for t in starts), strict=True))

@@ -194,24 +194,28 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
     """
     n, device = gpu_ids.numel(), plan.planes[0].device
     groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes))
-    kernel_stream.wait_stream(dma_stream)
-    with torch.cuda.stream(kernel_stream):
+    kernel_stream.wait_event(_record(dma_stream))
+    # The kernel stream is this thread's current stream for the whole job: switching it per
+    # group with ``torch.cuda.stream(...)`` cost more host time than the kernels' launches.
+    previous = torch.cuda.current_stream(device.index)
+    torch.cuda.set_stream(kernel_stream)
+    try:
         # Allocated on the kernel stream, released only after the job completes.
         idx = plan.gather_index(gpu_ids).pin_memory().to(device, non_blocking=True)
         staging = torch.empty((len(plan.planes) * n, plan.planes[0].shape[1]), dtype=plan.word,
                               device=device)
-    keep_alive += [idx, staging]
-    for group in groups:
-        if is_store:
-            with torch.cuda.stream(kernel_stream):
+        keep_alive += [idx, staging]
+        for group in groups:
+            if is_store:
                 _move(plan, group, n, idx, staging, gather=True)
-            dma_stream.wait_event(_record(kernel_stream))
-            _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
-        else:
-            _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
-            kernel_stream.wait_event(_record(dma_stream))
-            with torch.cuda.stream(kernel_stream):
+                dma_stream.wait_event(_record(kernel_stream))
+                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+            else:
+                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
+                kernel_stream.wait_event(_record(dma_stream))
                 _move(plan, group, n, idx, staging, gather=False)
+    finally:
+        torch.cuda.set_stream(previous)
     dma_stream.wait_event(_record(kernel_stream))  # the job ends after its last kernel
 
 

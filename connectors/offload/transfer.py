@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connectors.offload import _cudart
-from connectors.offload._copy_plan import CopyPlan, run_starts
+from connectors.offload._copy_plan import CopyPlan, scan_runs
 from connectors.offload._issuer import IssueThread
 from connectors.offload._staged import GatherPlan, plan_gather, staged_copy
 from connectors.offload._layout import (
@@ -230,6 +230,10 @@ class KVBlockMover:
         self.layout = build_block_layout(kv_caches)
         self.device = self.layout.device
         self.is_cuda = self.device.type == "cuda"
+        # An int: torch.cuda.current_stream(int) skips the device parsing that a
+        # torch.device costs on every call (tens of microseconds on the issue path).
+        self._device_index = (self.device.index if self.device.index is not None
+                              else torch.cuda.current_device()) if self.is_cuda else -1
         self.method = method
         self.num_cpu_blocks = num_cpu_blocks
         pin = self.is_cuda if pin_memory is None else pin_memory
@@ -277,8 +281,7 @@ class KVBlockMover:
         self._stage_2d = _cudart.memcpy_2d_async() if use_runtime else None
         limit = 0
         if use_runtime:
-            limit = _cudart.max_pitch(self.device.index if self.device.index is not None
-                                      else torch.cuda.current_device())
+            limit = _cudart.max_pitch(self._device_index)
             if self._plan.pitch is not None and max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
                 self._memcpy_2d = self._stage_2d
         # Staged copies (method gather): prepared here, used on CUDA only.
@@ -322,7 +325,7 @@ class KVBlockMover:
                 # them: a store reads what the model queued so far; a load overwrites
                 # blocks that earlier kernels may still read.
                 ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
+                ready.record(torch.cuda.current_stream(self._device_index))
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
             self._fail(job, exc)
             return
@@ -348,7 +351,7 @@ class KVBlockMover:
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             if g.numel():
-                self._copy_cuda(job, g, c, stream)
+                self._copy_cuda(job, g_ids, c_ids, stream, start)
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
             job.start_event, job.end_event = start, end
@@ -380,38 +383,40 @@ class KVBlockMover:
                 raise IndexError(msg)
         return g, c
 
-    def _copy_cuda(self, job: _Job, g: torch.Tensor, c: torch.Tensor,
-                   stream: torch.cuda.Stream) -> None:
+    def _copy_cuda(self, job: _Job, g_ids: array.array, c_ids: array.array,
+                   stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
         # Preference: one 2D copy per run (equally spaced planes), else one batch call for
         # the job, else the per-copy methods. A method names the most it may use.
+        # ``start`` marks where the job begins on ``stream`` (extra streams wait for it).
         method = self.method
-        if method == "auto" and self._small_rows(g, c):
+        planes = self.layout.planes
+        scan = None
+        if method == "gather" or (method == "auto" and (
+                len(planes) > 1 or planes[0].shape[1] < _SMALL_ROW_BYTES)):
+            scan = scan_runs(g_ids, c_ids)
+        if method == "auto" and scan is not None and self._small_rows(len(g_ids), scan[0]):
             method = "gather"
-        if method == "gather" and self._gather_plan is not None:
-            cpu_runs = list(zip(*(t.tolist() for t in run_starts(torch.arange(len(c)), c)),
-                                strict=True))
-            staged_copy(self._gather_plan, job.is_store, g, cpu_runs, stream,
+        g, c = _as_tensor(g_ids), _as_tensor(c_ids)
+        if method == "gather" and self._gather_plan is not None and scan is not None:
+            staged_copy(self._gather_plan, job.is_store, g, scan[1], stream,
                         self._kernel_streams[job.is_store], self._memcpy,
                         self._stage_2d if self._memcpy is not None else None, job.keep_alive)
         elif self._memcpy_2d is not None and method in ("auto", "pitched"):
             self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
         elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
-            self._copy_batched(self._batch_memcpy, job.is_store, g, c, stream)
+            self._copy_batched(self._batch_memcpy, job.is_store, g, c, stream, start)
         else:
             with torch.cuda.stream(stream):
                 self._copy(job, job.is_store, g.tolist(), c.tolist())
 
-    def _small_rows(self, g: torch.Tensor, c: torch.Tensor) -> bool:
+    def _small_rows(self, num_blocks: int, joint_runs: int) -> bool:
         """True when the job's DMAs would average under 256 KiB (scattered per-layer rows).
 
         Measured on an H100: the copy engines lose a fixed cost per row, so such jobs
         are gathered on the device first (see _staged).
         """
         planes = self.layout.planes
-        if len(planes) == 1 and planes[0].shape[1] >= _SMALL_ROW_BYTES:
-            return False  # cross-layer rows: never small, skip counting runs
-        num_runs = run_starts(g, c)[2].numel()
-        return g.numel() * self._block_bytes / (num_runs * len(planes)) < _SMALL_ROW_BYTES
+        return num_blocks * self._block_bytes / (joint_runs * len(planes)) < _SMALL_ROW_BYTES
 
     def _copy_pitched(self, memcpy_2d: _cudart.Memcpy2D, is_store: bool, g: torch.Tensor,
                       c: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -426,7 +431,7 @@ class KVBlockMover:
                 raise RuntimeError(msg)
 
     def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g: torch.Tensor,
-                      c: torch.Tensor, stream: torch.cuda.Stream) -> None:
+                      c: torch.Tensor, stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
         # Every plane and run of the job in one runtime call: thousands of DMA copies for
         # the per-layer layout cost one call's host time, and the copy engines see the
         # whole batch at once instead of a trickle of single copies.
@@ -435,10 +440,6 @@ class KVBlockMover:
         # the contiguous copy on one stream, 0.995x on four). Every lane starts where the
         # job's stream stands now, and the job's stream waits for every lane at the end.
         lanes = [stream, *self._lanes[is_store]] if dsts.numel() >= 2 * _DMA_LANES else [stream]
-        start = None
-        if len(lanes) > 1:
-            start = torch.cuda.Event()
-            start.record(stream)
         per = -(-dsts.numel() // len(lanes))
         lanes = lanes[:-(-dsts.numel() // per)]  # no empty part (9 copies on 4 lanes: 3+3+3)
         for i, lane in enumerate(lanes):
@@ -483,7 +484,7 @@ class KVBlockMover:
         row = gpu_plane.shape[1]
         g_base, g_stride = gpu_plane.data_ptr(), gpu_plane.stride(0)
         c_base, c_stride = cpu_plane.data_ptr(), cpu_plane.stride(0)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = torch.cuda.current_stream(self._device_index).cuda_stream
         for g, c, n in runs:
             g_ptr, c_ptr, nbytes = g_base + g * g_stride, c_base + c * c_stride, n * row
             rc = memcpy(c_ptr, g_ptr, nbytes, stream) if is_store else memcpy(g_ptr, c_ptr, nbytes, stream)
