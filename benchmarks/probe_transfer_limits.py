@@ -538,7 +538,7 @@ def bisect() -> int:
         stream.wait_stream(torch.cuda.current_stream())
         begin = torch.cuda.Event()
         begin.record(stream)
-        m._copy_batched(batch, True, g_t, c_t, stream, begin)
+        m._copy_batched(batch, True, array.array("q", S_G), array.array("q", S_C), stream, begin)
     bw("B3 mover _copy_batched (descriptors + lanes)", b3)
 
     def b4() -> None:

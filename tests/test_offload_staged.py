@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
 
 from connectors.offload._copy_plan import run_starts, scan_runs
 from connectors.offload._staged import GatherPlan, group_planes, plan_gather, span_layout, staging_copies
+from connectors.offload import transfer as tr
 from connectors.offload.transfer import KVBlockMover
 from test_offload_transfer import CUDA_ONLY, NUM_BLOCKS, cross_layer_cache, run_2d_copies
 
@@ -185,3 +187,46 @@ def test_scan_runs_matches_run_starts(gpu: list[int], cpu: list[int]) -> None:
     assert joint == run_starts(torch.tensor(gpu), torch.tensor(cpu))[2].numel()
     starts = run_starts(torch.arange(len(cpu)), torch.tensor(cpu))
     assert runs == list(zip(*(t.tolist() for t in starts), strict=True))
+
+
+def test_a_waiting_caller_issues_a_job_the_thread_has_not_begun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wait() issues a still-queued job itself instead of waiting for the issue thread."""
+    _, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=4, issue_thread=True)
+    release, entered = threading.Event(), threading.Event()
+    real_copy = mover._copy
+    issuers: list[tuple[int, str]] = []
+
+    def slow_copy(job: tr._Job, *args: object) -> None:
+        issuers.append((job.job_id, threading.current_thread().name))
+        if job.job_id == 1:
+            entered.set()
+            assert release.wait(10)
+        real_copy(job, *args)
+
+    monkeypatch.setattr(mover, "_copy", slow_copy)
+    mover.submit_store(1, [0], [0])
+    assert entered.wait(10)  # the thread is busy with job 1
+    mover.submit_store(2, [1], [1])
+    mover.wait([2])  # returns without job 1: this thread issued job 2
+    assert not release.is_set()
+    assert issuers[1] == (2, threading.current_thread().name)
+    release.set()
+    mover.wait()
+    assert sorted((r.job_id, r.success) for r in mover.get_finished()) == [(1, True), (2, True)]
+    assert [i for i, _ in issuers] == [1, 2]  # job 2 was not issued a second time
+    mover.shutdown()
+
+
+@pytest.mark.parametrize("is_store", [True, False], ids=["store", "load"])
+def test_single_plane_descriptors_match_the_tensor_version(is_store: bool) -> None:
+    """The Python-built descriptors of the one-plane layout are exactly the tensor ones."""
+    _, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=6)
+    g, c = [7, 8, 9, 2, 0, 1], [1, 2, 3, 0, 5, 4]  # a run of 3, then single copies
+    arrays = mover._plan.single_plane_descriptors(g, c, is_store)
+    tensors = mover._plan.descriptors(torch.tensor(g), torch.tensor(c), is_store)
+    assert [list(a) for a in arrays] == [t.tolist() for t in tensors]
+    assert len(arrays[0]) == 4
+    layers = {f"l{i}": torch.zeros(NUM_BLOCKS, 8) for i in range(2)}  # two planes: tensor path
+    assert KVBlockMover(layers, num_cpu_blocks=2)._plan.single_plane_descriptors([0], [0], True) is None
