@@ -538,13 +538,14 @@ class KVBlockMover:
         """
         done: list[TransferResult] = []
         pending: list[_Job] = []
+        # Every job issued before anything else (here, if the issue thread has not begun
+        # it). Without this, a caller polling in a tight loop starves the thread of the GIL
+        # and the copies are issued late or never (seen on an H100: an engine spun 10,000
+        # empty steps waiting for loads). The engine polls after its forward is launched,
+        # so issuing here overlaps device work.
         for job in self._jobs:
-            # Issued before anything else (here, if the issue thread has not begun it).
-            # Without this, a caller polling in a tight loop starves the thread of the GIL
-            # and the copies are issued late or never (seen on an H100: an engine spun
-            # 10,000 empty steps waiting for loads). The engine polls after its forward is
-            # launched, so issuing here overlaps device work.
             self._await_issued(job)
+        for job in self._jobs:
             finished = True
             if job.error is None and job.end_event is not None:
                 try:
@@ -562,10 +563,12 @@ class KVBlockMover:
     def wait(self, job_ids: Sequence[int] | None = None) -> None:
         """Block until the given jobs (all pending jobs by default) have completed."""
         wanted = None if job_ids is None else set(job_ids)
-        for job in self._jobs:
-            if wanted is not None and job.job_id not in wanted:
-                continue
+        jobs = [job for job in self._jobs if wanted is None or job.job_id in wanted]
+        # Issue first, then block: blocking on an earlier job releases the GIL, and the
+        # issue thread would then take a later job that this thread could issue at once.
+        for job in jobs:
             self._await_issued(job)
+        for job in jobs:
             if job.end_event is not None:
                 try:
                     job.end_event.synchronize()
