@@ -35,19 +35,22 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
         msg = (f"unknown transfer variant {label!r}; methods: {', '.join(METHODS)}; "
                f"options: {', '.join(o for o in OPTIONS if o)}")
         raise ValueError(msg)
+    # getattr: the same harness also drives older movers (main's, for a baseline in the
+    # same run), which lack the staged plan and the lanes; their options are then no-ops.
     saved = mover.__dict__.setdefault("_bench_saved", (
-        mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer, mover._gather_plan,
-        mover._lanes))
+        mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer,
+        getattr(mover, "_gather_plan", None), getattr(mover, "_lanes", None)))
     memcpy, batch, memcpy_2d, issuer, gather_plan, lanes = saved
     mover.method = method
     fallback = option == "Tensor.copy_"
     mover._memcpy, mover._batch_memcpy, mover._memcpy_2d = (
         (None, None, None) if fallback else (memcpy, batch, memcpy_2d))
     mover._issuer = None if option in ("inline issue", "Tensor.copy_") else issuer
-    mover._gather_plan = gather_plan
-    if option == "per-plane kernels" and gather_plan is not None:
-        mover._gather_plan = dataclasses.replace(gather_plan, source=None)
-    mover._lanes = {True: [], False: []} if option == "one lane" else lanes
+    if gather_plan is not None:
+        mover._gather_plan = (dataclasses.replace(gather_plan, source=None)
+                              if option == "per-plane kernels" else gather_plan)
+    if lanes is not None:
+        mover._lanes = {True: [], False: []} if option == "one lane" else lanes
 
 
 def restore(mover: KVBlockMover) -> None:

@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--matmul-pairs", type=int, default=8)
-    p.add_argument("--steps", type=int, default=60, help="timed pairs per row, over all trials")
-    p.add_argument("--trials", type=int, default=1,
+    p.add_argument("--steps", type=int, default=90, help="timed pairs per row, over all trials")
+    p.add_argument("--trials", type=int, default=3,
                    help="measure every method this many times in turn (round robin)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--methods", nargs="+",

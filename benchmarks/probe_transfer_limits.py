@@ -335,11 +335,11 @@ def main() -> int:
                          ("PL", {f"l{i}": pl[i] for i in range(L)})):
         mover = KVBlockMover(caches, num_cpu_blocks=2 * N)
         jobs = iter(range(1 << 30))
-        bw(f"{name} mover auto (main)", "store",
+        bw(f"{name} mover auto (this checkout)", "store",
            lambda m=mover: (m.submit_store(next(jobs), S_G, S_C), m.wait()))
-        bw(f"{name} mover auto (main)", "load",
+        bw(f"{name} mover auto (this checkout)", "load",
            lambda m=mover: (m.submit_load(next(jobs), L_C, L_G), m.wait()))
-        bw(f"{name} mover auto (main)", "both",
+        bw(f"{name} mover auto (this checkout)", "both",
            lambda m=mover: (m.submit_store(next(jobs), S_G, S_C), m.submit_load(next(jobs), L_C, L_G),
                             m.wait()))
         mover.shutdown()
