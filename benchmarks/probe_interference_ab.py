@@ -9,7 +9,9 @@ with the step alone), for the cross-layer and per-layer layouts:
 * ``no steal``: a waiting caller waits for the issue thread instead of issuing a job;
 * ``one lane``: batched jobs on one stream per direction;
 * ``tensor descriptors``: one-plane descriptors built with tensor operations;
-* ``all three off``.
+* ``all three off``;
+* ``baseline``: with ``--baseline-root``, the mover of another checkout (main), measured in
+  the same round robin.
 
     PYTHONPATH=. python3 benchmarks/probe_interference_ab.py      # CUDA only
 """
@@ -37,6 +39,29 @@ def _patch(mover: KVBlockMover, name: str) -> None:
         mover._plan.single_plane_descriptors = lambda *args: None
 
 
+def _baseline_mover_class(root: str) -> type:
+    """``KVBlockMover`` of another checkout (e.g. main), loaded beside this one's.
+
+    Its transfer module imports the shared helper modules from this checkout, except its
+    own ``_staged`` (the only one whose interface changed), which is loaded from ``root``.
+    """
+    import importlib.util
+    import pathlib
+
+    base = pathlib.Path(root) / "connectors" / "offload"
+    spec = importlib.util.spec_from_file_location("baseline_staged", base / "_staged.py")
+    staged = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_staged"] = staged
+    spec.loader.exec_module(staged)
+    source = (base / "transfer.py").read_text().replace(
+        "from connectors.offload._staged import", "from baseline_staged import")
+    module = type(sys)("baseline_transfer")
+    module.__file__ = str(base / "transfer.py")
+    sys.modules["baseline_transfer"] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - a local checkout
+    return module.KVBlockMover
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     add_kv_args(p)
@@ -49,6 +74,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=90)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--baseline-root", default=None,
+                   help="another checkout whose KVBlockMover runs as variant 'baseline'")
     args = p.parse_args(["--layouts", "cross-layer", "per-layer", *sys.argv[1:]])
     device = torch.device("cuda")
     compute, timer = _compute_fn(args, device), _Timer(device)
@@ -56,13 +83,19 @@ def main() -> int:
     perm = torch.randperm(args.num_gpu_blocks, generator=torch.Generator().manual_seed(2)).tolist()
     ids = (perm[:B], list(range(B)), list(range(B, 2 * B)), perm[B:2 * B])
     names = ["branch", "no steal", "one lane", "tensor descriptors", "all three off"]
+    baseline = _baseline_mover_class(args.baseline_root) if args.baseline_root else None
+    if baseline is not None:
+        names.insert(1, "baseline")
     rows = []
     for layout in args.layouts:
         caches = make_kv_caches(args, device, layout)
         movers = {}
         for name in names:
-            movers[name] = KVBlockMover(caches, num_cpu_blocks=2 * B)
-            _patch(movers[name], name)
+            if name == "baseline":
+                movers[name] = baseline(caches, num_cpu_blocks=2 * B)
+            else:
+                movers[name] = KVBlockMover(caches, num_cpu_blocks=2 * B)
+                _patch(movers[name], name)
             _measure(args, movers[name], compute, timer, device, ids, args.warmup)
         samples = {n: ([], [], []) for n in names}
         for _ in range(args.trials):
