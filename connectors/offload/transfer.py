@@ -26,13 +26,15 @@ alone. Methods (``KVBlockMover(method=...)``):
                    of one size, allocated back to back): one ``cudaMemcpy2DAsync`` per
                    run of blocks, its rows the planes; else as ``batched``
     ``batched``    the whole job (every plane, every run of consecutive source AND
-                   destination ids) in one ``cudaMemcpyBatchAsync`` (CUDA 12.8+), its
-                   descriptors computed from addresses prepared at registration
+                   destination ids) as ``cudaMemcpyBatchAsync`` calls (CUDA 12.8+) split
+                   over four streams per direction, its descriptors computed from
+                   addresses prepared at registration
     ``coalesced``  one ``cudaMemcpyAsync`` per run of consecutive ids and plane
     ``per_block``  one copy per block and plane (the baseline the others must beat)
-    ``gather``     gather scattered rows on the device into staging buffers, a group of
-                   planes at a time, and move those with large DMAs, kernels and DMAs
-                   pipelined on two streams (:mod:`._staged`; uses some SM time)
+    ``gather``     gather scattered rows on the device into a staging buffer, a group of
+                   planes at a time (8-byte words, one kernel per group where the planes
+                   share a span), and move each group with one large (2D) DMA, kernels and
+                   DMAs pipelined on two streams (:mod:`._staged`; uses some SM time)
     ``auto``       the default: ``gather`` when the job's copies would average under
                    256 KiB (scattered rows of the per-layer layout), else ``pitched``
                    (which falls back to ``batched``, then ``coalesced``)
@@ -40,7 +42,9 @@ alone. Methods (``KVBlockMover(method=...)``):
 Issue thread. On CUDA the copies are issued by a background thread (:mod:`._issuer`):
 the caller records one event on its current stream, which fixes where the copies sit in
 stream order, and returns; ``get_finished`` and ``wait`` first wait until the thread has
-queued the jobs (so a caller polling in a loop cannot starve it of the GIL).
+queued the jobs (so a caller polling in a loop cannot starve it of the GIL); a job the
+thread has not begun by then is issued by the caller itself, which is about to block anyway
+(waiting for the thread to wake and take the GIL cost 2-3% of a 512 MiB transfer).
 
 Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loads and
 ``Tensor.copy_(non_blocking=True)`` otherwise (~3 vs ~26 us of host time per copy);
