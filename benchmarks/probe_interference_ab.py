@@ -30,6 +30,9 @@ from connectors.offload.transfer import KVBlockMover
 
 
 def _patch(mover: KVBlockMover, name: str) -> None:
+    if name.startswith("issue delay"):  # "issue delay 0.1 ms"
+        mover._issuer.start_delay = float(name.split()[2]) / 1e3
+        return
     off = {"no steal", "one lane", "tensor descriptors"} if name == "all three off" else {name}
     if "no steal" in off:
         mover._await_issued = lambda job: job.issued.wait() if job.issued is not None else None
@@ -74,6 +77,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=90)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--variants", nargs="*",
+                   default=["no steal", "one lane", "tensor descriptors", "all three off"],
+                   help="besides 'branch': any of those, or 'issue delay X ms'")
     p.add_argument("--baseline-root", default=None,
                    help="another checkout whose KVBlockMover runs as variant 'baseline'")
     args = p.parse_args(["--layouts", "cross-layer", "per-layer", *sys.argv[1:]])
@@ -82,7 +88,7 @@ def main() -> int:
     B = args.blocks
     perm = torch.randperm(args.num_gpu_blocks, generator=torch.Generator().manual_seed(2)).tolist()
     ids = (perm[:B], list(range(B)), list(range(B, 2 * B)), perm[B:2 * B])
-    names = ["branch", "no steal", "one lane", "tensor descriptors", "all three off"]
+    names = ["branch", *args.variants]
     baseline = _baseline_mover_class(args.baseline_root) if args.baseline_root else None
     if baseline is not None:
         names.insert(1, "baseline")
