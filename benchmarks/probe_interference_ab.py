@@ -30,9 +30,6 @@ from connectors.offload.transfer import KVBlockMover
 
 
 def _patch(mover: KVBlockMover, name: str) -> None:
-    if name.startswith("issue delay"):  # "issue delay 0.1 ms"
-        mover._issuer.start_delay = float(name.split()[2]) / 1e3
-        return
     off = {"no steal", "one lane", "tensor descriptors"} if name == "all three off" else {name}
     if "no steal" in off:
         mover._await_issued = lambda job: job.issued.wait() if job.issued is not None else None
@@ -79,7 +76,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", nargs="*",
                    default=["no steal", "one lane", "tensor descriptors", "all three off"],
-                   help="besides 'branch': any of those, or 'issue delay X ms'")
+                   help="besides 'branch': any of those")
     p.add_argument("--baseline-root", default=None,
                    help="another checkout whose KVBlockMover runs as variant 'baseline'")
     args = p.parse_args(["--layouts", "cross-layer", "per-layer", *sys.argv[1:]])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
 
@@ -37,44 +36,21 @@ class IssueThread:
     job failed). :meth:`close` stops the thread after the work already queued.
     """
 
-    def __init__(self, device: torch.device, name: str, start_delay: float = 0.0) -> None:
+    def __init__(self, device: torch.device, name: str) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        # A one-element list the thread reads on every wake-up (so it can be tuned live).
-        self._delay = [start_delay]
-        self._thread = threading.Thread(target=self._run, args=(device, self._queue, self._delay),
+        self._thread = threading.Thread(target=self._run, args=(device, self._queue),
                                         name=name, daemon=True)
         self._thread.start()
         _LIVE.add(self)
 
-    @property
-    def start_delay(self) -> float:
-        """Seconds the thread sleeps after waking for new work, before running it."""
-        return self._delay[0]
-
-    @start_delay.setter
-    def start_delay(self, seconds: float) -> None:
-        self._delay[0] = seconds
-
     @staticmethod
-    def _run(device: torch.device, work: queue.SimpleQueue[Callable[[], None] | None],
-             delay: list[float]) -> None:
+    def _run(device: torch.device, work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
         # A static method holding only the queue: the thread keeps no reference to the
         # mover, so a mover that is dropped without shutdown() can still be collected.
         if device.type == "cuda":
             torch.cuda.set_device(device)
         while (fn := work.get()) is not None:
-            if delay[0] > 0:
-                # Woken by a submission: let the submitting thread go on (launching its
-                # step's kernels) before competing with it for the GIL.
-                time.sleep(delay[0])
-            while fn is not None:
-                fn()
-                try:
-                    fn = work.get_nowait()
-                except queue.Empty:
-                    break
-            else:
-                return
+            fn()
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the thread after everything submitted before it."""
