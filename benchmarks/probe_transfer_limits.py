@@ -369,26 +369,24 @@ def main() -> int:
             json.dump({"info": info, "rows": rows, "correct": ok, "interference": inter}, f, indent=1)
     print(f"\n{info['gpu']}, torch {info['torch']}, runtime {info['cuda_runtime']}: {N} blocks of 2 MiB, "
           f"ratio to the contiguous pinned copy per alternating pair, median [p25, p75] of {REPS}")
-    print("| candidate | direction | GB/s | contiguous GB/s | x contig (median) | p25-p75 |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['name']} | {r['dir']} | error: {r['error'][:120]} | | | |")
-            continue
-        print(f"| {r['name']} | {r['dir']} | {r['GBs']:.1f} | {r['contig_GBs']:.1f} | {r['x']:.3f} | "
-              f"{r['x_p25']:.3f}-{r['x_p75']:.3f} |")
+    _print_table("| candidate | direction | GB/s | contiguous GB/s | x contig (median) | p25-p75 |", rows,
+                 lambda r: f"{r['dir']} | {r['GBs']:.1f} | {r['contig_GBs']:.1f} | {r['x']:.3f} | "
+                           f"{r['x_p25']:.3f}-{r['x_p75']:.3f}")
     print(f"\nStep (8 x MLP matmul pairs, 2048 tokens) with {NI} blocks each way issued inline, "
           "alternating with the step alone; medians")
-    print("| candidate | compute GPU ms (alone) | compute GPU ms | GPU slowdown | wall ms (alone) | wall ms | "
-          "wall slowdown | issue ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in inter:
-        if "error" in r:
-            print(f"| {r['name']} | error: {r['error'][:120]} |")
-            continue
-        print(f"| {r['name']} | {r['g0']:.3f} | {r['g1']:.3f} | {(r['g1'] / r['g0'] - 1) * 100:+.1f}% | "
-              f"{r['w0']:.3f} | {r['w1']:.3f} | {(r['w1'] / r['w0'] - 1) * 100:+.1f}% | {r['issue']:.3f} |")
+    _print_table("| candidate | compute GPU ms (alone) | compute GPU ms | GPU slowdown | wall ms (alone) | "
+                 "wall ms | wall slowdown | issue ms |", inter,
+                 lambda r: f"{r['g0']:.3f} | {r['g1']:.3f} | {(r['g1'] / r['g0'] - 1) * 100:+.1f}% | "
+                           f"{r['w0']:.3f} | {r['w1']:.3f} | {(r['w1'] / r['w0'] - 1) * 100:+.1f}% | "
+                           f"{r['issue']:.3f}")
     return 0
+
+
+def _print_table(head: str, rows: list[dict], cells: Callable[[dict], str]) -> None:
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        print(f"| {r['name']} | " + (f"error: {r['error'][:120]}" if "error" in r else cells(r)) + " |")
 
 
 def interference() -> list[dict]:
@@ -501,11 +499,9 @@ def mover_breakdown() -> int:
         print(f"--- profile: {name} mover auto, 20 inline store jobs of {N} blocks")
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         m.shutdown()
-    print("| candidate | direction | GB/s | contiguous GB/s | x contig (median) | p25-p75 |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['name']} | {r['dir']} | {r['GBs']:.1f} | {r['contig_GBs']:.1f} | {r['x']:.3f} | "
-              f"{r['x_p25']:.3f}-{r['x_p75']:.3f} |")
+    _print_table("| candidate | direction | GB/s | contiguous GB/s | x contig (median) | p25-p75 |", rows,
+                 lambda r: f"{r['dir']} | {r['GBs']:.1f} | {r['contig_GBs']:.1f} | {r['x']:.3f} | "
+                           f"{r['x_p25']:.3f}-{r['x_p75']:.3f}")
     return 0
 
 
@@ -568,9 +564,9 @@ def bisect() -> int:
     bw("G4 mover submit_store + wait, inline",
        lambda: (pm.submit_store(next(jobs), S_G, S_C), pm.wait(), pm.get_finished()))
     pm.shutdown()
-    for r in rows:
-        print(f"| {r['name']} | {r['GBs']:.1f} | {r['contig_GBs']:.1f} | {r['x']:.3f} | "
-              f"{r['x_p25']:.3f}-{r['x_p75']:.3f} |")
+    _print_table("| step | store GB/s | contiguous GB/s | x contig (median) | p25-p75 |", rows,
+                 lambda r: f"{r['GBs']:.1f} | {r['contig_GBs']:.1f} | {r['x']:.3f} | "
+                           f"{r['x_p25']:.3f}-{r['x_p75']:.3f}")
     return 0
 
 

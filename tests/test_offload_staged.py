@@ -125,54 +125,50 @@ def per_layer_caches(device: str, num_layers: int = 4) -> dict:
             for i in range(num_layers)}
 
 
+def store_then_load(mover: KVBlockMover, views: dict, src: list[int], cpu: list[int],
+                    dst: list[int]) -> None:
+    """Store ``src`` to ``cpu``, overwrite the cache with -7, load ``cpu`` into ``dst``; check."""
+    original = {k: v.clone() for k, v in views.items()}
+    mover.submit_store(1, src, cpu)
+    mover.wait()
+    for v in views.values():
+        v.fill_(-7.0)
+    mover.submit_load(2, cpu, dst)
+    mover.wait()
+    assert [r.success for r in mover.get_finished()] == [True, True]
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+    for k, v in views.items():
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(v[d].view(torch.int16), original[k][s].view(torch.int16))
+        assert bool((v[untouched] == -7.0).all())
+    mover.shutdown()
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize("span", [True, False], ids=["span", "per-plane-kernels"])
 def test_gather_is_byte_exact_on_cuda(span: bool) -> None:
     """Staged copies of separately allocated layers, one kernel per group or per plane."""
     layers = per_layer_caches("cuda")
-    original = {k: v.clone() for k, v in layers.items()}
     mover = KVBlockMover(layers, num_cpu_blocks=8, method="gather")
     assert mover._gather_plan is not None and mover._gather_plan.word == torch.int64
     if not span:
         mover._gather_plan = dataclasses.replace(mover._gather_plan, source=None)
     elif mover._gather_plan.source is None:
         pytest.skip("the allocator placed these layers at no common row multiple")
-    mover.submit_store(1, [7, 2, 9, 4, 11], [1, 2, 5, 6, 7])
-    mover.wait()
-    for v in layers.values():
-        v.fill_(-7.0)
-    mover.submit_load(2, [1, 2, 5, 6, 7], [0, 3, 5, 6, 10])
-    mover.wait()
-    assert [r.success for r in mover.get_finished()] == [True, True]
-    for k, v in layers.items():
-        for s, d in zip([7, 2, 9, 4, 11], [0, 3, 5, 6, 10], strict=True):
-            assert torch.equal(v[d].view(torch.int16), original[k][s].view(torch.int16))
-        assert bool((v[[1, 2, 4, 7, 8, 9, 11]] == -7.0).all())
-    mover.shutdown()
+    store_then_load(mover, layers, [7, 2, 9, 4, 11], [1, 2, 5, 6, 7], [0, 3, 5, 6, 10])
 
 
 @CUDA_ONLY
 def test_batched_job_split_over_lanes_is_byte_exact() -> None:
     """A batched job long enough to be split over the DMA lanes moves exactly its blocks."""
-    base, views = cross_layer_cache("cuda")
+    _, views = cross_layer_cache("cuda")
     mover = KVBlockMover(views, num_cpu_blocks=10, method="batched")
     if not mover.batched_available:
         pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
-    original = base.clone()
     # 9 copies on 4 lanes: parts of 3, 3 and 3, and no empty fourth part (regression: an
     # empty batch call failed the job with "invalid argument")
-    src = [11, 0, 9, 2, 7, 4, 5, 1, 3]
-    mover.submit_store(1, src, [9, 7, 5, 3, 1, 0, 2, 4, 6])
-    mover.wait()
-    base.fill_(-7.0)
-    dst = [0, 2, 4, 6, 8, 10, 1, 3, 5]
-    mover.submit_load(2, [9, 7, 5, 3, 1, 0, 2, 4, 6], dst)
-    mover.wait()
-    assert [r.success for r in mover.get_finished()] == [True, True]
-    for s, d in zip(src, dst, strict=True):
-        assert torch.equal(base[d].view(torch.int16), original[s].view(torch.int16))
-    assert bool((base[[7, 9, 11]] == -7.0).all())
-    mover.shutdown()
+    store_then_load(mover, views, [11, 0, 9, 2, 7, 4, 5, 1, 3], [9, 7, 5, 3, 1, 0, 2, 4, 6],
+                    [0, 2, 4, 6, 8, 10, 1, 3, 5])
 
 
 @pytest.mark.parametrize(("gpu", "cpu"), [
