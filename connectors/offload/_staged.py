@@ -8,16 +8,18 @@ dense staging buffer with a kernel turns them into a few large DMAs. The kernel 
 so the copy engines stay busy. Loads run the other way: DMA group ``k`` into staging, then
 scatter it, while the DMA of group ``k + 1`` proceeds.
 
-What makes it fast (measured on an H100, ``benchmarks/probe_transfer_limits.py``, 256
-scattered blocks of 2 MiB): 0.97-0.98x of the contiguous copy each way, where the first
-version of this module reached 0.85x:
+What makes it fast (measured on an H100, 256 scattered blocks of 2 MiB): the mechanism alone
+reaches 0.96-0.98x of the contiguous copy each way (``benchmarks/probe_transfer_limits.py``),
+the mover's default 0.92-0.95x (``bench_transfer.py``), where the first version of this
+module reached 0.85x:
 
 * the kernels move 8-byte words, not bytes (``index_select`` on int64 views): a byte-wise
   gather of 512 MiB took milliseconds, long enough to stall the pipeline;
 * where every plane's rows sit at whole multiples of the row size from the lowest plane
   (true of large allocations), one *span* view covers all planes, so a group of planes is
   one gather kernel and one 2D DMA (rows = planes) instead of one kernel and one DMA per
-  plane: host issue time falls from ~2 ms to a few hundred microseconds per 64-block job;
+  plane (with the changes below, the issue thread's time per 64-block job fell from 1.4-2.2
+  to 0.6-0.8 ms);
 * the pipeline has one stage per ~16 MiB moved (up to 16), so the first gather and the
   last scatter, which nothing overlaps, stay short.
 
