@@ -146,3 +146,25 @@ def test_tiers_need_one_full_attention_group(tmp_path, layer_types):
         OffloadConfig.from_extra(extra, kv_cache_config)
     extra.pop("tiers")
     assert len(OffloadConfig.from_extra(extra, kv_cache_config).groups) == len(set(layer_types))
+
+
+def test_a_chunk_being_written_to_the_cpu_tier_is_no_tier_hit(tmp_path):
+    """Regression (issue 13): a chunk on disk whose CPU-tier store (or promotion) was in
+    flight counted as a tier hit; promoting it needs a fresh CPU slot, which
+    ``prepare_store`` cannot give a key it holds, so admission raised (a contained
+    traceback in ``kvconnector run --tier disk:... --cpu-blocks 6``). The hit now stops
+    at that chunk, and the promotion of the chunks before it succeeds."""
+    from connectors.offload.manager import CPUOffloadingManager
+    from connectors.offload.tiering import SchedulerTiers
+
+    tier = _disk(tmp_path, "t")
+    keys = _keys(4)
+    tier.store([(tier_key(k), b"x") for k in keys])
+    tier.flush(30)
+    manager = CPUOffloadingManager(8)
+    assert manager.prepare_store([keys[2]]) is not None  # being written: not ready
+    tiers = SchedulerTiers([tier], manager, blocks_per_chunk=1)
+    assert _poll(lambda: tiers.extra_hits("r", keys, 0, 0)) == 2
+    promoted, reads = tiers.plan_promotion("r", keys, 0, 2)
+    assert promoted == keys[:2] and [r.key for r in reads] == keys[:2]
+    tiers.close()

@@ -159,7 +159,18 @@ class SchedulerTiers:
         if answers is None:
             return None
         room = self.manager.num_free_blocks + self.manager.num_evictable_blocks - cpu_hits
-        return max(0, min(sum(answers), room))
+        return max(0, min(self._absent_from_cpu(keys[first:first + sum(answers)]), room))
+
+    def _absent_from_cpu(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the CPU tier does not hold at all.
+
+        A promotion needs a fresh CPU slot per chunk. A chunk the CPU tier already holds
+        but that is not ready (its store, or another request's promotion, is still in
+        flight) cannot get one and cannot be loaded yet, so a tier hit stops there: it
+        is recomputed, as a CPU-only lookup would do.
+        """
+        policy = self.manager.policy
+        return next((i for i, key in enumerate(keys) if policy.get(key) is not None), len(keys))
 
     def plan_promotion(self, req_id: str, keys: Sequence[bytes], first: int, end: int
                        ) -> tuple[list[bytes], list[TierRead]]:
