@@ -6,7 +6,8 @@ put into the CPU tier. Every public method is non-blocking; the I/O runs on the 
 own threads:
 
 - :meth:`SecondaryTier.lookup` answers how many leading keys of a chain the tier holds,
-  or None ("ask again") while the I/O that finds out is still running.
+  and :meth:`SecondaryTier.lookup_each` which keys it holds (a sliding-window group needs
+  chunks after a gap), or None ("ask again") while the I/O that finds out is still running.
 - :meth:`SecondaryTier.store` queues values; when more stores are pending than the tier
   allows (it is slower than the store rate) the new ones are dropped and counted. A
   store that fails is never visible: backends publish a value atomically or not at all.
@@ -17,14 +18,16 @@ Values are framed with a magic, the payload length and a CRC-32 over the key and
 payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
 (CRC-32 catches accidental damage, which is what it is for here; it runs at ~3 GB/s where
 BLAKE2b ran at 0.3 GB/s on the benchmark machine, and would have halved tier throughput.
-Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends implement four blocking methods (``_held_prefix``, ``_put``, ``_get``,
-``_close``) and see only framed bytes.
+Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends
+implement four blocking methods (``_held``, ``_put``, ``_get``, ``_close``) and see only
+framed bytes.
 
 Primitives: TierKey, TierLoad, SecondaryTier, TierEvent, frame_value, unframe_value.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import zlib
@@ -89,7 +92,13 @@ class TierKey(NamedTuple):
 
 
 class TierEvent(NamedTuple):
-    """Keys a tier stored or removed (the connector turns these into wire KV events)."""
+    """Keys a tier stored or removed (the connector turns these into wire KV events).
+
+    Consistent with what the tier holds: a key is announced once when it enters the
+    tier (storing it again announces nothing) and removed once when it goes, so a
+    replica that applies the events holds exactly the keys the tier holds (as far as
+    this process knows; see :meth:`SecondaryTier.take_events`).
+    """
 
     keys: tuple[TierKey, ...]
     medium: str
@@ -151,6 +160,10 @@ class SecondaryTier(ABC):
     medium: ClassVar[str] = "STORAGE"
     """Medium name in KV events and stats (``"DISK"``, ``"REDIS"``)."""
 
+    max_announced: ClassVar[int | None] = None
+    """Bound on the keys remembered as announced (None: the backend's own bound). A tier
+    that evicts silently needs one; past it the oldest key is removed from the stream."""
+
     def __init__(self, *, max_pending_stores: int = 64, io_threads: int = 2,
                  enable_events: bool = True) -> None:
         for name, value in (("max_pending_stores", max_pending_stores), ("io_threads", io_threads)):
@@ -165,6 +178,7 @@ class SecondaryTier(ABC):
         self._pending_stores = 0
         self._lookups: dict[Hashable, Future[int]] = {}
         self._events: list[TierEvent] = []
+        self._announced: dict[TierKey, None] = {}  # held keys whose stored event went out
         self._enable_events = enable_events
         self._stats = dict.fromkeys(
             ("stores", "stores_dropped", "store_failures", "bytes_stored", "loads",
@@ -173,8 +187,8 @@ class SecondaryTier(ABC):
 
     # ---------------------------------------------------------------- backend interface
     @abstractmethod
-    def _held_prefix(self, keys: Sequence[TierKey]) -> int:
-        """Blocking: how many leading ``keys`` the backend holds (one round trip if it can)."""
+    def _held(self, keys: Sequence[TierKey]) -> list[bool]:
+        """Blocking: which ``keys`` the backend holds (one round trip if it can)."""
 
     @abstractmethod
     def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
@@ -197,6 +211,19 @@ class SecondaryTier(ABC):
         """
         if not keys:
             return 0
+        held = self.lookup_each(keys, token)
+        if held is None:
+            return None
+        return next((i for i, h in enumerate(held) if not h), len(held))
+
+    def lookup_each(self, keys: Sequence[TierKey], token: Hashable | None = None
+                    ) -> list[bool] | None:
+        """Which ``keys`` the tier holds, or None: ask again later (see :meth:`lookup`).
+
+        A key whose lookup failed counts as not held (a miss). Never blocks.
+        """
+        if not keys:
+            return []
         token = tuple(keys) if token is None else token
         with self._lock:
             future = self._lookups.get(token)
@@ -238,7 +265,12 @@ class SecondaryTier(ABC):
         return TierLoad(keys, [self._pool.submit(self._load_io, part) for part in parts])
 
     def take_events(self) -> list[TierEvent]:
-        """Stored / removed keys since the last call."""
+        """Stored / removed keys since the last call.
+
+        A key is stored once, when this process first wrote it, and removed once, when
+        this process learns that it went: the tier evicted or deleted it, or a load
+        found it missing or damaged (another process deleted it, or Redis evicted it).
+        """
         with self._lock:
             events, self._events = self._events, []
         return events
@@ -270,22 +302,38 @@ class SecondaryTier(ABC):
 
     # ---------------------------------------------------------------- I/O threads
     def _record_event(self, keys: Sequence[TierKey], removed: bool) -> None:
-        if self._enable_events and keys:
-            with self._lock:
+        """Record the keys that entered (or left) the tier; keys already announced (or
+        never announced) are left out, so the stream matches the tier's contents."""
+        if not self._enable_events or not keys:
+            return
+        with self._lock:
+            held = self._announced
+            if removed:
+                keys = [k for k in keys if held.pop(k, 0) is None]
+            else:
+                keys = [k for k in dict.fromkeys(keys) if k not in held]
+                held.update(dict.fromkeys(keys))
+            if keys:
                 self._events.append(TierEvent(tuple(keys), self.medium, removed))
+            if self.max_announced is not None and len(held) > self.max_announced:
+                # Forgotten keys leave the stream (a consumer treats tier events as hints).
+                old = list(itertools.islice(held, len(held) - self.max_announced))
+                for k in old:
+                    del held[k]
+                self._events.append(TierEvent(tuple(old), self.medium, True))
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 self._stats[name] += delta
 
-    def _lookup_io(self, keys: tuple[TierKey, ...]) -> int:
+    def _lookup_io(self, keys: tuple[TierKey, ...]) -> list[bool]:
         try:
-            held = self._held_prefix(keys)
+            held = self._held(keys)
         except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
             logger.warning("%s tier lookup of %d keys failed: %s", self.medium, len(keys), exc)
             self._count(lookups=1, lookup_failures=1)
-            return 0
+            return [False] * len(keys)
         self._count(lookups=1)
         return held
 
@@ -315,8 +363,11 @@ class SecondaryTier(ABC):
         self._count(loads=len(keys) - failed, load_failures=failed,
                     bytes_loaded=sum(len(v) for v in values if v is not None))
         if failed:
-            self._on_bad_values([k for k, v, r in zip(keys, values, raw, strict=True)
-                                 if v is None and r is not None])
+            bad = [k for k, v, r in zip(keys, values, raw, strict=True) if v is None and r is not None]
+            self._on_bad_values(bad)
+            # A missing value went (evicted, or deleted by another process); a bad one was
+            # just deleted: either way the tier no longer holds it.
+            self._record_event([k for k, v in zip(keys, values, strict=True) if v is None], removed=True)
         return values
 
     def _on_bad_values(self, keys: list[TierKey]) -> None:  # noqa: B027 - optional hook

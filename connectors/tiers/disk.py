@@ -111,11 +111,8 @@ class DiskTier(SecondaryTier):
             return self._bytes
 
     # ---------------------------------------------------------------- backend
-    def _held_prefix(self, keys: Sequence[TierKey]) -> int:
-        for i, key in enumerate(keys):
-            if not self._path(key).exists():
-                return i
-        return len(keys)
+    def _held(self, keys: Sequence[TierKey]) -> list[bool]:
+        return [self._path(key).exists() for key in keys]
 
     def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
         # The temp name is unique per process and thread, so no random name and no
