@@ -155,3 +155,51 @@ def test_a_chunk_being_written_to_the_cpu_tier_is_no_tier_hit(tmp_path):
     reads = tiers.plan_promotion("r", keys[:2])
     assert [r.key for r in reads] == keys[:2]
     tiers.close()
+
+
+def test_tier_events_are_reference_counted_so_a_replica_equals_the_tier(tmp_path):
+    """Item 4 of issue 13: one stored event per key the tier holds (storing it again
+    announces nothing), one removal when it really goes (evicted, or damaged and
+    deleted), GPU block hashes shared by two chunks counted. Replaying the DISK events
+    as a set gives exactly the blocks of the chunks whose files are on disk."""
+    from kvconnector_core.kv_events import BlockRemoved
+
+    plane = torch.arange(8 * 4, dtype=torch.uint8).view(8, 4)  # 2 sub-blocks per chunk: 8 bytes
+    tier = DiskTier({"path": str(tmp_path), "capacity_bytes": 2 * (16 + 8)})  # two files
+    worker = WorkerTiers([tier], block_sizes=[16])
+    worker.bind_buffer((plane,))
+    h = [bytes([i]) * 32 for i in range(6)]
+    keys = {"a": h[2] + bytes(4), "b": h[3] + bytes(4), "c": h[5] + bytes(4)}
+    blocks = {"a": [h[1], h[2]], "b": [h[1], h[3]], "c": [h[4], h[5]]}  # a and b share h1
+    replica: set[bytes] = set()
+
+    def write(*names):
+        worker.write([TierWrite(keys[n], [0, 1], blocks[n], None) for n in names])
+        tier.flush(30)
+
+    def check():
+        for event in worker.take_events():
+            assert event.medium == "DISK" and event.group_idx == 0
+            wire = set(event.block_hashes)
+            if isinstance(event, BlockRemoved):
+                assert wire <= replica
+                replica.difference_update(wire)
+            else:
+                assert not wire & replica, "a block announced twice"
+                replica.update(wire)
+        on_disk = {n for n, k in keys.items() if tier._path(tier_key(k)).exists()}
+        assert replica == {to_external_hash(b) for n in on_disk for b in blocks[n]}
+        return on_disk
+
+    write("a", "b")
+    assert check() == {"a", "b"}
+    write("a")  # stored again: nothing new to announce (and a is now the most recent)
+    assert worker.take_events() == []
+    write("c")  # over the budget: b, the least recently used, is evicted; h1 stays (a)
+    assert check() == {"a", "c"}
+    path = tier._path(tier_key(keys["a"]))
+    path.write_bytes(path.read_bytes()[:-1] + b"\xff")  # damaged: its load fails, file deleted
+    worker.start_reads(1, [TierRead(0, keys["a"], [4, 5])])
+    assert _poll(worker.finished_reads) == [(1, False)]
+    assert check() == {"c"}
+    worker.close()
