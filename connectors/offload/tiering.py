@@ -288,15 +288,10 @@ class WorkerTiers:
     def _read_cpu(self, ids: Sequence[int]) -> bytes:
         return b"".join(ctypes.string_at(addr, n) for addr, n in self._rows(ids))
 
-    def _write_cpu(self, ids: Sequence[int], value: bytes) -> bool:
-        runs = self._rows(ids)
-        if sum(n for _, n in runs) != len(value):
-            return False  # a value of another geometry: a failed load, never a partial copy
-        offset = 0
-        for addr, n in runs:
-            ctypes.memmove(addr, value[offset:offset + n], n)
-            offset += n
-        return True
+    def _cpu_views(self, ids: Sequence[int]) -> list[memoryview]:
+        """Writable views of the chunk's rows, in the order :meth:`_read_cpu` joins them:
+        a tier reads a value straight into them (no intermediate bytes)."""
+        return [memoryview((ctypes.c_char * n).from_address(addr)).cast("B") for addr, n in self._rows(ids)]
 
     # ------------------------------------------------------------ cascade and promotion
     def write(self, writes: Sequence[TierWrite]) -> None:
@@ -319,7 +314,8 @@ class WorkerTiers:
         for r in reads:
             by_tier.setdefault(r.tier, []).append(r)
         ordered = [r for t in sorted(by_tier) for r in by_tier[t]]
-        loads = [self.tiers[t].load([tier_key(r.key) for r in rs])
+        loads = [self.tiers[t].load_into([tier_key(r.key) for r in rs],
+                                         [self._cpu_views(r.cpu_block_ids) for r in rs])
                  for t, rs in sorted(by_tier.items())]
         self._jobs[job_id] = _ReadJob(ordered, loads)
 
@@ -335,10 +331,8 @@ class WorkerTiers:
             if not all(load.done() for load in job.loads):
                 continue
             del self._jobs[job_id]
-            values = [v for load in job.loads for v in load.values()]
-            ok = all(v is not None and self._write_cpu(r.cpu_block_ids, v)
-                     for r, v in zip(job.reads, values, strict=True))
-            done.append((job_id, ok))
+            # Each value is in its CPU slot, or the load fails (the slots stay invisible).
+            done.append((job_id, all(v for load in job.loads for v in load.values())))
         return done
 
     def wait_reads(self, timeout: float | None = None) -> None:

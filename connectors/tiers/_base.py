@@ -13,16 +13,17 @@ own threads:
   store that fails is never visible: backends publish a value atomically or not at all.
 - :meth:`SecondaryTier.load` returns a :class:`TierLoad`; each value is bytes, or None
   when it is missing, unreadable, or fails its checksum (the caller recomputes it).
+  :meth:`SecondaryTier.load_into` reads straight into the caller's buffers (a CPU slot).
 
-Values are framed with a magic, the payload length and a CRC-32 over the key and the
-payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
+Values are framed (:mod:`connectors.tiers._frame`) with a magic, the payload length and a
+CRC-32 over the key and the payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
 (CRC-32 catches accidental damage, which is what it is for here; it runs at ~3 GB/s where
 BLAKE2b ran at 0.3 GB/s on the benchmark machine, and would have halved tier throughput.
 Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends
-implement four blocking methods (``_held``, ``_put``, ``_get``, ``_close``) and see only
-framed bytes.
+implement four blocking methods (``_held``, ``_put``, ``_get``, ``_close``), may override
+``_get_into`` to read into buffers directly, and see only framed bytes.
 
-Primitives: TierKey, TierLoad, SecondaryTier, TierEvent, frame_value, unframe_value.
+Primitives: TierKey, TierLoad, SecondaryTier, TierEvent.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,25 +38,23 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import msgspec
 
+from connectors.tiers._frame import (
+    ABSENT,
+    DAMAGED,
+    FAILED,
+    OTHER_SIZE,
+    PLACED,
+    frame_header,
+    intact_payload,
+    unframe_value,
+)
 from kvconnector_core.errors import ConfigError
 
-__all__ = [
-    "SecondaryTier",
-    "TierEvent",
-    "TierKey",
-    "TierLoad",
-    "frame_value",
-    "settings",
-    "unframe_value",
-]
+__all__ = ["SecondaryTier", "TierEvent", "TierKey", "TierLoad", "settings"]
 
 _S = TypeVar("_S")
 
 logger = logging.getLogger(__name__)
-
-_MAGIC = b"KVT1"
-_DIGEST = 4
-_HEADER = len(_MAGIC) + 8 + _DIGEST
 
 
 def settings(config: _S | dict[str, Any], cls: type[_S], what: str) -> _S:
@@ -105,37 +103,11 @@ class TierEvent(NamedTuple):
     removed: bool
 
 
-def _digest(key: TierKey, payload: bytes | memoryview) -> bytes:
-    crc = zlib.crc32(key.group.to_bytes(4, "big"), zlib.crc32(key.block_hash))
-    return zlib.crc32(payload, crc).to_bytes(_DIGEST, "big")
-
-
-def frame_value(key: TierKey, payload: bytes | memoryview) -> bytes:
-    """Wrap ``payload`` for storage under ``key``: magic, length, digest, payload."""
-    return b"".join((_MAGIC, len(payload).to_bytes(8, "big"), _digest(key, payload), payload))
-
-
-def unframe_value(key: TierKey, value: bytes | None) -> bytes | None:
-    """Return the payload of a framed ``value`` read for ``key``, or None if it is not intact.
-
-    None covers a missing value, a foreign or truncated one, and a digest mismatch
-    (corruption, or a value stored under another key).
-    """
-    if value is None or len(value) < _HEADER or not value.startswith(_MAGIC):
-        return None
-    length = int.from_bytes(value[4:12], "big")
-    if len(value) != _HEADER + length:
-        return None
-    payload = memoryview(value)[_HEADER:]
-    if _digest(key, payload) != value[12:_HEADER]:
-        return None
-    return bytes(payload)
-
-
 class TierLoad:
-    """A load in flight: :meth:`done` polls, :meth:`values` gives one bytes-or-None per key."""
+    """A load in flight: :meth:`done` polls, :meth:`values` gives one result per key: the
+    payload (``load``) or True (``load_into``: it is in its buffers), None where it failed."""
 
-    def __init__(self, keys: tuple[TierKey, ...], futures: list[Future[list[bytes | None]]]) -> None:
+    def __init__(self, keys: tuple[TierKey, ...], futures: list[Future[list[Any]]]) -> None:
         self.keys = keys
         self._futures = futures  # consecutive parts of ``keys``, read in parallel
 
@@ -143,8 +115,8 @@ class TierLoad:
         """True once every value is read (or failed)."""
         return all(f.done() for f in self._futures)
 
-    def values(self, timeout: float | None = None) -> list[bytes | None]:
-        """The payloads in key order; None for each key that failed. Waits up to ``timeout``."""
+    def values(self, timeout: float | None = None) -> list[Any]:
+        """The results in key order; None for each key that failed. Waits up to ``timeout``."""
         return [v for f in self._futures for v in f.result(timeout)]
 
 
@@ -191,8 +163,9 @@ class SecondaryTier(ABC):
         """Blocking: which ``keys`` the backend holds (one round trip if it can)."""
 
     @abstractmethod
-    def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
-        """Blocking: store framed values, each atomically; raise if any failed."""
+    def _put(self, items: Sequence[tuple[TierKey, Sequence[bytes | memoryview]]]) -> None:
+        """Blocking: store framed values (each given as consecutive parts: frame header,
+        payload), each atomically; raise if any failed."""
 
     @abstractmethod
     def _get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
@@ -200,6 +173,28 @@ class SecondaryTier(ABC):
 
     def _close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources (connections)."""
+
+    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:
+        """Blocking: put each key's payload into its buffers if its value is intact and
+        fills them exactly; per key one of PLACED, ABSENT, DAMAGED, OTHER_SIZE.
+
+        This default reads with ``_get`` and copies once; a backend that can read into
+        the buffers directly overrides it.
+        """
+        out = []
+        for key, dest, raw in zip(keys, dests, self._get(keys), strict=True):
+            payload = intact_payload(key, raw)
+            if payload is None:
+                out.append(ABSENT if raw is None else DAMAGED)
+            elif len(payload) != sum(d.nbytes for d in dest):
+                out.append(OTHER_SIZE)
+            else:
+                offset = 0
+                for d in dest:
+                    d[:] = payload[offset:offset + d.nbytes]
+                    offset += d.nbytes
+                out.append(PLACED)
+        return out
 
     # ---------------------------------------------------------------- public API
     def lookup(self, keys: Sequence[TierKey], token: Hashable | None = None) -> int | None:
@@ -263,6 +258,18 @@ class SecondaryTier(ABC):
         n = max(1, -(-len(keys) // self._io_threads))
         parts = [keys[i:i + n] for i in range(0, len(keys), n)] or [()]
         return TierLoad(keys, [self._pool.submit(self._load_io, part) for part in parts])
+
+    def load_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> TierLoad:
+        """Start reading ``keys`` straight into ``dests`` (per key, writable byte buffers
+        its payload fills in order, e.g. the rows of a CPU slot). Never blocks.
+
+        The :class:`TierLoad`'s values are True where the payload is in its buffers, None
+        where it is missing, damaged or of another size (its buffers then hold garbage).
+        """
+        keys, dests = tuple(keys), tuple(dests)
+        n = max(1, -(-len(keys) // self._io_threads))
+        return TierLoad(keys, [self._pool.submit(self._load_into_io, keys[i:i + n], dests[i:i + n])
+                               for i in range(0, len(keys), n)])
 
     def take_events(self) -> list[TierEvent]:
         """Stored / removed keys since the last call.
@@ -339,7 +346,7 @@ class SecondaryTier(ABC):
 
     def _store_io(self, items: list[tuple[TierKey, bytes | memoryview]]) -> None:
         try:
-            framed = [(key, frame_value(key, payload)) for key, payload in items]
+            framed = [(key, (frame_header(key, payload), payload)) for key, payload in items]
             self._put(framed)
         except Exception as exc:  # noqa: BLE001 - a failed store is invisible, counted
             logger.warning("%s tier store of %d values failed: %s", self.medium, len(items), exc)
@@ -356,19 +363,39 @@ class SecondaryTier(ABC):
         try:
             raw = self._get(keys)
         except Exception as exc:  # noqa: BLE001 - a failed load is recomputed by the caller
-            logger.warning("%s tier load of %d values failed: %s", self.medium, len(keys), exc)
-            raw = [None] * len(keys)
+            self._settle(keys, [FAILED] * len(keys), [], exc)
+            return [None] * len(keys)
         values = [unframe_value(key, value) for key, value in zip(keys, raw, strict=True)]
-        failed = sum(v is None for v in values)
-        self._count(loads=len(keys) - failed, load_failures=failed,
-                    bytes_loaded=sum(len(v) for v in values if v is not None))
-        if failed:
-            bad = [k for k, v, r in zip(keys, values, raw, strict=True) if v is None and r is not None]
-            self._on_bad_values(bad)
-            # A missing value went (evicted, or deleted by another process); a bad one was
-            # just deleted: either way the tier no longer holds it.
-            self._record_event([k for k, v in zip(keys, values, strict=True) if v is None], removed=True)
+        self._settle(keys, [PLACED if v is not None else ABSENT if r is None else DAMAGED
+                            for v, r in zip(values, raw, strict=True)],
+                     [len(v) if v is not None else 0 for v in values])
         return values
+
+    def _load_into_io(self, keys: tuple[TierKey, ...], dests: tuple[Sequence[memoryview], ...]
+                      ) -> list[bool | None]:
+        try:
+            status = self._get_into(keys, dests)
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed by the caller
+            self._settle(keys, [FAILED] * len(keys), [], exc)
+            return [None] * len(keys)
+        self._settle(keys, status, [sum(d.nbytes for d in dest) for dest in dests])
+        return [True if s == PLACED else None for s in status]
+
+    def _settle(self, keys: Sequence[TierKey], status: Sequence[str], sizes: Sequence[int],
+                error: Exception | None = None) -> None:
+        """Count a read, drop its damaged values and record the keys that went."""
+        if error is not None:
+            logger.warning("%s tier load of %d values failed: %s", self.medium, len(keys), error)
+        placed = [s == PLACED for s in status]
+        self._count(loads=sum(placed), load_failures=len(keys) - sum(placed),
+                    bytes_loaded=sum(n for n, p in zip(sizes, placed, strict=False) if p))
+        bad = [k for k, s in zip(keys, status, strict=True) if s == DAMAGED]
+        if bad:
+            self._on_bad_values(bad)
+        # A missing value went (evicted, or deleted by another process); a damaged one was
+        # just deleted: either way the tier no longer holds it.
+        self._record_event([k for k, s in zip(keys, status, strict=True) if s in (ABSENT, DAMAGED)],
+                           removed=True)
 
     def _on_bad_values(self, keys: list[TierKey]) -> None:  # noqa: B027 - optional hook
         """Called with keys whose stored value was present but not intact (drop them)."""

@@ -243,10 +243,12 @@ class RedisTier(SecondaryTier):
             self._count(lookup_failures=1)
         return [not isinstance(a, Exception) and bool(a) for a in found]
 
-    def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
+    def _put(self, items: Sequence[tuple[TierKey, Sequence[bytes | memoryview]]]) -> None:
         names = [self.redis_key(k) for k, _ in items]
+        # redis-py sends a value as one buffer: join the frame header and the payload.
+        values = [b"".join(parts) for _, parts in items]
         ttl = self.config.ttl_seconds
-        results = self._run(names, lambda pipe, i: pipe.set(names[i], items[i][1], ex=ttl),
+        results = self._run(names, lambda pipe, i: pipe.set(names[i], values[i], ex=ttl),
                             self.config.batch_size)
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
