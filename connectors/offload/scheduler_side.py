@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connectors.offload.events import ChunkInfo, GroupedEvents
