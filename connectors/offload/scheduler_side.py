@@ -86,6 +86,11 @@ class _JobRecord:
     promoted: tuple[bytes, ...] = ()  # loads: tier chunks read into reserved CPU slots
 
 
+# The pool's null block (vLLM's and kvconnector's): what a block table holds at positions
+# that left a sliding window or chunk.
+_NULL_BLOCK_ID = 0
+
+
 def group_suffix(group: int) -> bytes:
     """The 4 bytes (big-endian group index) that end every offload key of a group."""
     return group.to_bytes(4, "big")
@@ -312,9 +317,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
     def _store_range(self, state: _ReqState, g: int, num_done_tokens: int) -> range:
         """Chunks of group ``g`` to store now; advances the group's ``next_chunk``.
 
-        Windowed groups store a chunk only while it is still inside the window after
-        this step (the engine frees blocks that leave it, and the store is submitted at
-        the start of the next step); chunks that already left are skipped for good.
+        Windowed groups store the chunks the next token still reads, the one the window
+        starts in included (a lookup needs it: :func:`~connectors.offload.lookup.needed_chunks`);
+        chunks that already left are skipped for good. The engine may free a stored
+        block while its store is in flight: the store fence (:mod:`._fence`) makes the
+        worker wait before the block is rewritten.
         """
         group = self._groups[g]
         ct = self.offload_config.chunk_tokens
@@ -322,7 +329,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                   len(state.block_ids[g]) * group.block_size // ct)
         first = state.next_chunk[g]
         if not group.is_full:
-            first = max(first, -(-group.first_needed_token(num_done_tokens) // ct))
+            first = max(first, group.first_needed_token(num_done_tokens) // ct)
+            f = group.factor
+            if first < end and _NULL_BLOCK_ID in state.block_ids[g][first * f:(first + 1) * f]:
+                # Partly out of the window when the request was admitted: never computed.
+                first += 1
         return range(first, end)
 
     def _plan_store(self, state: _ReqState, num_done_tokens: int) -> TransferJobSpec | None:
