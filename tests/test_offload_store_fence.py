@@ -21,14 +21,6 @@ from kvconnector_core.engine.workloads import get_workload
 from kvconnector_core.worker.model import ModelConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class LateStoreMover:
     """Wraps a ``KVBlockMover``: a store copies ``delay`` polls after submission (or when
     waited for) and records a violation if a source block changed in between."""
