@@ -15,11 +15,11 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 for model in gpt-oss-20b llama-3-8b; do
-    timeout 75 python3 -c "import sys; from kvconnector_core.cli import main; sys.exit(main(sys.argv[1:]))" \
+    timeout 65 python3 -c "import sys; from kvconnector_core.cli import main; sys.exit(main(sys.argv[1:]))" \
         run --device cuda --model "$model" --workload documents \
         > "$OUT/run_$model.txt" 2> "$OUT/run_$model.err"
     echo "exit status $?" >> "$OUT/run_$model.txt"
     cat "$OUT/run_$model.txt"
 done
-timeout 80 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_offload_transfer.py \
+timeout 85 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_offload_transfer.py \
     tests/test_offload_connector.py tests/test_model.py 2>&1 | tee "$OUT/pytest_cuda.txt"
