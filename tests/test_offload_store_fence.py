@@ -90,10 +90,20 @@ def test_windowed_blocks_with_a_store_in_flight_are_not_rewritten(layer_types):
                                    num_gpu_blocks=80)).run(get_workload("documents")).outputs
     eng = _engine(layer_types, num_gpu_blocks=80)
     mover = _late(eng, delay=8)
+    fenced = []
+    stats = eng.worker_connector.get_kv_connector_stats
+
+    def recording_stats():
+        out = stats()
+        fenced.append((out or {}).get("stores_fenced", 0))
+        return out
+
+    eng.worker_connector.get_kv_connector_stats = recording_stats
     result = eng.run(get_workload("documents"))
     eng.shutdown()
     assert mover.copied > 50  # the late stores really ran
     assert mover.violations == []
+    assert sum(fenced) > 0  # the worker waited for stores of reused blocks
     assert result.outputs == baseline
     assert result.metrics.connector_hit_tokens > 0
 

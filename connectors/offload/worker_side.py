@@ -136,6 +136,7 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
             self._write_tiers()
             if self._meta().flush_job_ids:
                 self.mover.wait(self._meta().flush_job_ids)
+                self._add_stat("stores_fenced", len(self._meta().flush_job_ids))
 
     def _write_tiers(self) -> None:
         """Copy the pinned chunks into the tiers (non-blocking) and report the jobs done.
@@ -253,7 +254,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         return ids
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Bytes and seconds moved since the last call (None when nothing moved), plus
+        """Bytes and seconds moved since the last call (None when nothing moved), the
+        stores waited for before a reused block was rewritten (``stores_fenced``), plus
         the tiers' counters (``disk_loads``, ``redis_stores_dropped``, ...)."""
         stats, self._stats = self._stats, {}
         if self.tiers is not None:
