@@ -67,6 +67,9 @@ class OffloadingConnector(RoleSplitConnector):
     metadata_type: ClassVar[type[KVConnectorMetadata]] = OffloadingConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = False
+    # Hybrid models: keys carry the group, lookups and loads are window-aware. Read by
+    # the vLLM adapter (KVConnectorAdapterHMA runs it under vLLM's hybrid KV cache manager).
+    supports_multiple_kv_cache_groups: ClassVar[bool] = True
 
     def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:

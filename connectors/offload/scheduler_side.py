@@ -5,7 +5,8 @@ Plans loads at admission (``get_num_new_matched_tokens`` -> ``update_state_after
 chunks in ``build_connector_meta`` (``prepare_store``), and learns job completions in
 ``update_connector_output``: a store becomes visible to lookups only once its job
 succeeded; a failed store is dropped (``complete_store(success=False)``).
-``request_finished`` delays the free of a request whose stores are still in flight.
+``request_finished`` delays the free of a request whose stores are still in flight;
+sliding-window blocks freed while a store reads them are fenced (:mod:`._fence`).
 
 Hybrid models: every KV cache group is offloaded; a key is a chunk's chained hash plus
 its group (4 bytes), as in vLLM 0.33. Lookups are window-aware (a sliding-window group
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connectors.offload._fence import StoreFence
 from connectors.offload.events import ChunkInfo, GroupedEvents
 from connectors.offload.lookup import longest_hit, needed_chunks
 from connectors.offload.manager import CPUOffloadingManager
@@ -85,6 +87,11 @@ class _JobRecord:
     promoted: tuple[bytes, ...] = ()  # loads: tier chunks read into reserved CPU slots
 
 
+# The pool's null block (vLLM's and kvconnector's): what a block table holds at positions
+# that left a sliding window or chunk.
+_NULL_BLOCK_ID = 0
+
+
 def group_suffix(group: int) -> bytes:
     """The 4 bytes (big-endian group index) that end every offload key of a group."""
     return group.to_bytes(4, "big")
@@ -122,6 +129,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self.tiers = SchedulerTiers(make_tiers(cfg.tiers, layout=cfg.layout, enable_events=False),
                                     self.manager, cfg.sub_blocks_per_chunk) if cfg.tiers else None
         self._pending_tier_writes: list[TierWriteJob] = []
+        self._fence = StoreFence()
 
     # ------------------------------------------------------------------ keys
     def _num_chunks(self, request: Request) -> int:
@@ -220,6 +228,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 or the blocks to load are not ready (the scheduler then recomputes).
         """
         rid = request.request_id
+        # Blocks of an async load are written before the request is ever scheduled.
+        self._fence.allocated(b.block_id for group in blocks.blocks for b in group)
         state = self._reqs.get(rid)
         if state is not None and state.forgotten:
             return
@@ -298,6 +308,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         stores: list[TransferJobSpec] = []
         new_req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         for rid, new_ids, resumed in yield_req_data(scheduler_output):
+            self._fence.allocated(b for ids in new_ids for b in ids)
             state = self._reqs.get(rid)
             if state is None:
                 continue
@@ -317,16 +328,19 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         meta = OffloadingConnectorMetadata(loads=self._pending_loads, stores=stores,
                                            preempted_req_ids=preempted,
                                            delayed_free_req_ids=self._delayed_free,
-                                           tier_writes=self._pending_tier_writes)
+                                           tier_writes=self._pending_tier_writes,
+                                           flush_job_ids=self._fence.take())
         self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
         return meta
 
     def _store_range(self, state: _ReqState, g: int, num_done_tokens: int) -> range:
         """Chunks of group ``g`` to store now; advances the group's ``next_chunk``.
 
-        Windowed groups store a chunk only while it is still inside the window after
-        this step (the engine frees blocks that leave it, and the store is submitted at
-        the start of the next step); chunks that already left are skipped for good.
+        Windowed groups store the chunks the next token still reads, the one the window
+        starts in included (a lookup needs it: :func:`~connectors.offload.lookup.needed_chunks`);
+        chunks that already left are skipped for good. The engine may free a stored
+        block while its store is in flight: the store fence (:mod:`._fence`) makes the
+        worker wait before the block is rewritten.
         """
         group = self._groups[g]
         ct = self.offload_config.chunk_tokens
@@ -334,7 +348,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                   len(state.block_ids[g]) * group.block_size // ct)
         first = state.next_chunk[g]
         if not group.is_full:
-            first = max(first, -(-group.first_needed_token(num_done_tokens) // ct))
+            first = max(first, group.first_needed_token(num_done_tokens) // ct)
+            f = group.factor
+            if first < end and _NULL_BLOCK_ID in state.block_ids[g][first * f:(first + 1) * f]:
+                # Partly out of the window when the request was admitted: never computed.
+                first += 1
         return range(first, end)
 
     def _plan_store(self, state: _ReqState, num_done_tokens: int) -> TransferJobSpec | None:
@@ -360,15 +378,19 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         sub = self.offload_config.sub_blocks_per_chunk
         gpu_ids: list[int] = []
         cpu_ids: list[int] = []
+        windowed: list[int] = []  # blocks the engine may free while the request runs
         for key, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
             g, c = where[key]
             f = self._groups[g].factor
             gpu_ids += state.block_ids[g][c * f:(c + 1) * f]
+            if not self._groups[g].is_full:
+                windowed += state.block_ids[g][c * f:(c + 1) * f]
             cpu_ids += [slot * sub + j for j in range(f)]
             if self._events.enabled:
                 self._events.add(key, self._describe(request, g, c))
         job = TransferJobSpec(next(self._job_ids), request.request_id, gpu_ids, cpu_ids)
         self._jobs[job.job_id] = _JobRecord(request.request_id, out.keys_to_store, is_store=True)
+        self._fence.add(job.job_id, windowed)
         state.store_jobs.add(job.job_id)
         return job
 
@@ -412,6 +434,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self._poisoned.discard(job_id)
                 success = False
             if record.is_store:
+                self._fence.release(job_id)
                 self.manager.complete_store(record.keys, success=success)
                 if not success:
                     self._events.discard(record.keys)
@@ -531,6 +554,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             self._pending_tier_writes.append(job)
 
     def _fail_store(self, job_id: int, record: _JobRecord) -> None:
+        self._fence.release(job_id)
         self.manager.complete_store(record.keys, success=False)
         self._events.discard(record.keys)
         self._poisoned.discard(job_id)
