@@ -28,7 +28,7 @@ from kvconnector_core.connector.base import KVConnectorBase_V1
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.connector.planning import StorePlanner
 
-__all__ = ["BUGS", "ReferenceConnector", "ReferenceMetadata"]
+__all__ = ["BUGS", "FalseHybridReferenceConnector", "ReferenceConnector", "ReferenceMetadata"]
 
 BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block")
 """Planted bugs: load another block's data; change one value per loaded block; claim one
@@ -177,3 +177,12 @@ class ReferenceConnector(KVConnectorBase_V1):
 
     def _add(self, key: str, value: float) -> None:
         self._stats[key] = self._stats.get(key, 0) + value
+
+
+class FalseHybridReferenceConnector(ReferenceConnector):
+    """The reference connector claiming hybrid support it lacks: it stores and loads group 0
+    only, so on a model with several KV cache groups the other groups' loaded blocks are
+    never written (what the kit's ``hybrid`` workload must catch)."""
+
+    name: ClassVar[str] = "FalseHybridReferenceConnector"
+    supports_multiple_kv_cache_groups: ClassVar[bool] = True

@@ -67,6 +67,8 @@ class OffloadingConnector(RoleSplitConnector):
     metadata_type: ClassVar[type[KVConnectorMetadata]] = OffloadingConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = False
+    # Offload keys carry the group index and each group plans its own chunks (docs/offload.md).
+    supports_multiple_kv_cache_groups: ClassVar[bool] = True
 
     def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:

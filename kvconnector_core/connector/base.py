@@ -102,6 +102,27 @@ class KVConnectorRole(enum.IntEnum):
     """Runs next to the model: moves KV bytes in and out of the paged tensors."""
 
 
+def _refuse_unsupported_groups(connector: KVConnectorBase_V1, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse a one-group connector on a model with several KV cache groups.
+
+    vLLM refuses a connector without hybrid support when its hybrid KV cache manager is
+    on; doing the same here keeps a connector that only knows group 0 from loading the
+    other groups' blocks wrongly (it would pass on one-group models and silently
+    corrupt outputs on hybrid ones). Read on the instance, so a wrapper such as
+    MultiConnector can declare it from its children.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) <= 1 or connector.supports_multiple_kv_cache_groups:
+        return
+    kinds = ", ".join(f"{i}: {g.kv_cache_spec.kind} x{len(g.layer_names)} layers"
+                      for i, g in enumerate(groups))
+    msg = (f"connector {connector.name or type(connector).__name__!r} handles one KV cache group "
+           f"only, but the model has {len(groups)} ({kinds}); use a model with one group (e.g. "
+           f"'tiny'), or declare supports_multiple_kv_cache_groups = True on the connector "
+           f"once it loads and stores every group's blocks")
+    raise ConfigError(msg)
+
+
 class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portability
     """Base class of every KV connector.
 
@@ -203,8 +224,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
 
         Raises:
             ConfigError: ``config`` is not a :class:`KVConnectorConfig`,
-                ``role`` is not a :class:`KVConnectorRole`, or ``extra_config``
-                does not convert to :attr:`settings_type`.
+                ``role`` is not a :class:`KVConnectorRole`, ``extra_config``
+                does not convert to :attr:`settings_type`, or ``kv_cache_config``
+                has several KV cache groups (a hybrid model) and the connector
+                does not declare :attr:`supports_multiple_kv_cache_groups`.
         """
         if not isinstance(config, KVConnectorConfig):
             msg = (
@@ -220,6 +243,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
                 f"or KVConnectorRole.WORKER (1), got {role!r}"
             )
             raise ConfigError(msg) from None
+        _refuse_unsupported_groups(self, kv_cache_config)
         self._config = config
         self._role = role
         self._kv_cache_config = kv_cache_config

@@ -37,14 +37,13 @@ Primitives: :class:`DataCheck`, :class:`DataCheckWorkload`, :class:`DataCheckRep
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvconnector_core.engine.engine import Engine, EngineConfig, RunResult
-from kvconnector_core.engine.workloads import Trace, TraceRequest
-from kvconnector_core.worker.model import ModelConfig
+from kvconnector_core.engine.engine import Engine, RunResult
+from kvconnector_core.engine.workloads import Trace
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.testing._data_workloads import DataCheckWorkload, data_check_workloads
 
 if TYPE_CHECKING:
     import torch
@@ -58,91 +57,7 @@ POISON = -1
 """What the kit writes into freshly allocated blocks (the model's KV values are residues >= 0)."""
 
 _MAX_PROBLEMS = 8  # enough to see a pattern; more only buries the first one
-_VOCAB = 1000
-
-
-@dataclass(frozen=True)
-class DataCheckWorkload:
-    """One small workload and the engine it runs on.
-
-    Attributes:
-        name: what it exercises.
-        requests: the trace (request ids are set, so both runs name requests alike).
-        num_gpu_blocks: GPU pool size (small values force eviction and preemption).
-        enable_prefix_caching: off makes every repeated prefix a connector hit.
-        block_size: tokens per block.
-        max_num_batched_tokens: token budget of a step.
-        max_num_seqs: most requests running at once.
-        max_model_len: longest sequence.
-    """
-
-    name: str
-    requests: tuple[TraceRequest, ...]
-    num_gpu_blocks: int = 64
-    enable_prefix_caching: bool = True
-    block_size: int = 4
-    max_num_batched_tokens: int = 64
-    max_num_seqs: int = 8
-    max_model_len: int = 96
-
-    def engine_config(self, connector: KVConnectorConfig | None) -> EngineConfig:
-        """The engine config of this workload, with ``connector`` (None = baseline)."""
-        model = ModelConfig(vocab_size=_VOCAB, layer_types=("full", "full"), num_kv_heads=1,
-                            head_size=8, mlp_size=16)
-        return EngineConfig(model=model, num_gpu_blocks=self.num_gpu_blocks, block_size=self.block_size,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                            enable_prefix_caching=self.enable_prefix_caching, connector=connector)
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(_VOCAB) for _ in range(n)]
-
-
-def _trace(items: Sequence[tuple[float, list[int], int]]) -> tuple[TraceRequest, ...]:
-    return tuple(TraceRequest(arrival=a, prompt_token_ids=p, max_new_tokens=m, request_id=f"r{i}")
-                 for i, (a, p, m) in enumerate(items))
-
-
-def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
-    """The standard workloads, by name (block size 4).
-
-    - ``block_aligned``: prompts of whole blocks; later ones extend earlier ones by whole
-      blocks (prefix caching off, so the shared part is the connector's to load).
-    - ``full_prompt_hit``: prompts repeated exactly, block-aligned and not, prefix caching
-      off: the connector may serve the whole prompt (see the full-prompt-hit rule in
-      ``KVConnectorBase_V1.update_state_after_alloc``).
-    - ``repeated_prefixes``: a shared system prompt that ends mid-block plus per-user
-      conversations that grow by a turn each round, prefix caching on, a pool too small
-      to keep every conversation: GPU hits and connector hits mix.
-    - ``eviction``: a pool just big enough for one request; the GPU prefix cache keeps
-      almost nothing, so repeats come from the connector.
-    - ``preemption``: long generations on a tiny pool; preempted requests are admitted
-      again with their output tokens as part of the prefix.
-    """
-    rng = random.Random(seed)
-    a16, a24, b16 = _tokens(rng, 16), _tokens(rng, 24), _tokens(rng, 16)
-    aligned = _trace([(0, a16, 3), (0, b16, 3), (10, a16 + _tokens(rng, 8), 3),
-                      (10, a24, 3), (20, a24 + _tokens(rng, 4), 3), (20, b16 + a16, 3)])
-    odd = _tokens(rng, 18)
-    full = _trace([(0, a16, 3), (0, odd, 3), (10, a16, 3), (10, odd, 3), (20, a16, 4),
-                   (20, odd, 2), (20, b16, 2), (30, b16, 2)])
-    system = _tokens(rng, 10)
-    turns = [[_tokens(rng, 7)] + [_tokens(rng, 3) for _ in range(2)] for _ in range(4)]
-    prefixes = _trace([(8 * r + i, system + sum(turns[i][:r + 1], []), 3)
-                       for r in range(3) for i in range(4)])
-    prompts = [_tokens(rng, 12 + 2 * i) for i in range(4)]
-    evict = _trace([(6 * i, prompts[i % 4], 2) for i in range(12)])
-    long_prompts = [_tokens(rng, 20 + i) for i in range(4)]
-    preempt = _trace([(0, p, 24) for p in long_prompts] + [(40, p, 8) for p in long_prompts])
-    workloads = [
-        DataCheckWorkload("block_aligned", aligned, enable_prefix_caching=False),
-        DataCheckWorkload("full_prompt_hit", full, enable_prefix_caching=False),
-        DataCheckWorkload("repeated_prefixes", prefixes, num_gpu_blocks=14, max_model_len=48),
-        DataCheckWorkload("eviction", evict, num_gpu_blocks=10, max_model_len=32, max_num_seqs=2),
-        DataCheckWorkload("preemption", preempt, num_gpu_blocks=30, max_model_len=64),
-    ]
-    return {w.name: w for w in workloads}
+_NULL_BLOCK = 0  # never read or written; a window group's blocks that left the window become it
 
 
 @dataclass
@@ -151,15 +66,22 @@ class DataCheckReport:
 
     Attributes:
         workload: the workload's name.
-        problems: one line per problem found (empty = the connector passed).
-        baseline: the run without a connector.
-        checked: the run with the connector.
+        problems: one line per problem found (empty = the connector passed): a KV row
+            that differs (request, group, token range, block index, GPU block, whether
+            it was never written), an output or final status that differs, raises of
+            the connector that were not injected, a failed store a lookup served.
+        baseline: the run without a connector (:class:`RunResult`: ``outputs``,
+            ``statuses``, ``metrics``, ``timeline``).
+        checked: the run with the connector (its ``metrics.connector_errors`` counts
+            every contained raise, injected ones included).
+        injected_raises: raises a fault-injecting wrapper made on purpose (not problems).
     """
 
     workload: str
     problems: list[str] = field(default_factory=list)
     baseline: RunResult | None = None
     checked: RunResult | None = None
+    injected_raises: int = 0
 
     @property
     def ok(self) -> bool:
@@ -178,7 +100,7 @@ class _RowBook:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+        self.rows: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.tokens: dict[str, list[int]] = {}
 
     def read(self, block_ids: list[int], group: int, end: int) -> torch.Tensor:
@@ -187,6 +109,28 @@ class _RowBook:
         bs = self.engine.model_runner.kv_caches.block_sizes[group]
         blocks = tensor[block_ids[:-(-end // bs)]]  # (n, layers, 2, bs, heads, head_size)
         return blocks.transpose(1, 3).reshape(len(blocks) * bs, -1)[:end]
+
+    def block_table(self, rid: str) -> list[list[int]]:
+        """The scheduler's block ids of ``rid``, per group.
+
+        Not the model runner's copy: a window group's scheduler replaces blocks that left
+        the window with the null block and frees them to other requests, while the
+        runner's table may still list them.
+        """
+        blocks = self.engine.scheduler.kv_cache_manager.get_blocks(rid).blocks
+        return [[b.block_id for b in group] for group in blocks]
+
+    def live(self, block_ids: list[int], group: int, end: int) -> torch.Tensor:
+        """Per row of :meth:`read`, whether it lies in a real block (not the null block).
+
+        A sliding-window or chunked group replaces blocks that left the window with the
+        null block, at times that differ between the runs; those rows are not compared.
+        """
+        import torch
+
+        bs = self.engine.model_runner.kv_caches.block_sizes[group]
+        ids = torch.tensor(block_ids[:-(-end // bs)], dtype=torch.long)
+        return (ids != _NULL_BLOCK).repeat_interleave(bs)[:end]
 
 
 def _scheduled(so: SchedulerOutput) -> list[tuple[str, int]]:
@@ -231,8 +175,8 @@ class _Recorder:
         for rid, end in _scheduled(so):
             state = runner.requests[rid]
             self.book.tokens[rid] = list(state.token_ids)
-            for g, ids in enumerate(state.block_ids):
-                self.book.rows[(rid, g)] = self.book.read(ids, g, end).clone()
+            for g, ids in enumerate(self.book.block_table(rid)):
+                self.book.rows[(rid, g)] = (self.book.read(ids, g, end).clone(), self.book.live(ids, g, end))
 
 
 class _Checker:
@@ -285,13 +229,15 @@ class _Checker:
         truth_tokens = self.truth.tokens.get(rid, [])
         same = next((i for i, (a, b) in enumerate(zip(state.token_ids, truth_tokens)) if a != b),
                     min(len(state.token_ids), len(truth_tokens)))
-        for g, ids in enumerate(state.block_ids):
-            want = self.truth.rows.get((rid, g))
-            if want is None:
+        for g, ids in enumerate(self.book.block_table(rid)):
+            truth = self.truth.rows.get((rid, g))
+            if truth is None:
                 continue
+            want, want_live = truth
             n = min(end, same, len(want))
             got = self.book.read(ids, g, n)
-            bad = (got != want[:n]).any(dim=1).nonzero().flatten().tolist()
+            differs = (got != want[:n]).any(dim=1) & want_live[:n] & self.book.live(ids, g, n)
+            bad = differs.nonzero().flatten().tolist()
             if bad:
                 self._report(rid, g, ids, bad, end)
                 return
@@ -306,8 +252,15 @@ class _Checker:
         ext = getattr(req, "num_external_computed_tokens", 0) if req is not None else 0
         first = bad[0] // bs
         rows = self.book.read(ids, group, end)[[t for t in bad if t // bs == first]]
-        what = ("was never written (it still holds the kit's poison)" if bool((rows == POISON).all())
-                else "holds other values")
+        poisoned = int((rows == POISON).all(dim=1).sum())
+        # Per bad row of that block: a row still all poison was never written at all.
+        if poisoned == len(rows):
+            what = "was never written (its bad rows still hold the kit's poison)"
+        elif poisoned:
+            what = (f"was written only in part: {poisoned} of its {len(rows)} bad rows still hold "
+                    f"the kit's poison (never written), the others hold wrong values")
+        else:
+            what = "holds wrong values in every bad row (written, but not with this data)"
         self.problems.append(
             f"step {self.step}: request {rid!r}, group {group}: {len(bad)} KV rows in "
             f"[{bad[0]}, {bad[-1] + 1}) differ from the no-connector run; the first bad block, "
@@ -330,26 +283,79 @@ def _outputs_problems(baseline: RunResult, checked: RunResult) -> list[str]:
     return problems
 
 
-def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload) -> DataCheckReport:
+def _resolve(workload: DataCheckWorkload | str) -> DataCheckWorkload:
+    if isinstance(workload, DataCheckWorkload):
+        return workload
+    known = data_check_workloads()
+    if workload not in known:
+        msg = f"unknown data check workload {workload!r}; valid names: {', '.join(known)}"
+        raise ConfigError(msg)
+    return known[workload]
+
+
+def _injected_raises(engine: Engine) -> int:
+    """Raises a fault-injecting wrapper (``fault_injection_config``) made on purpose."""
+    from kvconnector_core.testing.faults import FaultInjectingConnector
+
+    return sum(c.num_injected_raises for c in (engine.scheduler_connector, engine.worker_connector)
+               if isinstance(c, FaultInjectingConnector))
+
+
+def _visible_failed_stores(engine: Engine) -> int:
+    from kvconnector_core.testing.faults import FaultInjectingConnector
+
+    conn = engine.scheduler_connector
+    return len(conn.failed_store_hits) if isinstance(conn, FaultInjectingConnector) else 0
+
+
+def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | str, *,
+                   layer_types: tuple[str, ...] | None = None) -> DataCheckReport:
     """Run ``workload`` without and with ``connector``; compare outputs and KV rows.
+
+    ``connector`` may be wrapped in faults (``fault_injection_config``): the faults it
+    injects on purpose (raising hooks, failed stores, which are raises from
+    ``wait_for_save``) are not counted as the connector's own errors, while outputs and
+    rows are still compared, and a failed store that a later lookup served is a problem.
+
+    Args:
+        connector: the connector to check.
+        workload: a :class:`DataCheckWorkload` or the name of a standard one
+            (:func:`data_check_workloads`: ``"block_aligned"``, ``"full_prompt_hit"``,
+            ``"repeated_prefixes"``, ``"eviction"``, ``"preemption"``, ``"hybrid"``).
+        layer_types: run the workload on this model instead (e.g.
+            ``("full", "sliding:8")``, a hybrid model with two KV cache groups).
 
     Returns:
         The report; ``report.ok`` when nothing differed.
+
+    Raises:
+        ConfigError: an unknown workload name, or the connector refused the model (a
+            connector without ``supports_multiple_kv_cache_groups`` on a hybrid model).
     """
-    trace = Trace(workload.name, list(workload.requests))
-    with Engine(workload.engine_config(None)) as engine:
+    work = _resolve(workload)
+    if layer_types is not None:
+        work = replace(work, layer_types=tuple(layer_types))
+    trace = Trace(work.name, list(work.requests))
+    with Engine(work.engine_config(None)) as engine:
         recorder = _Recorder(engine)
         _observe(engine, recorder)
         baseline = engine.run(trace)
-    with Engine(workload.engine_config(connector)) as engine:
+    with Engine(work.engine_config(connector)) as engine:
         checker = _Checker(engine, recorder.book)
         _observe(engine, checker)
         checked = engine.run(trace)
-    report = DataCheckReport(workload.name, baseline=baseline, checked=checked)
+    report = DataCheckReport(work.name, baseline=baseline, checked=checked)
     report.problems = checker.problems + _outputs_problems(baseline, checked)
-    if checked.metrics.connector_errors:
-        report.problems.append(f"the connector raised (contained by the engine) in: "
-                               f"{checked.metrics.connector_errors}")
+    errors = checked.metrics.connector_errors
+    report.injected_raises = _injected_raises(engine)
+    if sum(errors.values()) > report.injected_raises:
+        report.problems.append(
+            f"the connector raised (contained by the engine) in: {errors}"
+            + (f"; only {report.injected_raises} of these raises were injected faults"
+               if report.injected_raises else ""))
+    if visible := _visible_failed_stores(engine):
+        report.problems.append(f"{visible} lookup(s) claimed blocks whose store failed (injected): a "
+                               f"failed store must never become visible to lookups")
     return report
 
 
@@ -357,14 +363,18 @@ class DataCheck:
     """Data tests for one connector configuration (see the module docstring).
 
     Attributes:
-        connector_config: the connector to check (required).
+        connector_config: the connector to check (required); may be a
+            ``fault_injection_config`` (injected faults are not counted as errors).
+        layer_types: when set, every standard workload runs on this model instead of
+            the kit's one-group model (e.g. ``("full", "sliding:8")``).
     """
 
     connector_config: ClassVar[KVConnectorConfig]
+    layer_types: ClassVar[tuple[str, ...] | None] = None
 
     def check(self, workload_name: str) -> DataCheckReport:
         """Run one standard workload; fail the test with the report unless it is clean."""
-        report = run_data_check(self.connector_config, data_check_workloads()[workload_name])
+        report = run_data_check(self.connector_config, workload_name, layer_types=self.layer_types)
         assert report.ok, str(report)  # noqa: S101 - this is a test
         return report
 
@@ -387,3 +397,25 @@ class DataCheck:
     def test_preemption(self) -> None:
         """Preempted requests admitted again: same outputs, same KV rows."""
         self.check("preemption")
+
+    def test_hybrid(self) -> None:
+        """A model with three KV cache groups: the same checks when the connector declares
+        ``supports_multiple_kv_cache_groups``, else the engine must refuse it (ConfigError)."""
+        from kvconnector_core.connector.base import KVConnectorRole
+        from kvconnector_core.connector.registry import create_connector
+
+        work = data_check_workloads()["hybrid"]
+        one_group = data_check_workloads()["block_aligned"].engine_config(None).kv_cache_config()
+        probe = create_connector(self.connector_config, KVConnectorRole.SCHEDULER, one_group)
+        declared = probe.supports_multiple_kv_cache_groups
+        probe.shutdown()
+        if declared:
+            self.check(work.name)
+            return
+        try:
+            Engine(work.engine_config(self.connector_config)).shutdown()
+        except ConfigError:
+            return  # refused, as a one-group connector must be
+        msg = (f"{self.connector_config.name} does not declare supports_multiple_kv_cache_groups, "
+               f"yet the engine accepted it on a model with several KV cache groups")
+        raise AssertionError(msg)
