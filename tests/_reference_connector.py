@@ -28,7 +28,8 @@ from kvconnector_core.connector.base import KVConnectorBase_V1
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.connector.planning import StorePlanner
 
-__all__ = ["BUGS", "FalseHybridReferenceConnector", "ReferenceConnector", "ReferenceMetadata"]
+__all__ = ["BUGS", "FalseHybridReferenceConnector", "OneShotLookupReferenceConnector", "ReferenceConnector",
+           "ReferenceMetadata"]
 
 BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block")
 """Planted bugs: load another block's data; change one value per loaded block; claim one
@@ -186,3 +187,18 @@ class FalseHybridReferenceConnector(ReferenceConnector):
 
     name: ClassVar[str] = "FalseHybridReferenceConnector"
     supports_multiple_kv_cache_groups: ClassVar[bool] = True
+
+
+class OneShotLookupReferenceConnector(ReferenceConnector):
+    """The reference connector with a lookup that is not repeatable: a hit is handed out
+    once per request, so asking again (as vLLM does for a request that stays waiting)
+    answers a miss."""
+
+    name: ClassVar[str] = "OneShotLookupReferenceConnector"
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if n and request.request_id in getattr(self, "_handed_out", set()):
+            return 0, False
+        self._handed_out = getattr(self, "_handed_out", set()) | ({request.request_id} if n else set())
+        return n, load_async

@@ -189,3 +189,11 @@ def test_partly_written_block_is_named_as_such() -> None:
     assert not report.ok
     first = report.problems[0]
     assert "never written" in first or "written only in part" in first, first
+
+
+def test_kit_asks_lookups_twice_and_catches_an_answer_that_changes_on_hits() -> None:
+    """Regression (gaps 6 and 13): the contract asked twice on a fresh miss only, so a lookup
+    with side effects on hits passed. DataCheck now repeats every lookup, hits included."""
+    cfg = KVConnectorConfig(name="OneShotLookupReferenceConnector", module_path="_reference_connector")
+    report = run_data_check(cfg, "block_aligned")
+    assert any("when asked again at once" in p for p in report.problems), str(report)

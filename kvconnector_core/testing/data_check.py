@@ -308,6 +308,33 @@ def _visible_failed_stores(engine: Engine) -> int:
     return len(conn.failed_store_hits) if isinstance(conn, FaultInjectingConnector) else 0
 
 
+def _ask_lookups_twice(engine: Engine, problems: list[str]) -> None:
+    """Ask every lookup twice in a row and report a second answer that differs.
+
+    vLLM 0.33's scheduler asks ``get_num_new_matched_tokens`` again, with the same
+    arguments, whenever a waiting request is not admitted (no budget, no blocks), so an
+    answer must not depend on having been asked before. A first answer of None ("not
+    known yet, ask again") may change.
+    """
+    conn = engine.scheduler_connector
+    if conn is None:
+        return
+    ask = conn.get_num_new_matched_tokens
+
+    def twice(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        first = ask(request, num_computed_tokens)
+        again = ask(request, num_computed_tokens)
+        if first[0] is not None and tuple(again) != tuple(first) and len(problems) < _MAX_PROBLEMS:
+            problems.append(
+                f"request {request.request_id!r}: get_num_new_matched_tokens(request, "
+                f"{num_computed_tokens}) answered {tuple(first)}, then {tuple(again)} when asked "
+                f"again at once; a lookup must give the same answer until the state changes "
+                f"(vLLM asks again for a request that stays waiting)")
+        return again
+
+    conn.get_num_new_matched_tokens = twice  # type: ignore[method-assign]
+
+
 def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | str, *,
                    layer_types: tuple[str, ...] | None = None) -> DataCheckReport:
     """Run ``workload`` without and with ``connector``; compare outputs and KV rows.
@@ -316,6 +343,8 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | s
     injects on purpose (raising hooks, failed stores, which are raises from
     ``wait_for_save``) are not counted as the connector's own errors, while outputs and
     rows are still compared, and a failed store that a later lookup served is a problem.
+    Every lookup is asked twice in a row (as vLLM may): a second answer that differs from
+    the first is a problem.
 
     Args:
         connector: the connector to check.
@@ -343,6 +372,7 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | s
     with Engine(work.engine_config(connector)) as engine:
         checker = _Checker(engine, recorder.book)
         _observe(engine, checker)
+        _ask_lookups_twice(engine, checker.problems)
         checked = engine.run(trace)
     report = DataCheckReport(work.name, baseline=baseline, checked=checked)
     report.problems = checker.problems + _outputs_problems(baseline, checked)
