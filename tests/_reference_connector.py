@@ -29,6 +29,7 @@ from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnector
 from kvconnector_core.connector.planning import StorePlanner
 
 __all__ = ["BUGS", "FalseHybridReferenceConnector", "OneShotLookupReferenceConnector", "ReferenceConnector",
+           "UndeclaredAsyncReferenceConnector",
            "ReferenceMetadata"]
 
 BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block")
@@ -202,3 +203,10 @@ class OneShotLookupReferenceConnector(ReferenceConnector):
             return 0, False
         self._handed_out = getattr(self, "_handed_out", set()) | ({request.request_id} if n else set())
         return n, load_async
+
+
+class UndeclaredAsyncReferenceConnector(ReferenceConnector):
+    """The reference connector answering ``load_async=True`` without declaring it."""
+
+    name: ClassVar[str] = "UndeclaredAsyncReferenceConnector"
+    supports_async_load: ClassVar[bool] = False

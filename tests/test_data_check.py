@@ -197,3 +197,10 @@ def test_kit_asks_lookups_twice_and_catches_an_answer_that_changes_on_hits() -> 
     cfg = KVConnectorConfig(name="OneShotLookupReferenceConnector", module_path="_reference_connector")
     report = run_data_check(cfg, "block_aligned")
     assert any("when asked again at once" in p for p in report.problems), str(report)
+
+
+def test_kit_reports_an_async_answer_without_the_declaration() -> None:
+    cfg = KVConnectorConfig(name="UndeclaredAsyncReferenceConnector", module_path="_reference_connector",
+                            extra_config={"load_async": True})
+    report = run_data_check(cfg, "block_aligned")
+    assert any("does not declare supports_async_load" in p for p in report.problems), str(report)

@@ -177,10 +177,15 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``build_connector_meta``; wrappers use it to decode the plan.
         supports_async_load: ``get_num_new_matched_tokens`` may answer
             ``load_async=True`` (the request then waits in
-            WAITING_FOR_REMOTE_KVS until ``finished_recving`` reports it).
-        has_sync_kv_loads: the connector may answer ``load_async=False`` with
-            tokens to load, so the worker must run ``start_load_kv`` before the
-            forward and finish those loads before the layers read them.
+            WAITING_FOR_REMOTE_KVS until ``finished_recving`` reports it). A
+            declaration: the engine goes by each answer, and ``DataCheck`` reports an
+            async answer from a connector that does not declare it.
+        has_sync_kv_loads: run ``start_load_kv`` before the forward in *every*
+            step. Not needed for synchronous loads: the scheduler sets
+            ``SchedulerOutput.has_sync_kv_loads`` in each step where some request
+            loads synchronously (vLLM 0.33 does the same and has no such class
+            attribute), and the worker then starts loads before the forward. Leave it
+            False unless ``start_load_kv`` must always precede the forward.
         requires_block_pool: the connector does nothing useful without
             ``bind_gpu_block_pool`` (e.g. it pins GPU blocks); engines without a
             block pool must refuse it.

@@ -330,6 +330,9 @@ def _ask_lookups_twice(engine: Engine, problems: list[str]) -> None:
                 f"{num_computed_tokens}) answered {tuple(first)}, then {tuple(again)} when asked "
                 f"again at once; a lookup must give the same answer until the state changes "
                 f"(vLLM asks again for a request that stays waiting)")
+        if again[1] and not conn.supports_async_load and len(problems) < _MAX_PROBLEMS:
+            problems.append(f"request {request.request_id!r}: the lookup answered load_async=True, "
+                            f"but the connector does not declare supports_async_load")
         return again
 
     conn.get_num_new_matched_tokens = twice  # type: ignore[method-assign]
