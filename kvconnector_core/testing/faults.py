@@ -452,12 +452,19 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """The inner stats plus ``injected_faults`` (and ``failed_stores_visible``)."""
+        """The inner stats plus ``injected_faults`` (and ``failed_stores_visible``), both as
+        counts since the previous call."""
         self._maybe_raise("get_kv_connector_stats")
         stats = dict(self.inner.get_kv_connector_stats() or {})
-        stats["injected_faults"] = dict(self.num_injected)
+        # Deltas since the last call, as the engine sums stats over steps (totals would be
+        # counted again every step); ``num_injected`` keeps the totals.
+        now = {**self.num_injected, "failed_stores_visible": len(self.failed_store_hits)}
+        seen = getattr(self, "_stats_reported", {})
+        self._stats_reported = now
+        delta = {k: v - seen.get(k, 0) for k, v in now.items()}
+        stats["injected_faults"] = {k: delta[k] for k in self.num_injected}
         if self.role == KVConnectorRole.SCHEDULER:
-            stats["failed_stores_visible"] = len(self.failed_store_hits)
+            stats["failed_stores_visible"] = delta["failed_stores_visible"]
         return stats
 
     def clear_connector_metadata(self) -> None:
