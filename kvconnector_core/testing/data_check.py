@@ -43,6 +43,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvconnector_core.engine.engine import Engine, RunResult
 from kvconnector_core.engine.workloads import Trace
 from kvconnector_core.errors import ConfigError
+from kvconnector_core.testing._data_probes import (
+    MAX_PROBLEMS,
+    ask_lookups_twice,
+    injected_raises,
+    visible_failed_stores,
+)
 from kvconnector_core.testing._data_workloads import DataCheckWorkload, data_check_workloads
 
 if TYPE_CHECKING:
@@ -56,7 +62,7 @@ __all__ = ["DataCheck", "DataCheckReport", "DataCheckWorkload", "data_check_work
 POISON = -1
 """What the kit writes into freshly allocated blocks (the model's KV values are residues >= 0)."""
 
-_MAX_PROBLEMS = 8  # enough to see a pattern; more only buries the first one
+_MAX_PROBLEMS = MAX_PROBLEMS
 _NULL_BLOCK = 0  # never read or written; a window group's blocks that left the window become it
 
 
@@ -293,51 +299,6 @@ def _resolve(workload: DataCheckWorkload | str) -> DataCheckWorkload:
     return known[workload]
 
 
-def _injected_raises(engine: Engine) -> int:
-    """Raises a fault-injecting wrapper (``fault_injection_config``) made on purpose."""
-    from kvconnector_core.testing.faults import FaultInjectingConnector
-
-    return sum(c.num_injected_raises for c in (engine.scheduler_connector, engine.worker_connector)
-               if isinstance(c, FaultInjectingConnector))
-
-
-def _visible_failed_stores(engine: Engine) -> int:
-    from kvconnector_core.testing.faults import FaultInjectingConnector
-
-    conn = engine.scheduler_connector
-    return len(conn.failed_store_hits) if isinstance(conn, FaultInjectingConnector) else 0
-
-
-def _ask_lookups_twice(engine: Engine, problems: list[str]) -> None:
-    """Ask every lookup twice in a row and report a second answer that differs.
-
-    vLLM 0.33's scheduler asks ``get_num_new_matched_tokens`` again, with the same
-    arguments, whenever a waiting request is not admitted (no budget, no blocks), so an
-    answer must not depend on having been asked before. A first answer of None ("not
-    known yet, ask again") may change.
-    """
-    conn = engine.scheduler_connector
-    if conn is None:
-        return
-    ask = conn.get_num_new_matched_tokens
-
-    def twice(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        first = ask(request, num_computed_tokens)
-        again = ask(request, num_computed_tokens)
-        if first[0] is not None and tuple(again) != tuple(first) and len(problems) < _MAX_PROBLEMS:
-            problems.append(
-                f"request {request.request_id!r}: get_num_new_matched_tokens(request, "
-                f"{num_computed_tokens}) answered {tuple(first)}, then {tuple(again)} when asked "
-                f"again at once; a lookup must give the same answer until the state changes "
-                f"(vLLM asks again for a request that stays waiting)")
-        if again[1] and not conn.supports_async_load and len(problems) < _MAX_PROBLEMS:
-            problems.append(f"request {request.request_id!r}: the lookup answered load_async=True, "
-                            f"but the connector does not declare supports_async_load")
-        return again
-
-    conn.get_num_new_matched_tokens = twice  # type: ignore[method-assign]
-
-
 def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | str, *,
                    layer_types: tuple[str, ...] | None = None) -> DataCheckReport:
     """Run ``workload`` without and with ``connector``; compare outputs and KV rows.
@@ -375,18 +336,18 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | s
     with Engine(work.engine_config(connector)) as engine:
         checker = _Checker(engine, recorder.book)
         _observe(engine, checker)
-        _ask_lookups_twice(engine, checker.problems)
+        ask_lookups_twice(engine, checker.problems)
         checked = engine.run(trace)
     report = DataCheckReport(work.name, baseline=baseline, checked=checked)
     report.problems = checker.problems + _outputs_problems(baseline, checked)
     errors = checked.metrics.connector_errors
-    report.injected_raises = _injected_raises(engine)
+    report.injected_raises = injected_raises(engine)
     if sum(errors.values()) > report.injected_raises:
         report.problems.append(
             f"the connector raised (contained by the engine) in: {errors}"
             + (f"; only {report.injected_raises} of these raises were injected faults"
                if report.injected_raises else ""))
-    if visible := _visible_failed_stores(engine):
+    if visible := visible_failed_stores(engine):
         report.problems.append(f"{visible} lookup(s) claimed blocks whose store failed (injected): a "
                                f"failed store must never become visible to lookups")
     return report
