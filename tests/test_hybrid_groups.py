@@ -91,3 +91,23 @@ def test_role_split_facade_is_refused_before_making_its_role_object() -> None:
     with pytest.raises(ConfigError, match="'OneGroupFacade'"):
         OneGroupFacade(KVConnectorConfig(name="OneGroupFacade"), KVConnectorRole.SCHEDULER,
                        _kv_cache_config("tiny-hybrid"))
+
+
+def test_cli_refuses_a_one_group_connector_on_a_hybrid_model(tmp_path, capsys) -> None:
+    """`kvconnector run --model tiny-hybrid` with a one-group connector: exit 2 and the
+    reason, not wrong outputs (the stranger saw 23 of 32 requests differ, exit 1)."""
+    import torch
+
+    from kvconnector_core.cli import main
+
+    config = tmp_path / "ref.json"
+    config.write_text('{"name": "ReferenceConnector", "module_path": "_reference_connector"}')
+    threads = torch.get_num_threads()
+    try:
+        code = main(["run", "--model", "tiny-hybrid", "--config", str(config)])
+    finally:
+        torch.set_num_threads(threads)  # run_cmd sets one thread on CPU
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "'ReferenceConnector' handles one KV cache group only" in err
+    assert "Traceback" not in err
