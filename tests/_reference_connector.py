@@ -24,13 +24,19 @@ from typing import Any, ClassVar
 import msgspec
 import torch
 
-from kvconnector_core.connector.base import KVConnectorBase_V1
+from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.connector.planning import StorePlanner
 
-__all__ = ["BUGS", "FalseHybridReferenceConnector", "OneShotLookupReferenceConnector", "ReferenceConnector",
-           "UndeclaredAsyncReferenceConnector",
-           "ReferenceMetadata"]
+__all__ = [
+    "BUGS",
+    "FalseHybridReferenceConnector",
+    "HitCountingReferenceConnector",
+    "OneShotLookupReferenceConnector",
+    "ReferenceConnector",
+    "ReferenceMetadata",
+    "UndeclaredAsyncReferenceConnector",
+]
 
 BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block")
 """Planted bugs: load another block's data; change one value per loaded block; claim one
@@ -210,3 +216,22 @@ class UndeclaredAsyncReferenceConnector(ReferenceConnector):
 
     name: ClassVar[str] = "UndeclaredAsyncReferenceConnector"
     supports_async_load: ClassVar[bool] = False
+
+
+class HitCountingReferenceConnector(ReferenceConnector):
+    """The reference connector counting hits in its lookup (a side effect that never changes
+    an answer, but doubles the count when vLLM asks again)."""
+
+    name: ClassVar[str] = "HitCountingReferenceConnector"
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if n:
+            self._hits = getattr(self, "_hits", 0) + 1
+        return n, load_async
+
+    def get_kv_connector_stats(self):
+        stats = dict(super().get_kv_connector_stats() or {})
+        if self.role == KVConnectorRole.SCHEDULER and getattr(self, "_hits", 0):
+            stats["lookup_hits"], self._hits = self._hits, 0
+        return stats or None

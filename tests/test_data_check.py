@@ -204,3 +204,20 @@ def test_kit_reports_an_async_answer_without_the_declaration() -> None:
                             extra_config={"load_async": True})
     report = run_data_check(cfg, "block_aligned")
     assert any("does not declare supports_async_load" in p for p in report.problems), str(report)
+
+
+def test_kit_catches_a_lookup_that_counts_hits() -> None:
+    """Regression (gap 13): a lookup that counted hits in its stats (answers unchanged) passed
+    every check; the kit now compares runs with lookups asked once and twice."""
+
+    class Probe(DataCheck):
+        connector_config = KVConnectorConfig(name="HitCountingReferenceConnector",
+                                             module_path="_reference_connector")
+
+    with pytest.raises(AssertionError, match="stats counters differ.*lookup_hits"):
+        Probe().test_lookups_are_repeatable()
+
+    class Clean(DataCheck):
+        connector_config = reference()
+
+    Clean().test_lookups_are_repeatable()

@@ -1,7 +1,8 @@
 """What ``run_data_check`` watches besides KV rows (private): every lookup asked twice, and
 the faults a fault-injecting wrapper made on purpose.
 
-Primitives: :func:`ask_lookups_twice`, :func:`injected_raises`, :func:`visible_failed_stores`.
+Primitives: :func:`ask_lookups_twice`, :func:`lookup_side_effects`, :func:`injected_raises`,
+:func:`visible_failed_stores`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvconnector_core.engine.engine import Engine
 
-__all__ = ["MAX_PROBLEMS", "ask_lookups_twice", "injected_raises", "visible_failed_stores"]
+__all__ = ["MAX_PROBLEMS", "ask_lookups_twice", "injected_raises", "lookup_side_effects", "visible_failed_stores"]
 
 MAX_PROBLEMS = 8
 """Problems one report lists: enough to see a pattern; more only buries the first one."""
@@ -60,3 +61,35 @@ def ask_lookups_twice(engine: Engine, problems: list[str]) -> None:
         return again
 
     conn.get_num_new_matched_tokens = twice  # type: ignore[method-assign]
+
+
+def _count_stats(stats: dict[str, float]) -> dict[str, float]:
+    """The integer counters of a run's connector stats (timings, floats, vary between runs)."""
+    return {k: v for k, v in stats.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def lookup_side_effects(run: Any) -> list[str]:
+    """Run a workload twice, lookups asked once and asked twice; report what differs.
+
+    Args:
+        run: ``run(ask_twice: bool) -> RunResult``, one engine run with the connector.
+
+    Returns:
+        Problems: differing outputs, hit tokens or integer stats counters (a lookup that
+        counts hits, reserves or reorders on a hit shows up here even when it answers
+        the same when asked again).
+    """
+    once, twice = run(False), run(True)
+    problems = []
+    if once.outputs != twice.outputs:
+        problems.append("outputs differ when every lookup is asked twice")
+    a, b = once.metrics, twice.metrics
+    if a.connector_hit_tokens != b.connector_hit_tokens:
+        problems.append(f"the connector served {a.connector_hit_tokens} tokens with lookups asked once, "
+                        f"{b.connector_hit_tokens} with lookups asked twice")
+    sa, sb = _count_stats(a.connector_stats), _count_stats(b.connector_stats)
+    changed = {k: (sa.get(k), sb.get(k)) for k in sorted(sa.keys() | sb.keys()) if sa.get(k) != sb.get(k)}
+    if changed:
+        problems.append(f"stats counters differ when every lookup is asked twice (once, twice): {changed}; "
+                        f"a lookup must not count, reserve or reorder (do that in update_state_after_alloc)")
+    return problems

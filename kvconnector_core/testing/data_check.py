@@ -47,6 +47,7 @@ from kvconnector_core.testing._data_probes import (
     MAX_PROBLEMS,
     ask_lookups_twice,
     injected_raises,
+    lookup_side_effects,
     visible_failed_stores,
 )
 from kvconnector_core.testing._data_workloads import DataCheckWorkload, data_check_workloads
@@ -391,6 +392,22 @@ class DataCheck:
     def test_preemption(self) -> None:
         """Preempted requests admitted again: same outputs, same KV rows."""
         self.check("preemption")
+
+    def test_lookups_are_repeatable(self) -> None:
+        """The ``eviction`` workload with lookups asked once and twice: same outputs, hits
+        and stats counters (vLLM asks again for a request that stays waiting)."""
+        work = data_check_workloads()["eviction"]
+        if self.layer_types is not None:
+            work = replace(work, layer_types=self.layer_types)
+
+        def run(ask_twice: bool) -> RunResult:
+            with Engine(work.engine_config(self.connector_config)) as engine:
+                if ask_twice:
+                    ask_lookups_twice(engine, [])
+                return engine.run(Trace(work.name, list(work.requests)))
+
+        problems = lookup_side_effects(run)
+        assert not problems, "\n".join(problems)  # noqa: S101 - this is a test
 
     def test_hybrid(self) -> None:
         """A model with three KV cache groups: the same checks when the connector declares
