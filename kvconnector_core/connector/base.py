@@ -195,7 +195,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``get_required_kvcache_layout`` with it.
         supports_multiple_kv_cache_groups: the connector handles models with
             several KV cache groups (hybrid models); the vLLM adapter enables
-            vLLM's hybrid KV cache manager only for such connectors.
+            vLLM's hybrid KV cache manager only for such connectors, and the
+            constructor refuses any other connector on such a model (ConfigError).
+            Read on the instance, so a wrapper may set it from what it wraps before
+            calling ``super().__init__``.
         settings_type: the connector's settings, a
             :class:`~kvconnector_core.connector.settings.ConnectorSettings` Struct;
             ``extra_config`` is converted to it on creation (unknown keys and bad

@@ -28,6 +28,13 @@ never loaded is caught even when the pool happens to reuse a block holding the s
 prefix. The workloads use a tiny exact-integer model (see ``docs/determinism.md``), so
 equal data means bit-equal rows.
 
+Every lookup is asked twice in a row (as vLLM may ask again); ``test_lookups_are_repeatable``
+also compares runs with lookups asked once and twice. ``test_hybrid`` runs a model with
+three KV cache groups when the connector declares ``supports_multiple_kv_cache_groups``
+and otherwise checks that it is refused; ``layer_types`` runs every workload on a model
+of your choice. A ``fault_injection_config`` may be checked too: the faults it injects
+are not counted as the connector's errors.
+
 :func:`run_data_check` does the same without pytest and returns a
 :class:`DataCheckReport`.
 
