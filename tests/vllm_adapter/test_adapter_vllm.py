@@ -50,7 +50,8 @@ def test_hma_adapter_refuses_a_single_group_connector():
     from kvconnector_core.errors import ConfigError
     from kvconnector_core.integrations.vllm import KVConnectorAdapterHMA
 
-    rig = VllmRig(offload())
+    # The TTL example handles one group (cpu_offload declares several since issue 11).
+    rig = VllmRig(connector("ttl", {}))
     with pytest.raises(ConfigError, match="handles one KV cache group only"):
         KVConnectorAdapterHMA(rig.cfg, KVConnectorRole.SCHEDULER, rig.kv_cache_config)
 

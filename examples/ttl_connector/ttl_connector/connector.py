@@ -94,8 +94,6 @@ class TTLPinConnector(KVConnectorBase_V1):
     aliases: ClassVar[tuple[str, ...]] = ("ttl",)
     metadata_type: ClassVar[type[KVConnectorMetadata]] = TTLMetadata
     requires_block_pool: ClassVar[bool] = True
-    # It pins group 0's cached blocks and moves no KV data, so other groups cannot go wrong.
-    supports_multiple_kv_cache_groups: ClassVar[bool] = True
     settings_type: ClassVar[type[Any] | None] = TTLSettings
 
     def __init__(
