@@ -111,3 +111,20 @@ def test_cli_refuses_a_one_group_connector_on_a_hybrid_model(tmp_path, capsys) -
     assert code == 2
     assert "'ReferenceConnector' handles one KV cache group only" in err
     assert "Traceback" not in err
+
+
+def test_request_finished_runs_for_a_request_aborted_before_admission() -> None:
+    """What writing-a-connector.md promises (the lookup contract's cleanup): a request that
+    never left the waiting queue still gets request_finished once, with no block ids."""
+    from kvconnector_core.request import RequestStatus
+
+    config = EngineConfig(model=get_model("tiny"), num_gpu_blocks=64, block_size=16, max_model_len=256,
+                          connector=KVConnectorConfig(name="RecordingConnector",
+                                                      module_path="kvconnector_core.testing.recording"))
+    with Engine(config) as engine:
+        rid = engine.add_request(list(range(40)), 4)
+        engine.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        finished = [args for hook, args in engine.scheduler_connector.calls if hook == "request_finished"]
+    assert len(finished) == 1
+    recorded_id, block_ids = finished[0]  # RecordingConnector records the request's id
+    assert recorded_id == rid and list(block_ids) == []
