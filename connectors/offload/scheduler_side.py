@@ -446,6 +446,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         for job in dropped:
             self._release_load(job.job_id)
         for rid in request_ids:
+            self._gpu_hit_tokens.pop(rid, None)
             if self.tiers is not None:
                 self.tiers.lookups.forget(rid)
             state = self._reqs.get(rid)
