@@ -235,6 +235,10 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         results = [guard.reset_cache() for guard in self.guards]
         return all(results)
 
+    def has_pending_work(self) -> bool:
+        """Whether a child (or its guard) has something to deliver in a later step."""
+        return any([g.has_pending_work() for g in self.guards])  # a list: ask every guard
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""
         per_child = {g.label: s for g in self.guards if (s := g.get_kv_connector_stats())}

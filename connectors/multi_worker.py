@@ -215,6 +215,10 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         """Every child's worker-side events (e.g. an offload child's disk and Redis tiers)."""
         return [e for g in self.guards for e in g.get_kv_connector_kv_cache_events()]
 
+    def has_pending_work(self) -> bool:
+        """Whether a child (or its guard) has something to deliver in a later step."""
+        return any([g.has_pending_work() for g in self.guards])  # a list: ask every guard
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""
         per_child = {g.label: s for g in self.guards if (s := g.get_kv_connector_stats())}

@@ -265,5 +265,9 @@ class InMemoryConnector(KVConnectorBase_V1):
         stats, self._stats = self._stats, {}
         return stats or None
 
+    def has_pending_work(self):
+        """Scheduler side: cancellations not sent yet; worker side: saves not copied yet."""
+        return bool(self._cancelled or self._pending)
+
     def _add(self, key: str, value: float) -> None:
         self._stats[key] = self._stats.get(key, 0) + value

@@ -537,6 +537,10 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         Nothing with events off."""
         return self._events.snapshot(self.manager)
 
+    def has_pending_work(self) -> bool:
+        """Jobs not completed yet, or loads, delayed frees or tier writes not sent yet."""
+        return bool(self._jobs or self._pending_loads or self._delayed_free or self._pending_tier_writes)
+
     def shutdown(self) -> None:
         """Close the tiers' connections (their lookups run on their own threads)."""
         if self.tiers is not None:

@@ -20,6 +20,11 @@ __all__ = ["GuardBase"]
 logger = logging.getLogger("kvconnector_core.connector.guard")
 T = TypeVar("T")
 
+MAX_PENDING_STEPS = 64
+"""Consecutive asks for which a guard answers that its connector has pending work; past
+this the engine is let go idle (logged once), so a connector that never delivers cannot
+keep it stepping forever."""
+
 
 class GuardBase:
     """A connector (one role) behind the failure contract.
@@ -36,6 +41,24 @@ class GuardBase:
         self.label = label or connector.name
         self.errors: dict[str, int] = {} if errors is None else errors
         """Per hook name, how many times the connector raised (contained)."""
+        self._pending_asks = 0
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine should run another step for this connector: the guard's own
+        redeliveries (:meth:`_own_pending`) or the connector's ``has_pending_work`` (a
+        raise counts as no). After :data:`MAX_PENDING_STEPS` consecutive yeses, no."""
+        hook = getattr(self.connector, "has_pending_work", None)  # optional: older connectors lack it
+        pending = self._own_pending() or (
+            hook is not None and self._contained("has_pending_work", "taken as no", hook, False)[0] is True)
+        self._pending_asks = self._pending_asks + 1 if pending else 0
+        if self._pending_asks == MAX_PENDING_STEPS + 1:
+            logger.error("connector %s: still has pending work after %d steps; the engine may go idle",
+                         self.label, MAX_PENDING_STEPS)
+        return pending and self._pending_asks <= MAX_PENDING_STEPS
+
+    def _own_pending(self) -> bool:
+        """What the guard itself still has to deliver (subclasses)."""
+        return False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.label}>"

@@ -66,6 +66,10 @@ class GuardedWorker(GuardBase):
         """The connector's capability (read on the instance)."""
         return bool(self.connector.has_sync_kv_loads)
 
+    def _own_pending(self) -> bool:
+        """Finished request ids a raising ``get_transfer_results`` did not take yet."""
+        return bool(self._unseen_finished)
+
     def begin_step(self) -> None:
         """Reset the per-step failure flags."""
         self.loads_failed = self.stores_failed = self.load_errors_unknown = False

@@ -275,6 +275,15 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         Called once when the engine stops; must be safe to call again.
         """
 
+    def has_pending_work(self) -> bool:
+        """Whether the connector still has something to send or learn in a later step
+        (either role, optional): a message for the other side it could not deliver yet,
+        saves still being copied. While it is True the engine keeps stepping (empty
+        steps) after its last request finished, so nothing is left half-done when it
+        goes idle. Bounded by the guard. Default: False.
+        """
+        return False
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Return the statistics since the previous call, or None when there is nothing to report.
 

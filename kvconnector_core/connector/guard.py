@@ -102,6 +102,10 @@ class GuardedScheduler(GuardBase):
             self._repairs.append(("forget_requests", lambda: self.connector.forget_requests(ids)))
             self._run_repairs()
 
+    def _own_pending(self) -> bool:
+        """A report to redeliver, a repair to retry or an event resync to finish."""
+        return bool(self._undelivered or self._repairs or self._resync_events)
+
     def _run_repairs(self) -> None:
         """Run the pending repair calls (``forget_requests``, ``plan_failed``) in order; one
         that raises is retried, with the ones after it, at the next call (before the next
