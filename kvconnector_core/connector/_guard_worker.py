@@ -71,8 +71,10 @@ class GuardedWorker(GuardBase):
         return bool(self._unseen_finished)
 
     def begin_step(self) -> None:
-        """Reset the per-step failure flags."""
-        self.loads_failed = self.stores_failed = self.load_errors_unknown = False
+        """Reset the per-step failure flags; a quarantined connector's loads and stores
+        fail every step (the scheduler recomputes and drops them)."""
+        self.loads_failed = self.stores_failed = self.quarantined
+        self.load_errors_unknown = False
         self._has_plan = False
 
     # ------------------------------------------------------------------ hooks

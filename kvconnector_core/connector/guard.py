@@ -134,7 +134,7 @@ class GuardedScheduler(GuardBase):
 
         Detached requests get a miss without asking.
         """
-        if request.request_id in self.detached:
+        if self.quarantined or request.request_id in self.detached:
             return 0, False
         hook = "get_num_new_matched_tokens"
         answer, ok = self._contained(hook, "treated as a miss",
@@ -159,7 +159,7 @@ class GuardedScheduler(GuardBase):
         caller must not count on the ``num_external_tokens`` it offered.
         """
         rid = request.request_id
-        if rid in self.detached:
+        if self.quarantined or rid in self.detached:
             return num_external_tokens == 0
         _, ok = self._contained(
             "update_state_after_alloc", "the request is forgotten; nothing is loaded",
@@ -176,11 +176,14 @@ class GuardedScheduler(GuardBase):
         could store wrong blocks under a hash. Detached requests are left out of the
         output the connector sees.
         """
+        so = scheduler_output
+        if self.quarantined:  # every request is forgotten; the connector only drains
+            self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
+                                  *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
         shown = self._visible(scheduler_output)
         plan, ok = self._contained("build_connector_meta", "no plan this step; the step's requests are forgotten",
                                    lambda: self.connector.build_connector_meta(shown), None)
         if not ok:
-            so = scheduler_output
             self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
                                   *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
         return plan
