@@ -86,6 +86,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         self._failed_loaders = set()
         for req_id, children in plan.delayed_sends.items():
             self._awaiting_send[req_id] = set(children)
+        for req_id in plan.settled_sends:
+            self._awaiting_send.pop(req_id, None)
         for req_id, load in plan.failed_loads.items():
             self._fail_load(req_id, load)
         for i, (guard, raw) in enumerate(zip(self.guards, plan.children)):

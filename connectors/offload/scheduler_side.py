@@ -456,10 +456,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self._drop_if_done(state)
 
     def _drop_if_done(self, state: _ReqState) -> None:
-        """Forget a forgotten request's state once no store of it is in flight (nothing
-        then needs a delayed free; a later request_finished finds no state)."""
+        """Drop a forgotten or finished request's state once no store of it is in flight
+        and its delayed free went out (a later request_finished finds no state; a
+        finished_sending may have come before its last job's completion)."""
         rid = state.request.request_id
-        if state.forgotten and not state.store_jobs and rid not in self._delayed_free:
+        if (state.forgotten or state.finished) and not state.store_jobs and rid not in self._delayed_free:
             self._reqs.pop(rid, None)
 
     def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,

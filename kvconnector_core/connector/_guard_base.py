@@ -57,7 +57,7 @@ class GuardBase:
         raise counts as no). After :data:`MAX_PENDING_STEPS` consecutive yeses, no."""
         hook = getattr(self.connector, "has_pending_work", None)  # optional: older connectors lack it
         pending = self._own_pending() or (
-            hook is not None and self._contained("has_pending_work", "taken as no", hook, False)[0] is True)
+            hook is not None and bool(self._contained("has_pending_work", "taken as no", hook, False)[0]))
         self._pending_asks = self._pending_asks + 1 if pending else 0
         if self._pending_asks == MAX_PENDING_STEPS + 1:
             logger.error("connector %s: still has pending work after %d steps; the engine may go idle",

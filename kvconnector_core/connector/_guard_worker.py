@@ -60,6 +60,7 @@ class GuardedWorker(GuardBase):
         self._has_plan = False
         # finished_req_ids a raising get_transfer_results did not take: passed again.
         self._unseen_finished: set[str] = set()
+        self._uncleared = False  # clear_connector_metadata raised: the plan is still bound
 
     @property
     def has_sync_kv_loads(self) -> bool:
@@ -67,8 +68,9 @@ class GuardedWorker(GuardBase):
         return bool(self.connector.has_sync_kv_loads)
 
     def _own_pending(self) -> bool:
-        """Finished request ids a raising ``get_transfer_results`` did not take yet."""
-        return bool(self._unseen_finished)
+        """Finished request ids a raising ``get_transfer_results`` did not take yet, or a
+        plan ``clear_connector_metadata`` could not unbind (the next bind replaces it)."""
+        return bool(self._unseen_finished) or self._uncleared
 
     def begin_step(self) -> None:
         """Reset the per-step failure flags; a quarantined connector's loads and stores
@@ -181,8 +183,9 @@ class GuardedWorker(GuardBase):
 
     def clear_connector_metadata(self) -> None:
         """Unbind the plan; a raise is counted (the next bind replaces the plan)."""
-        self._contained("clear_connector_metadata", "the next bind replaces the plan",
-                        self.connector.clear_connector_metadata, None)
+        _, ok = self._contained("clear_connector_metadata", "the next bind replaces the plan",
+                                self.connector.clear_connector_metadata, None)
+        self._uncleared = not ok
         self._has_plan = False
 
     def shutdown(self) -> None:
