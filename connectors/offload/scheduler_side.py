@@ -13,11 +13,11 @@ needs only the chunks of its last window, a chunked-local group those of its cur
 attention chunk), loads move only the blocks the engine allocated (in-window), and
 stores skip chunks that left a group's window.
 
-With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiering`;
-one full-attention KV cache group): lookups continue in the tiers after the CPU hit
-(None = ask again while they look), a load may promote tier chunks into reserved CPU
-slots, and every successful CPU store is cascaded into the tiers (its slots pinned until
-the worker has copied them). Tier keys carry the group like CPU keys.
+With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiering`):
+a hit may take each chunk the CPU tier lacks from a tier (window-aware as above; None =
+ask again while the tiers look), a load promotes those chunks into reserved CPU slots,
+and every successful CPU store is cascaded into the tiers (its slots pinned until the
+worker has copied them). Tier keys carry the group like CPU keys.
 
 Failure contract (``docs/failure-contract.md``): ``forget_requests`` drops a request's
 unsent loads and makes its stores in flight fail when they complete; ``plan_failed``
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -168,21 +169,43 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
 
     def _tiered_matched_tokens(self, request: Request, num_computed_tokens: int, num_chunks: int
                                ) -> tuple[int | None, bool]:
-        """With tiers (one full-attention group): the CPU tier's leading hit, then the
-        tiers' after it; None while a tier is still looking."""
+        """With tiers: the longest window-aware hit whose chunks are each in the CPU tier
+        or in a tier (promoted through a CPU slot); None while a tier is still looking.
+
+        The tiers are asked only when the CPU tier alone does not serve the whole
+        prompt. The hit is shortened until its promotions fit in the CPU slots that are
+        free or evictable now.
+        """
         assert self.tiers is not None  # noqa: S101 - only called with tiers
-        cfg = self.offload_config
-        keys = [self._key(request, 0, c) for c in range(num_chunks)]
-        start = num_computed_tokens // cfg.chunk_tokens
-        hits = self.manager.lookup(keys[start:])
-        if start + hits < len(keys):
-            more = self.tiers.extra_hits(request.request_id, keys, start + hits, hits)
-            if more is None:
-                return None, False
-            hits += more
-        last_loadable = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
-        num = min((start + hits) * cfg.chunk_tokens, last_loadable) - num_computed_tokens
-        return (num, True) if num > 0 else (0, False)
+        cfg, tiers = self.offload_config, self.tiers
+        ct, start = cfg.chunk_tokens, num_computed_tokens // cfg.chunk_tokens
+        last = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
+
+        def hit(lookup: Callable[[list[bytes]], int], last_loadable: int) -> int:
+            return longest_hit(self._groups, lookup, lambda g, c: self._key(request, g, c),
+                               num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
+                               last_loadable=last_loadable, chunk_tokens=ct)
+
+        cpu_hit = hit(self.manager.lookup, last)
+        if num_computed_tokens + cpu_hit >= min(num_chunks * ct, last):
+            return cpu_hit, cpu_hit > 0
+        keys = [self._key(request, g, c) for g in range(len(self._groups)) for c in range(start, num_chunks)]
+        promotable = tiers.promotable(request.request_id, keys)
+        if promotable is None:
+            return None, False
+
+        def available(ks: list[bytes]) -> int:
+            return next((i for i, k in enumerate(ks) if k not in promotable and not tiers.in_cpu(k)), len(ks))
+
+        while (num := hit(available, last)) > cpu_hit:
+            end = num_computed_tokens + num
+            needed = [self._key(request, g, c) for g, group in enumerate(self._groups)
+                      for c in needed_chunks(group, num_computed_tokens, end, ct)]
+            promote = sum(k in promotable for k in needed)
+            if promote <= tiers.room(len(needed) - promote):
+                return num, True
+            last = (end - 1) // ct * ct  # one chunk shorter: fewer promotions
+        return cpu_hit, cpu_hit > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -225,8 +248,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
                    f"number of {cfg.gpu_block_size}-token blocks")
             raise InvariantError(msg)
-        load_keys: list[bytes] = []
-        slot_of: dict[bytes, int] = {}
+        where: dict[bytes, tuple[int, int]] = {}  # load key -> (group, chunk), in order
         pairs: list[tuple[int, bytes, int]] = []  # (GPU block id, chunk key, sub-block)
         for g, group in enumerate(self._groups):
             bs = group.block_size
@@ -236,30 +258,27 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 if block.is_null:  # out of the group's window: nothing to load
                     continue
                 key = self._key(request, g, j * bs // ct)
-                if key not in slot_of:
-                    slot_of[key] = -1
-                    load_keys.append(key)
+                where.setdefault(key, (g, j * bs // ct))
                 pairs.append((block.block_id, key, j % group.factor))
         sub = cfg.sub_blocks_per_chunk
-        num_cpu = self.manager.lookup(load_keys) if self.tiers is not None else len(load_keys)
-        spec = self.manager.prepare_load(load_keys[:num_cpu])
-        slots, reads, promoted = list(spec.block_ids), [], []
-        if num_cpu < len(load_keys) and self.tiers is not None:
-            # One full-attention group: load_keys are chunks first.. of group 0, in order.
-            first = hit_tokens // ct + num_cpu
-            keys = [self._key(request, 0, c) for c in range(first + len(load_keys) - num_cpu)]
+        tiers = self.tiers
+        cpu_keys = [k for k in where if tiers is None or tiers.in_cpu(k)]
+        promoted = [k for k in where if tiers is not None and not tiers.in_cpu(k)]
+        spec = self.manager.prepare_load(cpu_keys)
+        slot_of = dict(zip(cpu_keys, spec.block_ids, strict=True))
+        reads = []
+        if promoted and tiers is not None:
             try:
-                promoted, reads = self.tiers.plan_promotion(rid, keys, first, len(keys))
+                reads = tiers.plan_promotion(rid, promoted)
             except InvariantError:
-                self.manager.complete_load(load_keys[:num_cpu])
+                self.manager.complete_load(cpu_keys)
                 raise
-            slots += [r.cpu_block_ids[0] // sub for r in reads]
-            for c, key in enumerate(promoted, first):
-                self._events.add(key, self._describe(request, 0, c))
-        slot_of = dict(zip(load_keys, slots, strict=True))
+            slot_of.update((r.key, r.cpu_block_ids[0] // sub) for r in reads)
+            for key in promoted:
+                self._events.add(key, self._describe(request, *where[key]))
         job = TransferJobSpec(next(self._job_ids), rid, [gpu for gpu, _, _ in pairs],
                               [slot_of[key] * sub + k for _, key, k in pairs], reads)
-        self._jobs[job.job_id] = _JobRecord(rid, tuple(load_keys[:num_cpu]), is_store=False,
+        self._jobs[job.job_id] = _JobRecord(rid, tuple(cpu_keys), is_store=False,
                                             promoted=tuple(promoted))
         self._pending_loads.append(job)
         end_chunk = -(-end // ct)
@@ -506,7 +525,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
         assert self.tiers is not None  # noqa: S101 - only called with tiers
         job_id = next(self._job_ids)
-        planned = self.tiers.plan_writes(job_id, keys, self._events.tables[0])
+        events = self._events
+        planned = self.tiers.plan_writes(job_id, keys, lambda k: events.tables[events.group_of(k)].get(k))
         if planned is not None:
             job, pinned = planned
             self._jobs[job_id] = _JobRecord("", pinned, is_store=False)

@@ -74,7 +74,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         cfg = offload_config
         self.tiers = WorkerTiers(make_tiers(cfg.tiers, layout=cfg.layout,
                                             enable_events=cfg.enable_events),
-                                 block_size=cfg.gpu_block_size) if cfg.tiers else None
+                                 block_sizes=[g.block_size for g in cfg.groups] or [cfg.gpu_block_size]
+                                 ) if cfg.tiers else None
         self._tier_waiting: dict[int, TransferJobSpec] = {}  # loads waiting for tier reads
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
