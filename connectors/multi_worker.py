@@ -86,6 +86,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         self._failed_loaders = set()
         for req_id, children in plan.delayed_sends.items():
             self._awaiting_send[req_id] = set(children)
+        for req_id in plan.settled_sends:
+            self._awaiting_send.pop(req_id, None)
         for req_id, load in plan.failed_loads.items():
             self._fail_load(req_id, load)
         for i, (guard, raw) in enumerate(zip(self.guards, plan.children)):
@@ -214,6 +216,10 @@ class MultiWorkerSide(KVConnectorWorkerSide):
     def get_kv_connector_kv_cache_events(self) -> list[Any]:
         """Every child's worker-side events (e.g. an offload child's disk and Redis tiers)."""
         return [e for g in self.guards for e in g.get_kv_connector_kv_cache_events()]
+
+    def has_pending_work(self) -> bool:
+        """Whether a child (or its guard) has something to deliver in a later step."""
+        return any([g.has_pending_work() for g in self.guards])  # a list: ask every guard
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""

@@ -488,6 +488,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         for job in dropped:
             self._release_load(job.job_id)
         for rid in request_ids:
+            self._gpu_hit_tokens.pop(rid, None)
             if self.tiers is not None:
                 self.tiers.lookups.forget(rid)
             state = self._reqs.get(rid)
@@ -497,10 +498,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self._drop_if_done(state)
 
     def _drop_if_done(self, state: _ReqState) -> None:
-        """Forget a forgotten request's state once no store of it is in flight (nothing
-        then needs a delayed free; a later request_finished finds no state)."""
+        """Drop a forgotten or finished request's state once no store of it is in flight
+        and its delayed free went out (a later request_finished finds no state; a
+        finished_sending may have come before its last job's completion)."""
         rid = state.request.request_id
-        if state.forgotten and not state.store_jobs and rid not in self._delayed_free:
+        if (state.forgotten or state.finished) and not state.store_jobs and rid not in self._delayed_free:
             self._reqs.pop(rid, None)
 
     def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
@@ -579,6 +581,10 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         every event not yet returned (the guard's resync after a failed ``take_events``).
         Nothing with events off."""
         return self._events.snapshot(self.manager)
+
+    def has_pending_work(self) -> bool:
+        """Jobs not completed yet, or loads, delayed frees or tier writes not sent yet."""
+        return bool(self._jobs or self._pending_loads or self._delayed_free or self._pending_tier_writes)
 
     def shutdown(self) -> None:
         """Close the tiers' connections (their lookups run on their own threads)."""

@@ -275,6 +275,12 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         self._done_jobs, self._failed_jobs = [], []
         return meta
 
+    def has_pending_work(self) -> bool:
+        """Stores not submitted yet (they go out a step late), jobs in flight, or results
+        not reported to the scheduler side yet."""
+        return bool(self._unsubmitted or self._worker_jobs or self._tier_waiting or self._results
+                    or self._done_jobs or self._failed_jobs)
+
     def shutdown(self) -> None:
         """Wait for in-flight transfers (safe to call twice)."""
         if self.mover is not None:

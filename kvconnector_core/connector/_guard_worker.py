@@ -60,15 +60,23 @@ class GuardedWorker(GuardBase):
         self._has_plan = False
         # finished_req_ids a raising get_transfer_results did not take: passed again.
         self._unseen_finished: set[str] = set()
+        self._uncleared = False  # clear_connector_metadata raised: the plan is still bound
 
     @property
     def has_sync_kv_loads(self) -> bool:
         """The connector's capability (read on the instance)."""
         return bool(self.connector.has_sync_kv_loads)
 
+    def _own_pending(self) -> bool:
+        """Finished request ids a raising ``get_transfer_results`` did not take yet, or a
+        plan ``clear_connector_metadata`` could not unbind (the next bind replaces it)."""
+        return bool(self._unseen_finished) or self._uncleared
+
     def begin_step(self) -> None:
-        """Reset the per-step failure flags."""
-        self.loads_failed = self.stores_failed = self.load_errors_unknown = False
+        """Reset the per-step failure flags; a quarantined connector's loads and stores
+        fail every step (the scheduler recomputes and drops them)."""
+        self.loads_failed = self.stores_failed = self.quarantined
+        self.load_errors_unknown = False
         self._has_plan = False
 
     # ------------------------------------------------------------------ hooks
@@ -175,8 +183,9 @@ class GuardedWorker(GuardBase):
 
     def clear_connector_metadata(self) -> None:
         """Unbind the plan; a raise is counted (the next bind replaces the plan)."""
-        self._contained("clear_connector_metadata", "the next bind replaces the plan",
-                        self.connector.clear_connector_metadata, None)
+        _, ok = self._contained("clear_connector_metadata", "the next bind replaces the plan",
+                                self.connector.clear_connector_metadata, None)
+        self._uncleared = not ok
         self._has_plan = False
 
     def shutdown(self) -> None:

@@ -307,6 +307,15 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         Called once when the engine stops; must be safe to call again.
         """
 
+    def has_pending_work(self) -> bool:
+        """Whether the connector still has something to send or learn in a later step
+        (either role, optional): a message for the other side it could not deliver yet,
+        saves still being copied. While it is True the engine keeps stepping (empty
+        steps) after its last request finished, so nothing is left half-done when it
+        goes idle. Bounded by the guard. Default: False.
+        """
+        return False
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Return the statistics since the previous call, or None when there is nothing to report.
 
@@ -632,8 +641,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         ``request_finished``. A connector with per-request state must plan no new load
         or store for them, drop loads it planned but did not hand to the worker yet
         (releasing what they hold), and never make visible a store of theirs that has
-        not completed; it keeps tracking stores in flight so that ``request_finished``
-        can still delay the free. Default: does nothing.
+        not completed. It may keep a request's state only while a store of it is in
+        flight (so that ``request_finished`` can still delay the free) and must drop
+        the rest now: the guard also calls this after ``request_finished`` raised, and
+        then no other call about the request follows. Default: does nothing.
 
         Args:
             request_ids: the requests to forget.
@@ -677,9 +688,12 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         already covers them), and the next :meth:`take_events` continues from the
         snapshot's state. A consumer that applies the snapshot is then exact again.
 
-        If this raises too, the engine retries it at every later event take and
-        publishes nothing from the connector meanwhile: a gap a consumer cannot see
-        until the snapshot comes.
+        The engine does not drain :meth:`take_events` before asking for a snapshot, so
+        the snapshot must supersede the queue itself. If it raises, the engine retries
+        it a few times at once; if none succeeds, it publishes an
+        ``AllBlocksCleared(medium=M)`` for every medium the connector's events named
+        (a consumer then holds nothing of the connector, never a stale block) and
+        retries the snapshot at every later event take until one succeeds.
 
         Default: no events (a connector that reports no events has nothing to resync).
         """

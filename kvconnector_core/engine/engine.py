@@ -387,8 +387,11 @@ class Engine:
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is still waiting, running or holding blocks for the connector."""
-        return self.scheduler.has_unfinished_requests()
+        """Whether any request is still waiting, running or holding blocks for the connector,
+        or a connector side still has something to deliver (``has_pending_work``)."""
+        runner_connector = self.model_runner.connector
+        return self.scheduler.has_unfinished_requests() or (
+            runner_connector is not None and runner_connector.has_pending_work())
 
     # -------------------------------------------------------------------- step
 

@@ -474,6 +474,11 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self.inner.clear_connector_metadata()
         super().clear_connector_metadata()
 
+    def has_pending_work(self) -> bool:
+        """Forward (no fault is injected: it only decides whether the engine idles)."""
+        hook = getattr(self.inner, "has_pending_work", None)
+        return bool(hook()) if hook is not None else False
+
     def shutdown(self) -> None:
         """Forward (or raise)."""
         self._maybe_raise("shutdown")

@@ -366,7 +366,8 @@ class ModelRunner:
         # side's update_connector_output as KVConnectorOutput.kv_connector_worker_meta.
         worker_meta = connector.build_connector_worker_meta()
         connector.clear_connector_metadata()
-        if connector.loads_failed and self._sync_loads:
+        # No plan (build_connector_meta raised): the step's sync loads never ran.
+        if (connector.loads_failed or so.kv_connector_metadata is None) and self._sync_loads:
             # Without sync loads this step, no block the forward read was being loaded, so
             # failed loads invalidate nothing the batch used (async loads: the scheduler
             # fails the ones it planned this step).

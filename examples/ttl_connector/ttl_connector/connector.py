@@ -242,6 +242,12 @@ class TTLPinConnector(KVConnectorBase_V1):
         self._lookups.pop(request.request_id, None)
         return False, None
 
+    def forget_requests(self, request_ids: set[str]) -> None:
+        """Drop the remembered lookups of these requests (the guard's repair after a hook
+        raised; pins belong to blocks, not requests, and stay)."""
+        for rid in request_ids:
+            self._lookups.pop(rid, None)
+
     @property
     def num_pinned_blocks(self) -> int:
         """Blocks currently pinned."""
