@@ -67,6 +67,8 @@ class OffloadingConnector(RoleSplitConnector):
     metadata_type: ClassVar[type[KVConnectorMetadata]] = OffloadingConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = False
+    # Whole blocks of all layers move once per step: the per-layer hooks do nothing.
+    uses_layer_hooks: ClassVar[bool] = False
 
     def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:

@@ -49,9 +49,15 @@ class GuardBase:
         try:
             return call(), True
         except Exception:  # noqa: BLE001 - containing it is the contract
-            logger.exception("connector %s raised in %s; %s", self.label, hook, consequence)
-            self._count(hook)
+            self._raised(hook, consequence)
             return default, False
+
+    def _raised(self, hook: str, consequence: str) -> None:
+        """Log (with the traceback) and count the exception being handled; called from
+        the ``except`` block of a hot hook that inlines its ``try`` instead of building a
+        closure for :meth:`_contained` (the per-layer and per-step hooks)."""
+        logger.exception("connector %s raised in %s; %s", self.label, hook, consequence)
+        self._count(hook)
 
     def _not_contained(self, hook: str, call: Callable[[], None]) -> None:
         """Run a setup hook whose failure means misconfiguration.
