@@ -83,7 +83,7 @@ class OffloadingManager(ABC):
     """
 
     @abstractmethod
-    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+    def lookup(self, keys: Iterable[OffloadKey]) -> int:
         """Return how many leading ``keys`` are held and ready to load."""
 
     @abstractmethod
@@ -189,7 +189,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Fraction of slots holding a block (ready or being written)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+    def lookup(self, keys: Iterable[OffloadKey]) -> int:
         """See :meth:`OffloadingManager.lookup`."""
         hits = 0
         for key in keys:

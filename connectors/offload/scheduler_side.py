@@ -104,6 +104,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                                             enable_events=cfg.enable_events, medium=MEDIUM_CPU)
         self._groups = cfg.groups
         self._suffixes = [group_suffix(g.index) for g in cfg.groups]
+        # Read on every hook call: plain attributes, not the config's properties.
+        self._ct = cfg.chunk_tokens
+        self._gpu_bs = cfg.gpu_block_size
         # Per group and stored key: what its wire events need. Only kept with events on
         # (nothing drains it otherwise). Manager events are translated as soon as they
         # happen, so the tables always match the tier (a key evicted and stored again
@@ -125,18 +128,18 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
     # ------------------------------------------------------------------ keys
     def _num_chunks(self, request: Request) -> int:
         """Whole chunks the request's block hashes cover."""
-        return len(request.block_hashes) * self._hash_block_size(request) // self.offload_config.chunk_tokens
+        return len(request.block_hashes) * self._hash_block_size(request) // self._ct
 
     def _hash_block_size(self, request: Request) -> int:
         """Tokens per entry of ``request.block_hashes``. vLLM's Request has no
         ``hash_block_size``: its hashes are per GPU block (one group under the adapter)."""
-        return getattr(request, "hash_block_size", None) or self.offload_config.gpu_block_size
+        return getattr(request, "hash_block_size", None) or self._gpu_bs
 
     def _key(self, request: Request, group: int, chunk: int) -> bytes:
         """Key of chunk ``chunk`` of ``group``: the chained hash of its last token's block,
         plus the group. O(1): no list of keys is built (planning is O(new chunks))."""
-        ct = self.offload_config.chunk_tokens
-        return request.block_hashes[(chunk + 1) * ct // self._hash_block_size(request) - 1] + self._suffixes[group]
+        hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
+        return request.block_hashes[(chunk + 1) * self._ct // hbs - 1] + self._suffixes[group]
 
     # ------------------------------------------------------------------ loads
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -291,7 +294,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             job = self._plan_store(state, done)
             if job is not None:
                 stores.append(job)
-        preempted = sorted(r for r in scheduler_output.preempted_req_ids if r in self._reqs)
+        preempted = (sorted(r for r in scheduler_output.preempted_req_ids if r in self._reqs)
+                     if scheduler_output.preempted_req_ids else [])
         for rid in preempted:
             # Freed; a resumed request brings all its ids.
             self._reqs[rid].block_ids = [[] for _ in self._groups]
@@ -310,7 +314,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         the start of the next step); chunks that already left are skipped for good.
         """
         group = self._groups[g]
-        ct = self.offload_config.chunk_tokens
+        ct = self._ct
         end = min(self._num_chunks(state.request), num_done_tokens // ct,
                   len(state.block_ids[g]) * group.block_size // ct)
         first = state.next_chunk[g]
@@ -322,6 +326,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if not self.config.is_kv_producer or state.forgotten:  # kv_consumer: only loads
             return None
         request = state.request
+        if len(state.next_chunk) == 1 and num_done_tokens // self._ct <= state.next_chunk[0]:
+            return None  # one group and no chunk completed since the last store (most steps)
         ranges = [self._store_range(state, g, num_done_tokens) for g in range(len(self._groups))]
         wanted: list[tuple[int, int, bytes]] = [
             (g, c, self._key(request, g, c)) for g, chunks in enumerate(ranges) for c in chunks]
@@ -375,6 +381,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, OffloadWorkerMetadata):
+            if not (connector_output.failed_recving or connector_output.finished_sending):
+                self._events.translate(self.manager)  # most steps: nothing finished
+                return
             meta = OffloadWorkerMetadata()
         for job_id, success in itertools.chain(
                 ((j, True) for j in meta.done_job_ids),
