@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connectors.offload.events import ChunkInfo, GroupedEvents
-from connectors.offload.lookup import longest_hit, needed_chunks
+from connectors.offload.lookup import longest_hit
 from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
@@ -73,7 +73,11 @@ class _ReqState:
     store_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     forgotten: bool = False  # the guard said forget it: no new loads or stores
-    hit_keys: list[bytes] = field(default_factory=list)  # touched when the request finishes
+    # Recency, committed when the request finishes (as vLLM 0.33 does): every key it
+    # loaded, stored or offered while held, with its (chunk, group) for prefix order, and
+    # which of them were reuses (loads and keys found held) rather than its own stores.
+    seen: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    reused: set[bytes] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,12 +220,6 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             hashed = next((i for i, b in enumerate(group0) if b.block_hash is None), len(group0))
             hit_tokens = hashed * self._groups[0].block_size if num_external_tokens else 0
         end = hit_tokens + num_external_tokens
-        # Recency only for real reuse (the chunks this admission hits, on the GPU or in
-        # the tier), committed when the request finishes, after its stores, as vLLM 0.33
-        # does: +1 to +10 points of hit rate for LRU and ARC on the reference chat trace
-        # (benchmarks/bench_offload_hits.py).
-        state.hit_keys = [self._key(request, g, c) for g, group in enumerate(self._groups)
-                          for c in needed_chunks(group, 0, end // ct * ct, ct)]
         if num_external_tokens == 0 or any(j.req_id == rid for j in self._pending_loads):
             return
         if num_external_tokens % cfg.gpu_block_size:
@@ -230,6 +228,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             raise InvariantError(msg)
         load_keys: list[bytes] = []
         slot_of: dict[bytes, int] = {}
+        chunk_of: dict[bytes, tuple[int, int]] = {}
         pairs: list[tuple[int, bytes, int]] = []  # (GPU block id, chunk key, sub-block)
         for g, group in enumerate(self._groups):
             bs = group.block_size
@@ -242,10 +241,15 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 if key not in slot_of:
                     slot_of[key] = -1
                     load_keys.append(key)
+                    chunk_of[key] = (j * bs // ct, g)
                 pairs.append((block.block_id, key, j % group.factor))
         sub = cfg.sub_blocks_per_chunk
         num_cpu = self.manager.lookup(load_keys) if self.tiers is not None else len(load_keys)
         spec = self.manager.prepare_load(load_keys[:num_cpu])
+        loaded = load_keys[:num_cpu]
+        self.manager.record_access(loaded)
+        state.reused.update(loaded)
+        state.seen.update((k, chunk_of[k]) for k in loaded)
         slots, reads, promoted = list(spec.block_ids), [], []
         if num_cpu < len(load_keys) and self.tiers is not None:
             # One full-attention group: load_keys are chunks first.. of group 0, in order.
@@ -341,9 +345,14 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             return None
         for g, chunks in enumerate(ranges):
             state.next_chunk[g] = max(state.next_chunk[g], chunks.stop)
+        where = {key: (g, c) for g, c, key in wanted}
+        if out.reused_keys:
+            self.manager.record_access(out.reused_keys)
+            state.reused.update(out.reused_keys)
+            state.seen.update((k, where[k][::-1]) for k in out.reused_keys)
+        state.seen.update((k, where[k][::-1]) for k in out.keys_to_store)
         if not out.keys_to_store:
             return None
-        where = {key: (g, c) for g, c, key in wanted}
         sub = self.offload_config.sub_blocks_per_chunk
         gpu_ids: list[int] = []
         cpu_ids: list[int] = []
@@ -438,8 +447,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if self.tiers is not None:
             self.tiers.lookups.forget(rid)
         state = self._reqs.get(rid)
-        if state is not None:
-            self.manager.touch(state.hit_keys)
+        if state is not None and state.seen:
+            seen = state.seen
+            self.manager.finish_request(sorted(seen, key=seen.__getitem__), state.reused)
         if state is None or not state.store_jobs:
             self._reqs.pop(rid, None)
             return False, None
