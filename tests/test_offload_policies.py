@@ -272,8 +272,8 @@ def test_arc_finish_promotes_reuses_and_only_reorders_own_stores() -> None:
     assert victims(p.evict(1, ())) == ks(1)  # 1 becomes a B1 ghost
     fill(p, 3, 4)
     p.on_request_finished(ks(1, 2, 3, 4), reused=set(ks(2)))
-    assert p.t1 == ks(4, 3) and p.t2 == ks(2)  # tail first: 3 ends most recent in T1
-    assert p.b1 == ks(1) and p.target == 0.0
+    assert list(p.t1) == ks(4, 3) and list(p.t2) == ks(2)  # tail first: 3 ends most recent in T1
+    assert list(p.b1) == ks(1) and p.target == 0.0
 
 
 def test_arc_finish_moves_a_stored_t2_key_to_the_end_without_promotion() -> None:
@@ -281,7 +281,7 @@ def test_arc_finish_moves_a_stored_t2_key_to_the_end_without_promotion() -> None
     fill(p, 1, 2, 3)
     p.on_request_finished(ks(1, 2), reused=set(ks(1, 2)))  # both -> T2, 1 most recent
     p.on_request_finished(ks(2, 3), reused=set())  # only stores: nothing is promoted
-    assert p.t1 == ks(3) and p.t2 == ks(1, 2)
+    assert list(p.t1) == ks(3) and list(p.t2) == ks(1, 2)
 
 
 def test_lru_access_ranks_at_once_head_of_prefix_most_recent() -> None:
