@@ -482,7 +482,8 @@ class BlockPool:
         """
         revived = 0
         for b in blocks:
-            if b.ref_cnt == 0 and not b.is_null:
+            rc = b.ref_cnt  # read once: this runs once per prompt block of every hit
+            if rc == 0 and not b.is_null:
                 # FreeKVCacheBlockQueue.remove, inlined: one frame less per block.
                 prev, nxt = b.prev_free_block, b.next_free_block
                 if prev is None or nxt is None:
@@ -492,7 +493,7 @@ class BlockPool:
                 nxt.prev_free_block = prev
                 b.prev_free_block = b.next_free_block = None
                 revived += 1
-            b.ref_cnt += 1
+            b.ref_cnt = rc + 1
         self.free_block_queue.num_free_blocks -= revived  # once, not per block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
