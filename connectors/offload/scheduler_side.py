@@ -111,6 +111,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         # Read on every hook call: plain attributes, not the config's properties.
         self._ct = cfg.chunk_tokens
         self._gpu_bs = cfg.gpu_block_size
+        self._one_full_group = len(cfg.groups) == 1 and cfg.groups[0].is_full
         # Per group and stored key: what its wire events need. Only kept with events on
         # (nothing drains it otherwise). Manager events are translated as soon as they
         # happen, so the tables always match the tier (a key evicted and stored again
@@ -155,22 +156,34 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         group reads to go on from there: every chunk for full attention, the last
         window's chunks for a sliding-window group, the current attention chunk's for a
         chunked-local group. The longest such hit wins. No state is changed but a note
-        of the GPU hit, for recency.
+        of the GPU hit, for the load plan.
         """
         self._gpu_hit_tokens[request.request_id] = num_computed_tokens
         if not self.config.is_kv_consumer:  # role kv_producer: only stores
             return 0, False
-        cfg = self.offload_config
-        num_chunks = self._num_chunks(request)
-        if num_computed_tokens // cfg.chunk_tokens >= num_chunks:
+        ct = self._ct
+        hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
+        num_chunks = len(request.block_hashes) * hbs // ct
+        start = num_computed_tokens // ct
+        if start >= num_chunks:
             return 0, False
         if self.tiers is not None:
             return self._tiered_matched_tokens(request, num_computed_tokens, num_chunks)
+        last_loadable = (request.num_tokens - 1) // self._gpu_bs * self._gpu_bs
+        if self._one_full_group and ct % hbs == 0:
+            # The common case, without a key function per chunk: the leading ready chunks
+            # from the local hit on (what longest_hit computes for one full group). Keys
+            # are built lazily: a miss costs one key, a hit one key per chunk it covers.
+            step = ct // hbs
+            suffix = self._suffixes[0]
+            hits = self.manager.lookup(h + suffix for h in itertools.islice(
+                request.block_hashes, (start + 1) * step - 1, num_chunks * step, step))
+            hit = min((start + hits) * ct, last_loadable) - num_computed_tokens if hits else 0
+            return (hit, True) if hit > 0 else (0, False)
         hit = longest_hit(
             self._groups, self.manager.lookup, lambda g, c: self._key(request, g, c),
             num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
-            last_loadable=(request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size,
-            chunk_tokens=cfg.chunk_tokens)
+            last_loadable=last_loadable, chunk_tokens=ct)
         return hit, hit > 0
 
     def _tiered_matched_tokens(self, request: Request, num_computed_tokens: int, num_chunks: int
