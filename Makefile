@@ -28,6 +28,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	@command -v redis-server >/dev/null || echo "note: redis-server is not installed, so the Redis tier tests will skip; install it with: apt-get install -y redis-server"
+	@command -v openssl >/dev/null || echo "note: openssl is not installed, so the Redis TLS tests will skip; install it with: apt-get install -y openssl"
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)

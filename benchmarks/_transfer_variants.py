@@ -1,14 +1,18 @@
 """What bench_transfer.py and bench_interference.py share: variants, KV shapes, caches.
 
 A variant is a label: a :class:`KVBlockMover` method name, optionally followed by
-``, inline issue`` (copies issued on the caller's thread instead of the issue thread) or
+``, inline issue`` (copies issued on the caller's thread instead of the issue thread),
 ``, Tensor.copy_`` (every CUDA runtime shortcut off and inline issue: the fallback path,
-which is how ``auto`` issued copies before the runtime calls existed).
+which is how ``auto`` issued copies before the runtime calls existed), ``, per-plane
+kernels`` (staged copies gather each plane with its own kernel, as before one span view
+covered all planes) or ``, one lane`` (batched jobs on the direction's stream alone, as
+before they were split over several streams).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -18,6 +22,8 @@ __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "add_kv_args", "apply_variant", "make_
 
 LAYOUTS = ["cross-layer", "per-layer", "per-layer, one allocation"]
 
+OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane")
+
 DEFAULT_VARIANTS = ["per_block", "coalesced", "gather", "batched", "pitched", "auto",
                     "auto, inline issue", "auto, Tensor.copy_"]
 
@@ -25,17 +31,26 @@ DEFAULT_VARIANTS = ["per_block", "coalesced", "gather", "batched", "pitched", "a
 def apply_variant(mover: KVBlockMover, label: str) -> None:
     """Configure ``mover`` for the variant ``label`` (reversible: originals are kept)."""
     method, _, option = (part.strip() for part in label.partition(","))
-    if method not in METHODS or option not in ("", "inline issue", "Tensor.copy_"):
-        msg = f"unknown transfer variant {label!r}; methods: {', '.join(METHODS)}"
+    if method not in METHODS or option not in OPTIONS:
+        msg = (f"unknown transfer variant {label!r}; methods: {', '.join(METHODS)}; "
+               f"options: {', '.join(o for o in OPTIONS if o)}")
         raise ValueError(msg)
+    # getattr: the same harness also drives older movers (main's, for a baseline in the
+    # same run), which lack the staged plan and the lanes; their options are then no-ops.
     saved = mover.__dict__.setdefault("_bench_saved", (
-        mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer))
-    memcpy, batch, memcpy_2d, issuer = saved
+        mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer,
+        getattr(mover, "_gather_plan", None), getattr(mover, "_lanes", None)))
+    memcpy, batch, memcpy_2d, issuer, gather_plan, lanes = saved
     mover.method = method
     fallback = option == "Tensor.copy_"
     mover._memcpy, mover._batch_memcpy, mover._memcpy_2d = (
         (None, None, None) if fallback else (memcpy, batch, memcpy_2d))
-    mover._issuer = None if option else issuer
+    mover._issuer = None if option in ("inline issue", "Tensor.copy_") else issuer
+    if gather_plan is not None:
+        mover._gather_plan = (dataclasses.replace(gather_plan, source=None)
+                              if option == "per-plane kernels" else gather_plan)
+    if lanes is not None:
+        mover._lanes = {True: [], False: []} if option == "one lane" else lanes
 
 
 def restore(mover: KVBlockMover) -> None:

@@ -22,13 +22,18 @@ import pytest
 INSTALL_HINT = "redis-server is not installed: apt-get install -y redis-server (Debian/Ubuntu)"
 
 
+def _missing(reason: str) -> None:
+    """Skip the test for ``reason``; under CI (KVCONNECTOR_REQUIRE_REDIS=1) fail it instead."""
+    if os.environ.get("KVCONNECTOR_REQUIRE_REDIS") == "1":
+        pytest.fail(reason + " (KVCONNECTOR_REQUIRE_REDIS=1: CI must run these tests)")
+    pytest.skip(reason)
+
+
 def require_redis_server() -> str:
     """The redis-server path; skips the test (fails it under CI) when it is missing."""
     path = shutil.which("redis-server")
     if path is None:
-        if os.environ.get("KVCONNECTOR_REQUIRE_REDIS") == "1":
-            pytest.fail(INSTALL_HINT + " (KVCONNECTOR_REQUIRE_REDIS=1: CI must run these tests)")
-        pytest.skip(INSTALL_HINT)
+        _missing(INSTALL_HINT)
     pytest.importorskip("pytest_redis", reason="pytest-redis is missing: pip install -e '.[test]'")
     pytest.importorskip("redis", reason="redis-py is missing: pip install -e '.[test]'")
     return path
@@ -112,25 +117,45 @@ class RedisCluster:
             node.executor.stop()
 
 
-def make_tls_files(directory: Path) -> dict[str, Path]:
-    """A CA and a server certificate for 127.0.0.1, made with the openssl command."""
+def require_tls_support() -> None:
+    """Skip (fail under CI) unless redis-server was built with TLS and openssl is there.
+
+    A build without TLS rejects ``--tls-port`` while parsing its options; one with TLS
+    gets past them and exits because it was told to listen nowhere.
+    """
+    require_redis_server()
     if shutil.which("openssl") is None:
-        pytest.skip("the TLS test needs the openssl command to make certificates")
+        _missing("the TLS tests need the openssl command to make certificates: "
+                 "apt-get install -y openssl")
+    probe = subprocess.run(["redis-server", "--port", "0", "--tls-port", "0", "--save", ""],
+                           capture_output=True, text=True, timeout=60, check=False)
+    if "not listen anywhere" not in probe.stdout + probe.stderr:
+        _missing("this redis-server has no TLS support (Debian's redis-server has it)")
+
+
+def make_tls_files(directory: Path) -> dict[str, Path]:
+    """Throw-away certificates made with the openssl command: a CA (``ca``), a server
+    certificate for 127.0.0.1 and a client certificate signed by it, and a second,
+    unrelated CA (``other-ca``)."""
+    require_tls_support()
     directory.mkdir(parents=True, exist_ok=True)
-    files = {name: directory / name for name in ("ca.key", "ca.crt", "server.key", "server.csr",
-                                                 "server.crt", "ext.cnf")}
+    files = {name: directory / name for name in (
+        "ca.key", "ca.crt", "other-ca.key", "other-ca.crt", "server.key", "server.csr",
+        "server.crt", "client.key", "client.csr", "client.crt", "ext.cnf")}
     files["ext.cnf"].write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
 
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-        "-keyout", str(files["ca.key"]), "-out", str(files["ca.crt"]))
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-        "-keyout", str(files["server.key"]), "-out", str(files["server.csr"]))
-    run("x509", "-req", "-in", str(files["server.csr"]), "-CA", str(files["ca.crt"]),
-        "-CAkey", str(files["ca.key"]), "-CAcreateserial", "-days", "1",
-        "-extfile", str(files["ext.cnf"]), "-out", str(files["server.crt"]))
+    for ca in ("ca", "other-ca"):
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN=test-{ca}",
+            "-keyout", str(files[f"{ca}.key"]), "-out", str(files[f"{ca}.crt"]))
+    for leaf in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=127.0.0.1-{leaf}",
+            "-keyout", str(files[f"{leaf}.key"]), "-out", str(files[f"{leaf}.csr"]))
+        run("x509", "-req", "-in", str(files[f"{leaf}.csr"]), "-CA", str(files["ca.crt"]),
+            "-CAkey", str(files["ca.key"]), "-CAcreateserial", "-days", "1",
+            "-extfile", str(files["ext.cnf"]), "-out", str(files[f"{leaf}.crt"]))
     return files
 
 

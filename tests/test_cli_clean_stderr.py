@@ -18,6 +18,18 @@ MULTI = {"name": "MultiConnector", "extra_config": {"connectors": [
     {"name": "ttl"}, {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]}}
 
 
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from kvconnector_core.cli import main; sys.exit(main())",
+         "run", *args], capture_output=True, text=True, timeout=600, check=False)
+
+
+def _assert_clean(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr
+    for needle in ("Traceback", "Warning", "WARNING", "Error", "ERROR"):
+        assert needle not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("connector", ["none", "cpu_offload", "multi"])
 def test_run_writes_no_traceback_and_no_warning(tmp_path, connector):
     args = ["--connector", connector]
@@ -25,11 +37,17 @@ def test_run_writes_no_traceback_and_no_warning(tmp_path, connector):
         path = tmp_path / "multi.json"
         path.write_text(json.dumps(MULTI))
         args = ["--config", str(path)]
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvconnector_core.cli import main; sys.exit(main())",
-         "run", "--workload", "private", *args],
-        capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_cli("--workload", "private", *args)
+    _assert_clean(proc)
     assert "identical" in proc.stdout or connector == "none"
-    for needle in ("Traceback", "Warning", "WARNING", "Error", "ERROR"):
-        assert needle not in proc.stderr, proc.stderr
+
+
+def test_runs_with_a_disk_tier_behind_a_tiny_cpu_tier_write_nothing_to_stderr(tmp_path):
+    """Regression (issue 13): with ``--tier`` and a CPU tier of a few chunks, promotions
+    of chunks whose CPU store was still in flight raised in admission (a contained
+    traceback). Two runs share the tier: the second one loads the first one's files."""
+    tier = f"disk:{tmp_path / 'kv'}"
+    for cpu_blocks in ("6", "32"):
+        proc = _run_cli("--workload", "documents", "--tier", tier, "--cpu-blocks", cpu_blocks)
+        _assert_clean(proc)
+        assert "outputs identical to baseline: yes" in proc.stdout

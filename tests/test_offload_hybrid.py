@@ -144,3 +144,23 @@ def test_store_planning_computes_only_the_new_chunks_keys():
     short, long = _decode_key_counts(256), _decode_key_counts(16384)
     assert short == long
     assert max(long) == 1 and sum(long) == 40 // 16  # one key per completed chunk
+
+
+def test_a_resent_prompt_hits_its_sliding_window_after_a_one_step_prefill():
+    """The chunk the window starts in is stored: after a 99-token prompt prefilled in one
+    step, the same prompt hits 96 tokens (the window of token 96 reaches back into the
+    chunk of tokens 48-63, which is only partly in the window of token 99)."""
+    from kvconnector_core.request import Request
+
+    model = ModelConfig(layer_types=("full", "sliding:40") * 2, vocab_size=1000)
+    eng = Engine(EngineConfig(model=model, max_num_batched_tokens=128, max_model_len=1024,
+                              num_gpu_blocks=GPU_BLOCKS, connector=OFFLOAD))
+    prompt = [(7 * i) % 997 + 1 for i in range(99)]
+    eng.add_request(prompt, 1)
+    while eng.has_unfinished_requests():
+        eng.step()
+    for _ in range(3):  # stores complete and are reported
+        eng.step()
+    again = Request("again", prompt, 1, hash_block_size=16)
+    assert eng.scheduler_connector.get_num_new_matched_tokens(again, 0) == (96, True)
+    eng.shutdown()

@@ -31,20 +31,25 @@ def _poll(fn, timeout=30.0):
     return out
 
 
-def test_lookups_chain_across_tiers_and_ask_again(tmp_path):
+def test_lookups_go_tier_by_tier_per_key_and_ask_again(tmp_path):
     first, second = _disk(tmp_path, "a"), _disk(tmp_path, "b")
     keys = _keys(6)
     first.store([(tier_key(k), b"x") for k in keys[1:3]])
     second.store([(tier_key(k), b"x") for k in keys[3:4]])
     first.flush(30)
     second.flush(30)
+    second.store([(tier_key(keys[5]), b"x")])  # after a gap: a sliding window may need it
+    first.flush(30)
+    second.flush(30)
     lookups = TierLookups([first, second])
-    assert lookups.lookup("r", keys, 1) is None  # the first tier's I/O is running
-    # tier 0 serves keys 1-2, tier 1 continues at key 3 and serves it, key 4 is nowhere
-    assert _poll(lambda: lookups.lookup("r", keys, 1)) == [2, 1]
-    assert lookups.lookup("r", keys, 1) == [2, 1]  # kept until forgotten
+    assert lookups.sources("r", keys) is None  # the first tier's I/O is running
+    # per key: tier 0 serves keys 1-2, tier 1 keys 3 and 5, keys 0 and 4 are nowhere
+    expected = [None, 0, 0, 1, None, 1]
+    assert _poll(lambda: lookups.sources("r", keys)) == expected
+    assert lookups.sources("r", keys) == expected  # kept until forgotten
+    assert lookups.answered("r") == {keys[1]: 0, keys[2]: 0, keys[3]: 1, keys[5]: 1}
     lookups.forget("r")
-    assert lookups.lookup("r", keys, 1) is None
+    assert lookups.sources("r", keys) is None
     lookups.close()
 
 
@@ -52,7 +57,7 @@ def test_worker_moves_chunks_between_cpu_buffer_and_tier(tmp_path):
     tier = _disk(tmp_path, "t")
     planes = (torch.arange(8 * 4, dtype=torch.uint8).view(8, 4),
               torch.arange(100, 100 + 8 * 3, dtype=torch.uint8).view(8, 3))
-    worker = WorkerTiers([tier], block_size=16)
+    worker = WorkerTiers([tier], block_sizes=[16])
     worker.bind_buffer(planes)
     key = _keys(1)[0]
     chunk = [p[2:4].clone() for p in planes]
@@ -76,15 +81,15 @@ def test_tier_keys_carry_the_kv_cache_group(tmp_path):
     """A chunk of group 3 is stored under its hash and group 3: only group 3's key finds
     it, and its tier event names group 3."""
     tier = _disk(tmp_path, "t")
-    worker = WorkerTiers([tier], block_size=16)
+    worker = WorkerTiers([tier], block_sizes=[16])
     worker.bind_buffer((torch.ones(4, 8, dtype=torch.uint8),))
     key = _keys(1, group=3)[0]
     assert tier_key(key) == TierKey(bytes(32), 3)
     worker.write([TierWrite(key, [0], [b"h" * 32], None)])
     tier.flush(30)
     lookups = TierLookups([tier])
-    assert _poll(lambda: lookups.lookup("a", [key], 0)) == [1]
-    assert _poll(lambda: lookups.lookup("b", _keys(1, group=0), 0)) == [0]
+    assert _poll(lambda: lookups.sources("a", [key])) == [0]
+    assert _poll(lambda: lookups.sources("b", _keys(1, group=0))) == [None]
     assert [e.group_idx for e in worker.take_events()] == [3]
     lookups.close()
     worker.close()
@@ -130,19 +135,71 @@ def test_redis_tier_gets_the_connector_layout_unless_given(tmp_path):
             t.close()
 
 
-@pytest.mark.parametrize("layer_types", [("full", "sliding:48"), ("sliding:48",)],
-                         ids=["two-groups", "one-windowed-group"])
-def test_tiers_need_one_full_attention_group(tmp_path, layer_types):
-    """Tier lookups follow one prefix of chunks: a hybrid or windowed model with tiers is
-    a config error naming the limitation, not a silently wrong hit."""
-    from connectors.offload.config import OffloadConfig
-    from kvconnector_core.engine.engine import EngineConfig
-    from kvconnector_core.worker.model import ModelConfig
+def test_a_chunk_being_written_to_the_cpu_tier_is_no_tier_hit(tmp_path):
+    """Regression (issue 13): a chunk on disk whose CPU-tier store (or promotion) was in
+    flight counted as a tier hit; promoting it needs a fresh CPU slot, which
+    ``prepare_store`` cannot give a key it holds, so admission raised (a contained
+    traceback in ``kvconnector run --tier disk:... --cpu-blocks 6``). The hit now stops
+    at that chunk, and the promotion of the chunks before it succeeds."""
+    from connectors.offload.manager import CPUOffloadingManager
+    from connectors.offload.tiering import SchedulerTiers
 
-    model = ModelConfig(layer_types=layer_types, vocab_size=1000)
-    kv_cache_config = EngineConfig(model=model, num_gpu_blocks=64, max_model_len=256).kv_cache_config()
-    extra = {"num_cpu_blocks": 4, "tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 20}]}
-    with pytest.raises(ConfigError, match="tiers need a model with one full-attention KV cache group"):
-        OffloadConfig.from_extra(extra, kv_cache_config)
-    extra.pop("tiers")
-    assert len(OffloadConfig.from_extra(extra, kv_cache_config).groups) == len(set(layer_types))
+    tier = _disk(tmp_path, "t")
+    keys = _keys(4)
+    tier.store([(tier_key(k), b"x") for k in keys])
+    tier.flush(30)
+    manager = CPUOffloadingManager(8)
+    assert manager.prepare_store([keys[2]]) is not None  # being written: not ready
+    tiers = SchedulerTiers([tier], manager, blocks_per_chunk=1)
+    assert _poll(lambda: tiers.promotable("r", keys)) == {keys[0], keys[1], keys[3]}
+    reads = tiers.plan_promotion("r", keys[:2])
+    assert [r.key for r in reads] == keys[:2]
+    tiers.close()
+
+
+def test_tier_events_are_reference_counted_so_a_replica_equals_the_tier(tmp_path):
+    """Item 4 of issue 13: one stored event per key the tier holds (storing it again
+    announces nothing), one removal when it really goes (evicted, or damaged and
+    deleted), GPU block hashes shared by two chunks counted. Replaying the DISK events
+    as a set gives exactly the blocks of the chunks whose files are on disk."""
+    from kvconnector_core.kv_events import BlockRemoved
+
+    plane = torch.arange(8 * 4, dtype=torch.uint8).view(8, 4)  # 2 sub-blocks per chunk: 8 bytes
+    tier = DiskTier({"path": str(tmp_path), "capacity_bytes": 2 * (16 + 8)})  # two files
+    worker = WorkerTiers([tier], block_sizes=[16])
+    worker.bind_buffer((plane,))
+    h = [bytes([i]) * 32 for i in range(6)]
+    keys = {"a": h[2] + bytes(4), "b": h[3] + bytes(4), "c": h[5] + bytes(4)}
+    blocks = {"a": [h[1], h[2]], "b": [h[1], h[3]], "c": [h[4], h[5]]}  # a and b share h1
+    replica: set[bytes] = set()
+
+    def write(*names):
+        worker.write([TierWrite(keys[n], [0, 1], blocks[n], None) for n in names])
+        tier.flush(30)
+
+    def check():
+        for event in worker.take_events():
+            assert event.medium == "DISK" and event.group_idx == 0
+            wire = set(event.block_hashes)
+            if isinstance(event, BlockRemoved):
+                assert wire <= replica
+                replica.difference_update(wire)
+            else:
+                assert not wire & replica, "a block announced twice"
+                replica.update(wire)
+        on_disk = {n for n, k in keys.items() if tier._path(tier_key(k)).exists()}
+        assert replica == {to_external_hash(b) for n in on_disk for b in blocks[n]}
+        return on_disk
+
+    write("a", "b")
+    assert check() == {"a", "b"}
+    write("a")  # stored again: nothing new to announce (and a is now the most recent)
+    assert worker.take_events() == []
+    write("c")  # over the budget: b, the least recently used, is evicted; h1 stays (a)
+    assert check() == {"a", "c"}
+    path = tier._path(tier_key(keys["a"]))
+    path.write_bytes(path.read_bytes()[:-1] + b"\xff")  # damaged: its load fails, file deleted
+    worker.start_reads(1, [TierRead(0, keys["a"], [4, 5])])
+    assert _poll(worker.finished_reads) == [(1, False)]
+    assert check() == {"c"}
+    worker.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from connectors.tiers import DiskTier, TierKey, make_tier
-from connectors.tiers._base import frame_value, unframe_value
+from connectors.tiers._frame import frame_value, unframe_value
 from kvconnector_core.errors import ConfigError
 
 

@@ -221,22 +221,64 @@ def test_acl_user_and_password_from_env_or_file_never_logged(tmp_path, monkeypat
         node.executor.stop()
 
 
-def test_tls(tmp_path, make):
-    require_redis_server()
-    files = make_tls_files(tmp_path / "tls")
+def _tls_node(tmp_path, files, *, auth_clients: str, extra: list[str] | None = None) -> RedisNode:
     port = free_port()
-    node = RedisNode(tmp_path, port=port, extra=[
+    return RedisNode(tmp_path, port=port, extra=[
         "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(files["server.crt"]),
         "--tls-key-file", str(files["server.key"]), "--tls-ca-cert-file", str(files["ca.crt"]),
-        "--tls-auth-clients", "no"]).start()
+        "--tls-auth-clients", auth_clients, *(extra or [])]).start()
+
+
+def test_tls_verifies_the_server_against_the_given_ca(tmp_path, make):
+    """A real redis-server with TLS only (no plain port) and throw-away certificates."""
+    files = make_tls_files(tmp_path / "tls")
+    node = _tls_node(tmp_path, files, auth_clients="no")
+    port = node.port
     try:
         tier = make(f"rediss://127.0.0.1:{port}/0", False, tls_ca_file=str(files["ca.crt"]))
         key = _keys(1)[0]
         tier.store([(key, b"over tls")])
         tier.flush(30)
         assert tier.load([key]).values(30) == [b"over tls"]
+        # tls=True turns a redis:// URL into TLS too.
+        flag = make(f"redis://127.0.0.1:{port}/0", False, tls=True, tls_ca_file=str(files["ca.crt"]))
+        assert flag.load([key]).values(30) == [b"over tls"]
+        # The server's certificate is checked: another CA, or the system's CAs, refuse it.
+        for ca in (str(files["other-ca.crt"]), None):
+            untrusting = make(f"rediss://127.0.0.1:{port}/0", False, tls_ca_file=ca)
+            assert untrusting.load([key]).values(30) == [None]
+            untrusting.store([(key, b"forged")])
+            untrusting.flush(30)
+            assert untrusting.stats()["redis_store_failures"] == 1
         plain = make(f"redis://127.0.0.1:{port}/0", False)
         assert plain.load([key]).values(30) == [None]  # plain text to a TLS port fails, safely
+        assert tier.load([key]).values(30) == [b"over tls"]  # nothing was overwritten
+    finally:
+        node.executor.stop()
+
+
+def test_tls_client_certificate_and_acl_user(tmp_path, make, monkeypatch, caplog):
+    """Mutual TLS (the server requires a client certificate signed by its CA) with an ACL
+    user whose password comes from a file; the secret never reaches a log line."""
+    files = make_tls_files(tmp_path / "tls")
+    secret = "tls-s3cr3t"
+    node = _tls_node(tmp_path, files, auth_clients="yes", extra=[
+        "--user", "default", "off", "--user", "kv", "on", f">{secret}", "~kvc:*", "+@all"])
+    (tmp_path / "pw").write_text(secret + "\n")
+    url = f"rediss://127.0.0.1:{node.port}/0"
+    tls = {"tls_ca_file": str(files["ca.crt"]), "username": "kv", "password_file": str(tmp_path / "pw")}
+    try:
+        caplog.set_level(logging.DEBUG)
+        tier = make(url, False, tls_cert_file=str(files["client.crt"]),
+                    tls_key_file=str(files["client.key"]), **tls)
+        key = _keys(1)[0]
+        tier.store([(key, b"mutual tls")])
+        tier.flush(30)
+        assert tier.load([key]).values(30) == [b"mutual tls"]
+        no_cert = make(url, False, **tls)
+        assert no_cert.load([key]).values(30) == [None]  # the server refuses the handshake
+        assert no_cert.stats()["redis_load_failures"] == 1
+        assert secret not in caplog.text
     finally:
         node.executor.stop()
 

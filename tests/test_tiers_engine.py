@@ -43,9 +43,9 @@ def doc_trace(seed: int = 0, rounds: int = 2, tag: str = "r") -> list[TraceReque
     ]
 
 
-def offload(*tiers: dict) -> dict:
+def offload(*tiers: dict, num_cpu_blocks: int = NUM_CPU_CHUNKS) -> dict:
     return {"name": "cpu_offload",
-            "extra_config": {"num_cpu_blocks": NUM_CPU_CHUNKS, "tiers": list(tiers)}}
+            "extra_config": {"num_cpu_blocks": num_cpu_blocks, "tiers": list(tiers)}}
 
 
 def run(connector: dict | None, trace: list[TraceRequest]):
@@ -228,3 +228,60 @@ def test_tiers_work_inside_a_multiconnector(tmp_path, baseline):
     assert result.outputs == baseline.outputs
     assert result.metrics.events.get("BlockStored[DISK]", 0) > 0
     assert result.metrics.connector_errors == {}
+
+
+HYBRID = ("tiny-hybrid", "tiny-chunked")
+HYBRID_CPU_CHUNKS = 16  # a prefill step stores up to 12 chunks of both groups; 3 documents need ~40
+
+
+def run_model(preset: str, connector: dict | None, trace: list[TraceRequest]):
+    from kvconnector_core.engine.models import get_model
+
+    config = EngineConfig(connector=connector, model=get_model(preset),
+                          **{**ENGINE, "num_gpu_blocks": 40, "max_model_len": 256})
+    with Engine(config) as engine:
+        return engine.run(trace)
+
+
+def long_doc_trace(tag: str = "h") -> list[TraceRequest]:
+    """Documents longer than the sliding windows, asked twice: a windowed group's hit
+    needs the chunks of its last window, after chunks that left it were never stored."""
+    rng = random.Random(1)
+    docs = [[rng.randrange(1000) for _ in range(160)] for _ in range(3)]
+    return [TraceRequest(request_id=f"{tag}{r}-{d}", arrival=r * 60 + d * 2, max_new_tokens=4,
+                         prompt_token_ids=doc + [rng.randrange(1000) for _ in range(5)])
+            for r in range(2) for d, doc in enumerate(docs)]
+
+
+@pytest.fixture(scope="module")
+def hybrid_baselines():
+    return {preset: run_model(preset, None, long_doc_trace()) for preset in HYBRID}
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+def test_hybrid_model_is_served_from_the_disk_tier(tmp_path, preset, hybrid_baselines):
+    """Tier keys carry the group, lookups are window-aware: the second round of a hybrid
+    model is served from disk (every group's chunks), with identical outputs."""
+    result = run_model(preset, offload(disk(tmp_path), num_cpu_blocks=HYBRID_CPU_CHUNKS), long_doc_trace())
+    assert result.outputs == hybrid_baselines[preset].outputs
+    stats = result.metrics.connector_stats
+    assert stats["disk_loads"] > 0 and stats.get("disk_load_failures", 0) == 0
+    assert result.metrics.connector_hit_tokens > 0
+    groups = {p.name.split("-g")[1].split(".")[0] for p in tmp_path.rglob("*.kvb")}
+    assert groups == {"0", "1"}, "both KV cache groups' chunks reach the tier"
+    assert result.metrics.connector_errors == {}
+
+
+@pytest.mark.redis
+def test_hybrid_model_engine_b_serves_engine_a_prefixes_through_redis(redis_node, hybrid_baselines,
+                                                                     request):
+    preset = "tiny-hybrid"
+    salt = request.node.name
+    tier = offload(redis(redis_node.url, salt), num_cpu_blocks=HYBRID_CPU_CHUNKS)
+    a = run_model(preset, tier, long_doc_trace()[:3])
+    assert a.metrics.connector_stats["redis_stores"] > 0
+    b = run_model(preset, tier, long_doc_trace())
+    assert b.outputs == hybrid_baselines[preset].outputs
+    assert b.metrics.connector_stats["redis_loads"] > 0
+    assert b.metrics.connector_stats.get("redis_load_failures", 0) == 0
+    assert b.metrics.connector_errors == {}

@@ -1,76 +1,242 @@
 """Pipelined gather: scattered small device rows <-> dense staging <-> CPU, on two streams.
 
-Why: in the per-layer layout a block is one 64 KiB row per layer, and the copy engines
-lose a fixed cost on every row they move (measured on an H100: one batched DMA per row
-reaches 0.66x of the contiguous pinned copy, one 2D DMA per block 0.85x). Gathering a
-group of planes' scattered rows into a dense staging buffer with a kernel turns them into
-a few large DMAs. The kernel for group ``k + 1`` runs on the kernel stream while the DMA
-of group ``k`` runs on the DMA stream, so the copy engines stay busy; the kernels move
-device memory at TB/s and cost the model little SM time, which the interference
-benchmark measures.
+Why: in the per-layer layout (vLLM's) a block is one 64 KiB row per layer, and the copy
+engines lose a fixed cost on every row they move (H100: one batched DMA per row reaches
+0.74x of the contiguous pinned copy). Gathering a group of planes' scattered rows into a
+dense staging buffer with a kernel turns them into a few large DMAs. The kernel for group
+``k + 1`` runs on the kernel stream while the DMA of group ``k`` runs on the DMA stream,
+so the copy engines stay busy. Loads run the other way: DMA group ``k`` into staging, then
+scatter it, while the DMA of group ``k + 1`` proceeds.
 
-Loads run the other way: DMA group ``k`` into staging, then a scatter kernel per plane,
-while the DMA of group ``k + 1`` proceeds.
+What makes it fast (measured on an H100, 256 scattered blocks of 2 MiB): the mechanism alone
+reaches 0.96-0.98x of the contiguous copy each way (``benchmarks/probe_transfer_limits.py``),
+the mover's default 0.92-0.95x (``bench_transfer.py``), where the first version of this
+module reached 0.85x:
+
+* the kernels move 8-byte words, not bytes (``index_select`` on int64 views): a byte-wise
+  gather of 512 MiB took milliseconds, long enough to stall the pipeline;
+* where every plane's rows sit at whole multiples of the row size from the lowest plane
+  (true of large allocations), one *span* view covers all planes, so a group of planes is
+  one gather kernel and one 2D DMA (rows = planes) instead of one kernel and one DMA per
+  plane (with the changes below, the issue thread's time per 64-block job fell from 1.4-2.2
+  to 0.6-0.8 ms);
+* the pipeline has one stage per ~16 MiB moved (up to 16), so the first gather and the
+  last scatter, which nothing overlaps, stay short.
+
+The span view aliases device memory by address (``__cuda_array_interface__``); only the
+rows of the registered planes are ever indexed, so memory between allocations is never
+read or written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from connectors.offload import _cudart
 
-__all__ = ["staged_copy"]
+__all__ = ["GatherPlan", "group_planes", "plan_gather", "span_layout", "staged_copy",
+           "staging_copies"]
 
-_GROUPS = 8  # pipeline depth: planes are moved in this many groups
+_STAGE_BYTES = 16 << 20  # bytes moved per pipeline stage (one group of planes)
+_MAX_GROUPS = 16  # H100: 16 stages 0.98x, 8 stages 0.98x, 4 stages 0.97x for 512 MiB
 
 
-def staged_copy(is_store: bool, gpu_planes: Sequence[torch.Tensor],
-                cpu_planes: Sequence[torch.Tensor], gpu_ids: torch.Tensor,
+def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_blocks: int
+                ) -> tuple[int, list[int], list[int], int] | None:
+    """Where one array of ``row``-byte rows starting at the lowest plane covers every plane.
+
+    Args:
+        ptrs, strides: each plane's address and row stride, in bytes.
+        row: bytes of one row (every plane's).
+        num_blocks: rows per plane.
+
+    Returns:
+        ``(base, first_row, rows_per_block, total_rows)``: block ``b`` of plane ``p`` is
+        row ``first_row[p] + b * rows_per_block[p]`` of the span; None when some plane
+        does not sit at a whole number of rows from ``base``.
+    """
+    base = min(ptrs)
+    if any((p - base) % row or s % row for p, s in zip(ptrs, strides, strict=True)):
+        return None
+    first = [(p - base) // row for p in ptrs]
+    steps = [s // row for s in strides]
+    total = max(f + (num_blocks - 1) * k + 1 for f, k in zip(first, steps, strict=True))
+    return base, first, steps, total
+
+
+def group_planes(num_planes: int, job_bytes: int) -> list[range]:
+    """Split the planes into pipeline stages of about ``_STAGE_BYTES`` each (1 to 16)."""
+    groups = max(1, min(_MAX_GROUPS, num_planes, job_bytes // _STAGE_BYTES))
+    per = -(-num_planes // groups)
+    return [range(i, min(i + per, num_planes)) for i in range(0, num_planes, per)]
+
+
+@dataclass(frozen=True, slots=True)
+class GatherPlan:
+    """What a staged copy needs, prepared once at registration.
+
+    Attributes:
+        row: bytes of one row (one block of one plane).
+        word: element type the kernels move (int64 where rows and addresses allow).
+        planes: the device planes as ``(num_blocks, row / word)`` views.
+        source: the span view covering every plane (rows of ``row`` bytes), or None.
+        first_row, rows_per_block: int64 ``(planes, 1)`` row arithmetic into ``source``.
+        cpu_pitch: bytes between consecutive CPU planes when one 2D copy may move a
+            group (planes equally spaced in one allocation, dense rows); else None.
+        cpu_planes: the CPU planes (uint8 ``(num_cpu_blocks, row)``), pairwise with ``planes``.
+    """
+
+    row: int
+    word: torch.dtype
+    planes: tuple[torch.Tensor, ...]
+    source: torch.Tensor | None
+    first_row: torch.Tensor | None
+    rows_per_block: torch.Tensor | None
+    cpu_pitch: int | None
+    cpu_planes: tuple[torch.Tensor, ...]
+
+    def gather_index(self, gpu_ids: torch.Tensor) -> torch.Tensor:
+        """Rows to gather, plane-major: ``planes * n`` int64 (span rows, or block ids)."""
+        if self.source is None:
+            return gpu_ids
+        return (self.first_row + gpu_ids.view(1, -1) * self.rows_per_block).view(-1)
+
+
+class _Span:
+    """``__cuda_array_interface__`` for raw device memory (torch.as_tensor builds a view)."""
+
+    def __init__(self, ptr: int, rows: int, words: int, word: torch.dtype) -> None:
+        code = "<i8" if word == torch.int64 else "|u1"
+        self.__cuda_array_interface__ = {"shape": (rows, words), "typestr": code,
+                                         "data": (ptr, False), "version": 2, "strides": None}
+
+
+def plan_gather(gpu_planes: Sequence[torch.Tensor], cpu_planes: Sequence[torch.Tensor],
+                max_pitch: int) -> GatherPlan:
+    """Prepare staged copies for these planes (uint8 ``(blocks, row)``, pairwise).
+
+    Args:
+        max_pitch: the largest pitch a 2D copy accepts (0: no 2D copies).
+    """
+    rows = {p.shape[1] for p in gpu_planes}
+    row = rows.pop() if len(rows) == 1 else 0
+    ptrs = [p.data_ptr() for p in gpu_planes]
+    strides = [p.stride(0) for p in gpu_planes]
+    wide = all(p.shape[1] % 8 == 0 for p in gpu_planes) and all(
+        x % 8 == 0 for x in (*ptrs, *strides))
+    word = torch.int64 if wide else torch.uint8
+    planes = tuple(p.view(word) for p in gpu_planes)
+    source = first = steps = None
+    span = None
+    if row and len(gpu_planes) > 1 and gpu_planes[0].is_cuda:
+        span = span_layout(ptrs, strides, row, gpu_planes[0].shape[0])
+    if span is not None:
+        base, first_rows, step_rows, total = span
+        words = row // word.itemsize if wide else row
+        source = torch.as_tensor(_Span(base, total, words, word), device=gpu_planes[0].device)
+        first = torch.tensor(first_rows, dtype=torch.int64).view(-1, 1)
+        steps = torch.tensor(step_rows, dtype=torch.int64).view(-1, 1)
+    return GatherPlan(row or gpu_planes[0].shape[1], word, planes, source, first, steps,
+                      _cpu_pitch(cpu_planes, max_pitch), tuple(cpu_planes))
+
+
+def _cpu_pitch(cpu_planes: Sequence[torch.Tensor], max_pitch: int) -> int | None:
+    if len(cpu_planes) < 2 or len({p.untyped_storage().data_ptr() for p in cpu_planes}) != 1:
+        return None
+    row = cpu_planes[0].shape[1]
+    if any(p.shape[1] != row or p.stride(0) != row for p in cpu_planes):
+        return None
+    ptrs = [p.data_ptr() for p in cpu_planes]
+    pitch = ptrs[1] - ptrs[0]
+    if pitch <= 0 or pitch > max_pitch or any(b - a != pitch for a, b in zip(ptrs, ptrs[1:], strict=False)):
+        return None
+    return pitch
+
+
+def staging_copies(plan: GatherPlan, group: range, n: int, cpu_runs: Sequence[tuple[int, int, int]],
+                   staging_ptr: int, *, to_cpu: bool) -> list[tuple[int, int, int, int, int, int]]:
+    """``(dst, dpitch, src, spitch, width, height)`` per copy between staging and CPU.
+
+    Staging holds ``n`` rows per plane, plane-major. One copy per CPU run covers every
+    plane of the group (rows = planes) where :attr:`GatherPlan.cpu_pitch` allows, else one
+    per plane (height 1).
+    """
+    row, out = plan.row, []
+    span = [group] if plan.cpu_pitch is not None else [range(p, p + 1) for p in group]
+    for planes in span:
+        first = planes.start
+        cpu_plane = plan.cpu_planes[first]
+        for s, c, k in cpu_runs:
+            dev = staging_ptr + (first * n + s) * row
+            host = cpu_plane.data_ptr() + c * cpu_plane.stride(0)
+            copy = ((host, plan.cpu_pitch or k * row, dev, n * row) if to_cpu
+                    else (dev, n * row, host, plan.cpu_pitch or k * row))
+            out.append((*copy, k * row, len(planes)))
+    return out
+
+
+def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
                 cpu_runs: Sequence[tuple[int, int, int]], dma_stream: torch.cuda.Stream,
-                kernel_stream: torch.cuda.Stream, memcpy: Callable[[int, int, int, int], int] | None,
-                keep_alive: list[torch.Tensor]) -> None:
+                kernel_stream: torch.cuda.Stream, memcpy: _cudart.Memcpy | None,
+                memcpy_2d: _cudart.Memcpy2D | None, keep_alive: list[torch.Tensor]) -> None:
     """Queue a staged transfer; on return the DMA stream is ordered after all of it.
 
     Args:
+        plan: from :func:`plan_gather`.
         is_store: device -> CPU when True.
-        gpu_planes, cpu_planes: uint8 ``(blocks, row_bytes)`` planes, pairwise.
         gpu_ids: int64 CPU tensor of device block ids, one per staging row.
         cpu_runs: ``(staging_row, cpu_id, length)`` runs of consecutive CPU ids.
         dma_stream: the job's stream (already ordered after the model's work).
         kernel_stream: a second stream for the gather / scatter kernels.
-        memcpy: ``cudaMemcpyAsync`` by ctypes, or None for ``Tensor.copy_``.
+        memcpy, memcpy_2d: the runtime's copies by ctypes (None: ``Tensor.copy_``).
         keep_alive: receives the index and staging tensors, which must outlive the job.
     """
-    device = gpu_planes[0].device
-    n = gpu_ids.numel()
-    kernel_stream.wait_stream(dma_stream)
-    with torch.cuda.stream(kernel_stream):
+    n, device = gpu_ids.numel(), plan.planes[0].device
+    groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes))
+    kernel_stream.wait_event(_record(dma_stream))
+    # The kernel stream is this thread's current stream for the whole job: switching it per
+    # group with ``torch.cuda.stream(...)`` cost more host time than the kernels' launches.
+    previous = torch.cuda.current_stream(device.index)
+    torch.cuda.set_stream(kernel_stream)
+    try:
         # Allocated on the kernel stream, released only after the job completes.
-        idx = gpu_ids.pin_memory().to(device, non_blocking=True)
-        staging = [torch.empty((n, p.shape[1]), dtype=torch.uint8, device=device)
-                   for p in gpu_planes]
-    keep_alive += [idx, *staging]
-    per_group = -(-len(gpu_planes) // _GROUPS)
-    groups = [range(i, min(i + per_group, len(gpu_planes)))
-              for i in range(0, len(gpu_planes), per_group)]
-    for planes in groups:
-        if is_store:
-            with torch.cuda.stream(kernel_stream):
-                for p in planes:
-                    torch.index_select(gpu_planes[p], 0, idx, out=staging[p])
-            dma_stream.wait_event(_record(kernel_stream))
-            for p in planes:
-                _dma(memcpy, dma_stream, staging[p], cpu_planes[p], cpu_runs, to_cpu=True)
-        else:
-            for p in planes:
-                _dma(memcpy, dma_stream, staging[p], cpu_planes[p], cpu_runs, to_cpu=False)
-            kernel_stream.wait_event(_record(dma_stream))
-            with torch.cuda.stream(kernel_stream):
-                for p in planes:
-                    gpu_planes[p].index_copy_(0, idx, staging[p])
+        idx = plan.gather_index(gpu_ids).pin_memory().to(device, non_blocking=True)
+        staging = torch.empty((len(plan.planes) * n, plan.planes[0].shape[1]), dtype=plan.word,
+                              device=device)
+        keep_alive += [idx, staging]
+        for group in groups:
+            if is_store:
+                _move(plan, group, n, idx, staging, gather=True)
+                dma_stream.wait_event(_record(kernel_stream))
+                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+            else:
+                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
+                kernel_stream.wait_event(_record(dma_stream))
+                _move(plan, group, n, idx, staging, gather=False)
+    finally:
+        torch.cuda.set_stream(previous)
     dma_stream.wait_event(_record(kernel_stream))  # the job ends after its last kernel
+
+
+def _move(plan: GatherPlan, group: range, n: int, idx: torch.Tensor, staging: torch.Tensor,
+          *, gather: bool) -> None:
+    """Gather a group's rows into staging (or scatter them back): one kernel over the span."""
+    if plan.source is not None:
+        rows = slice(group.start * n, group.stop * n)
+        if gather:
+            torch.index_select(plan.source, 0, idx[rows], out=staging[rows])
+        else:
+            plan.source.index_copy_(0, idx[rows], staging[rows])
+        return
+    for p in group:
+        part = staging[p * n:(p + 1) * n]
+        if gather:
+            torch.index_select(plan.planes[p], 0, idx, out=part)
+        else:
+            plan.planes[p].index_copy_(0, idx, part)
 
 
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -79,32 +245,31 @@ def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return event
 
 
-def _dma(memcpy: Callable[[int, int, int, int], int] | None, stream: torch.cuda.Stream,
-         staging: torch.Tensor, cpu_plane: torch.Tensor, runs: Sequence[tuple[int, int, int]],
-         *, to_cpu: bool) -> None:
-    row = staging.shape[1]
-    if memcpy is None:
+def _dma(plan: GatherPlan, group: range, n: int, cpu_runs: Sequence[tuple[int, int, int]],
+         staging: torch.Tensor, stream: torch.cuda.Stream, memcpy: _cudart.Memcpy | None,
+         memcpy_2d: _cudart.Memcpy2D | None, *, to_cpu: bool) -> None:
+    if memcpy is None:  # no runtime by ctypes: tensor copies, one per plane and run
+        as_bytes = staging.view(torch.uint8)
         with torch.cuda.stream(stream):
-            for s, c, k in runs:
-                if to_cpu:
-                    cpu_plane[c:c + k].copy_(staging[s:s + k], non_blocking=True)
-                else:
-                    staging[s:s + k].copy_(cpu_plane[c:c + k], non_blocking=True)
+            for p in group:
+                for s, c, k in cpu_runs:
+                    dev = as_bytes[p * n + s:p * n + s + k]
+                    host = plan.cpu_planes[p][c:c + k]
+                    (host.copy_(dev, non_blocking=True) if to_cpu
+                     else dev.copy_(host, non_blocking=True))
         return
-    handle, s_base, c_base, c_stride = (stream.cuda_stream, staging.data_ptr(),
-                                        cpu_plane.data_ptr(), cpu_plane.stride(0))
-    for s, c, k in runs:
-        dev, host = s_base + s * row, c_base + c * c_stride
-        if c_stride != row and k > 1:  # CPU rows with gaps: one copy per row
-            for j in range(k):
-                _check(memcpy(host + j * c_stride, dev + j * row, row, handle) if to_cpu
-                       else memcpy(dev + j * row, host + j * c_stride, row, handle))
+    handle = stream.cuda_stream
+    for dst, dpitch, src, spitch, width, height in staging_copies(
+            plan, group, n, cpu_runs, staging.data_ptr(), to_cpu=to_cpu):
+        if height > 1 and memcpy_2d is not None:
+            _check(memcpy_2d(dst, dpitch, src, spitch, width, height, handle), "cudaMemcpy2DAsync")
             continue
-        _check(memcpy(host, dev, k * row, handle) if to_cpu else memcpy(dev, host, k * row, handle))
+        for r in range(height):
+            _check(memcpy(dst + r * dpitch, src + r * spitch, width, handle), "cudaMemcpyAsync")
 
 
-def _check(rc: int) -> None:
+def _check(rc: int, name: str) -> None:
     if rc != 0:
         _cudart.clear_error()
-        msg = f"cudaMemcpyAsync returned CUDA error {rc}"
+        msg = f"{name} returned CUDA error {rc}"
         raise RuntimeError(msg)

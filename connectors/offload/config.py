@@ -147,8 +147,7 @@ class OffloadConfig:
         Raises:
             ConfigError: missing KV cache config, a block size that is not a multiple of
                 every group's GPU block size, both ``block_size`` and ``blocks_per_chunk``
-                or both ``num_cpu_blocks`` and ``cpu_bytes``, no CPU capacity, or ``tiers``
-                with a model that is not one full-attention KV cache group.
+                or both ``num_cpu_blocks`` and ``cpu_bytes``, or no CPU capacity.
         """
         if kv_cache_config is None:
             msg = "OffloadingConnector needs the engine's KV cache config (got None)"
@@ -162,13 +161,6 @@ class OffloadConfig:
                          getattr(spec, "sliding_window", 0) or 0,
                          getattr(spec, "attention_chunk_size", 0) or 0)
             for i, spec in enumerate(specs))
-        if settings.tiers and (len(groups) != 1 or not groups[0].is_full):
-            # Tier lookups and promotions follow one prefix of chunks; hybrid models would
-            # need them per group and window (a known limitation).
-            kind = f"{len(groups)} KV cache groups" if len(groups) != 1 else "a windowed KV cache group"
-            msg = (f"OffloadingConnector: extra_config tiers need a model with one full-attention "
-                   f"KV cache group; this model has {kind}; remove 'tiers' for this model")
-            raise ConfigError(msg)
         chunk_bytes = max(g.factor for g in groups) * kv_cache_config.bytes_per_block
         if settings.num_cpu_blocks is not None and settings.cpu_bytes is not None:
             msg = "OffloadingConnector: give either 'num_cpu_blocks' or 'cpu_bytes' in extra_config, not both"

@@ -87,6 +87,9 @@ class OffloadingConnectorMetadata(KVConnectorMetadata, kw_only=True):
         delayed_free_req_ids: finished requests whose blocks the scheduler keeps until
             they are reported in ``finished_sending``.
         tier_writes: stored chunks to copy into the secondary tiers (before the forward).
+        flush_job_ids: stores in flight that read a block the engine allocated again this
+            step (a sliding-window block that left the window): the worker waits for
+            them before the forward can rewrite the block.
     """
 
     loads: list[TransferJobSpec] = msgspec.field(default_factory=list)
@@ -94,6 +97,7 @@ class OffloadingConnectorMetadata(KVConnectorMetadata, kw_only=True):
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     delayed_free_req_ids: list[str] = msgspec.field(default_factory=list)
     tier_writes: list[TierWriteJob] = msgspec.field(default_factory=list)
+    flush_job_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class OffloadWorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):

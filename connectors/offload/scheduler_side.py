@@ -5,7 +5,8 @@ Plans loads at admission (``get_num_new_matched_tokens`` -> ``update_state_after
 chunks in ``build_connector_meta`` (``prepare_store``), and learns job completions in
 ``update_connector_output``: a store becomes visible to lookups only once its job
 succeeded; a failed store is dropped (``complete_store(success=False)``).
-``request_finished`` delays the free of a request whose stores are still in flight.
+``request_finished`` delays the free of a request whose stores are still in flight;
+sliding-window blocks freed while a store reads them are fenced (:mod:`._fence`).
 
 Hybrid models: every KV cache group is offloaded; a key is a chunk's chained hash plus
 its group (4 bytes), as in vLLM 0.33. Lookups are window-aware (a sliding-window group
@@ -13,11 +14,11 @@ needs only the chunks of its last window, a chunked-local group those of its cur
 attention chunk), loads move only the blocks the engine allocated (in-window), and
 stores skip chunks that left a group's window.
 
-With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiering`;
-one full-attention KV cache group): lookups continue in the tiers after the CPU hit
-(None = ask again while they look), a load may promote tier chunks into reserved CPU
-slots, and every successful CPU store is cascaded into the tiers (its slots pinned until
-the worker has copied them). Tier keys carry the group like CPU keys.
+With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiering`):
+a hit may take each chunk the CPU tier lacks from a tier (window-aware as above; None =
+ask again while the tiers look), a load promotes those chunks into reserved CPU slots,
+and every successful CPU store is cascaded into the tiers (its slots pinned until the
+worker has copied them). Tier keys carry the group like CPU keys.
 
 Failure contract (``docs/failure-contract.md``): ``forget_requests`` drops a request's
 unsent loads and makes its stores in flight fail when they complete; ``plan_failed``
@@ -30,11 +31,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connectors.offload._fence import StoreFence
 from connectors.offload.events import ChunkInfo, GroupedEvents
-from connectors.offload.lookup import longest_hit
+from connectors.offload.lookup import longest_hit, needed_chunks
 from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
@@ -88,6 +91,11 @@ class _JobRecord:
     promoted: tuple[bytes, ...] = ()  # loads: tier chunks read into reserved CPU slots
 
 
+# The pool's null block (vLLM's and kvconnector's): what a block table holds at positions
+# that left a sliding window or chunk.
+_NULL_BLOCK_ID = 0
+
+
 def group_suffix(group: int) -> bytes:
     """The 4 bytes (big-endian group index) that end every offload key of a group."""
     return group.to_bytes(4, "big")
@@ -129,6 +137,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self.tiers = SchedulerTiers(make_tiers(cfg.tiers, layout=cfg.layout, enable_events=False),
                                     self.manager, cfg.sub_blocks_per_chunk) if cfg.tiers else None
         self._pending_tier_writes: list[TierWriteJob] = []
+        self._fence = StoreFence()
 
     # ------------------------------------------------------------------ keys
     def _num_chunks(self, request: Request) -> int:
@@ -188,21 +197,49 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
 
     def _tiered_matched_tokens(self, request: Request, num_computed_tokens: int, num_chunks: int
                                ) -> tuple[int | None, bool]:
-        """With tiers (one full-attention group): the CPU tier's leading hit, then the
-        tiers' after it; None while a tier is still looking."""
+        """With tiers: the longest window-aware hit whose chunks are each in the CPU tier
+        or in a tier (promoted through a CPU slot); None while a tier is still looking.
+
+        The tiers are asked only when the CPU tier alone does not serve the whole
+        prompt. The hit is shortened until its promotions fit in the CPU slots that are
+        free or evictable now.
+        """
         assert self.tiers is not None  # noqa: S101 - only called with tiers
-        cfg = self.offload_config
-        keys = [self._key(request, 0, c) for c in range(num_chunks)]
-        start = num_computed_tokens // cfg.chunk_tokens
-        hits = self.manager.lookup(keys[start:])
-        if start + hits < len(keys):
-            more = self.tiers.extra_hits(request.request_id, keys, start + hits, hits)
-            if more is None:
-                return None, False
-            hits += more
-        last_loadable = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
-        num = min((start + hits) * cfg.chunk_tokens, last_loadable) - num_computed_tokens
-        return (num, True) if num > 0 else (0, False)
+        cfg, tiers = self.offload_config, self.tiers
+        ct, start = cfg.chunk_tokens, num_computed_tokens // cfg.chunk_tokens
+        last = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
+
+        def hit(lookup: Callable[[Iterable[bytes]], int], last_loadable: int) -> int:
+            return longest_hit(self._groups, lookup, lambda g, c: self._key(request, g, c),
+                               num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
+                               last_loadable=last_loadable, chunk_tokens=ct)
+
+        cpu_hit = hit(self.manager.lookup, last)
+        if num_computed_tokens + cpu_hit >= min(num_chunks * ct, last):
+            return cpu_hit, cpu_hit > 0
+        keys = [self._key(request, g, c) for g in range(len(self._groups)) for c in range(start, num_chunks)]
+        promotable = tiers.promotable(request.request_id, keys)
+        if promotable is None:
+            return None, False
+
+        def available(ks: Iterable[bytes]) -> int:
+            # longest_hit may pass a lazy iterable: count, do not take len().
+            n = 0
+            for k in ks:
+                if k not in promotable and not tiers.in_cpu(k):
+                    break
+                n += 1
+            return n
+
+        while (num := hit(available, last)) > cpu_hit:
+            end = num_computed_tokens + num
+            needed = [self._key(request, g, c) for g, group in enumerate(self._groups)
+                      for c in needed_chunks(group, num_computed_tokens, end, ct)]
+            promote = sum(k in promotable for k in needed)
+            if promote <= tiers.room(len(needed) - promote):
+                return num, True
+            last = (end - 1) // ct * ct  # one chunk shorter: fewer promotions
+        return cpu_hit, cpu_hit > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -217,6 +254,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 or the blocks to load are not ready (the scheduler then recomputes).
         """
         rid = request.request_id
+        # Blocks of an async load are written before the request is ever scheduled.
+        self._fence.allocated(b.block_id for group in blocks.blocks for b in group)
         state = self._reqs.get(rid)
         if state is not None and state.forgotten:
             return
@@ -239,9 +278,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
                    f"number of {cfg.gpu_block_size}-token blocks")
             raise InvariantError(msg)
-        load_keys: list[bytes] = []
-        slot_of: dict[bytes, int] = {}
-        chunk_of: dict[bytes, tuple[int, int]] = {}
+        where: dict[bytes, tuple[int, int]] = {}  # load key -> (group, chunk), in order
         pairs: list[tuple[int, bytes, int]] = []  # (GPU block id, chunk key, sub-block)
         for g, group in enumerate(self._groups):
             bs = group.block_size
@@ -251,35 +288,32 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 if block.is_null:  # out of the group's window: nothing to load
                     continue
                 key = self._key(request, g, j * bs // ct)
-                if key not in slot_of:
-                    slot_of[key] = -1
-                    load_keys.append(key)
-                    chunk_of[key] = (j * bs // ct, g)
+                where.setdefault(key, (g, j * bs // ct))
                 pairs.append((block.block_id, key, j % group.factor))
         sub = cfg.sub_blocks_per_chunk
-        num_cpu = self.manager.lookup(load_keys) if self.tiers is not None else len(load_keys)
-        spec = self.manager.prepare_load(load_keys[:num_cpu])
-        loaded = load_keys[:num_cpu]
-        self.manager.record_access(loaded)
-        state.reused.update(loaded)
-        state.seen.update((k, chunk_of[k]) for k in loaded)
-        slots, reads, promoted = list(spec.block_ids), [], []
-        if num_cpu < len(load_keys) and self.tiers is not None:
-            # One full-attention group: load_keys are chunks first.. of group 0, in order.
-            first = hit_tokens // ct + num_cpu
-            keys = [self._key(request, 0, c) for c in range(first + len(load_keys) - num_cpu)]
+        tiers = self.tiers
+        cpu_keys = [k for k in where if tiers is None or tiers.in_cpu(k)]
+        promoted = [k for k in where if tiers is not None and not tiers.in_cpu(k)]
+        spec = self.manager.prepare_load(cpu_keys)
+        slot_of = dict(zip(cpu_keys, spec.block_ids, strict=True))
+        reads = []
+        if promoted and tiers is not None:
             try:
-                promoted, reads = self.tiers.plan_promotion(rid, keys, first, len(keys))
+                reads = tiers.plan_promotion(rid, promoted)
             except InvariantError:
-                self.manager.complete_load(load_keys[:num_cpu])
+                self.manager.complete_load(cpu_keys)
                 raise
-            slots += [r.cpu_block_ids[0] // sub for r in reads]
-            for c, key in enumerate(promoted, first):
-                self._events.add(key, self._describe(request, 0, c))
-        slot_of = dict(zip(load_keys, slots, strict=True))
+            slot_of.update((r.key, r.cpu_block_ids[0] // sub) for r in reads)
+            for key in promoted:
+                self._events.add(key, self._describe(request, *where[key]))
+        # Recency (vLLM 0.33): loaded chunks are a reuse, recorded now (LRU ranks them at
+        # once) and committed when the request finishes.
+        self.manager.record_access(cpu_keys)
+        state.reused.update(cpu_keys)
+        state.seen.update((k, where[k][::-1]) for k in cpu_keys)
         job = TransferJobSpec(next(self._job_ids), rid, [gpu for gpu, _, _ in pairs],
                               [slot_of[key] * sub + k for _, key, k in pairs], reads)
-        self._jobs[job.job_id] = _JobRecord(rid, tuple(load_keys[:num_cpu]), is_store=False,
+        self._jobs[job.job_id] = _JobRecord(rid, tuple(cpu_keys), is_store=False,
                                             promoted=tuple(promoted))
         self._pending_loads.append(job)
         end_chunk = -(-end // ct)
@@ -299,6 +333,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         stores: list[TransferJobSpec] = []
         new_req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         for rid, new_ids, resumed in yield_req_data(scheduler_output):
+            self._fence.allocated(b for ids in new_ids for b in ids)
             state = self._reqs.get(rid)
             if state is None:
                 continue
@@ -319,16 +354,19 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         meta = OffloadingConnectorMetadata(loads=self._pending_loads, stores=stores,
                                            preempted_req_ids=preempted,
                                            delayed_free_req_ids=self._delayed_free,
-                                           tier_writes=self._pending_tier_writes)
+                                           tier_writes=self._pending_tier_writes,
+                                           flush_job_ids=self._fence.take())
         self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
         return meta
 
     def _store_range(self, state: _ReqState, g: int, num_done_tokens: int) -> range:
         """Chunks of group ``g`` to store now; advances the group's ``next_chunk``.
 
-        Windowed groups store a chunk only while it is still inside the window after
-        this step (the engine frees blocks that leave it, and the store is submitted at
-        the start of the next step); chunks that already left are skipped for good.
+        Windowed groups store the chunks the next token still reads, the one the window
+        starts in included (a lookup needs it: :func:`~connectors.offload.lookup.needed_chunks`);
+        chunks that already left are skipped for good. The engine may free a stored
+        block while its store is in flight: the store fence (:mod:`._fence`) makes the
+        worker wait before the block is rewritten.
         """
         group = self._groups[g]
         ct = self._ct
@@ -336,7 +374,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                   len(state.block_ids[g]) * group.block_size // ct)
         first = state.next_chunk[g]
         if not group.is_full:
-            first = max(first, -(-group.first_needed_token(num_done_tokens) // ct))
+            first = max(first, group.first_needed_token(num_done_tokens) // ct)
+            f = group.factor
+            if first < end and _NULL_BLOCK_ID in state.block_ids[g][first * f:(first + 1) * f]:
+                # Partly out of the window when the request was admitted: never computed.
+                first += 1
         return range(first, end)
 
     def _plan_store(self, state: _ReqState, num_done_tokens: int) -> TransferJobSpec | None:
@@ -369,15 +411,19 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         sub = self.offload_config.sub_blocks_per_chunk
         gpu_ids: list[int] = []
         cpu_ids: list[int] = []
+        windowed: list[int] = []  # blocks the engine may free while the request runs
         for key, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
             g, c = where[key]
             f = self._groups[g].factor
             gpu_ids += state.block_ids[g][c * f:(c + 1) * f]
+            if not self._groups[g].is_full:
+                windowed += state.block_ids[g][c * f:(c + 1) * f]
             cpu_ids += [slot * sub + j for j in range(f)]
             if self._events.enabled:
                 self._events.add(key, self._describe(request, g, c))
         job = TransferJobSpec(next(self._job_ids), request.request_id, gpu_ids, cpu_ids)
         self._jobs[job.job_id] = _JobRecord(request.request_id, out.keys_to_store, is_store=True)
+        self._fence.add(job.job_id, windowed)
         state.store_jobs.add(job.job_id)
         return job
 
@@ -424,6 +470,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self._poisoned.discard(job_id)
                 success = False
             if record.is_store:
+                self._fence.release(job_id)
                 self.manager.complete_store(record.keys, success=success)
                 if not success:
                     self._events.discard(record.keys)
@@ -536,13 +583,15 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
         assert self.tiers is not None  # noqa: S101 - only called with tiers
         job_id = next(self._job_ids)
-        planned = self.tiers.plan_writes(job_id, keys, self._events.tables[0])
+        events = self._events
+        planned = self.tiers.plan_writes(job_id, keys, lambda k: events.tables[events.group_of(k)].get(k))
         if planned is not None:
             job, pinned = planned
             self._jobs[job_id] = _JobRecord("", pinned, is_store=False)
             self._pending_tier_writes.append(job)
 
     def _fail_store(self, job_id: int, record: _JobRecord) -> None:
+        self._fence.release(job_id)
         self.manager.complete_store(record.keys, success=False)
         self._events.discard(record.keys)
         self._poisoned.discard(job_id)

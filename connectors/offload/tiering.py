@@ -8,7 +8,8 @@ A tier never sees GPU memory:
   slot's bytes out (a host memcpy) and hands them to every tier, then reports the job so
   the slot is unpinned. A tier that is behind drops the write and counts it.
 - **Hits are promoted** through the CPU tier: the scheduler side asks the tiers for the
-  chunks after the CPU hit (:class:`TierLookups`; "ask again" while a tier's I/O runs),
+  chunks the CPU tier lacks, in every KV cache group (:class:`TierLookups`; "ask again"
+  while a tier's I/O runs; per key, so that a sliding window after a gap is found),
   reserves CPU slots for them, and plans a load job with :class:`TierRead` s. The worker
   reads the values, copies them into the CPU slots, and only then submits the CPU -> GPU
   copy. If any value is missing or fails its checksum the whole job fails: its GPU blocks
@@ -27,19 +28,20 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connectors.offload.records import TierRead, TierWrite, TierWriteJob
 from connectors.tiers import SecondaryTier, TierKey, make_tier
 from kvconnector_core.errors import InvariantError
-from kvconnector_core.kv_events import BlockRemoved, BlockStored, KVCacheEvent, to_external_hash
+from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
+from connectors.offload.manager import OffloadingEvent
+from kvconnector_core.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
     import torch
 
-    from connectors.offload.events import ChunkInfoTable
     from connectors.offload.manager import CPUOffloadingManager
     from connectors.tiers import TierLoad
 
@@ -86,45 +88,60 @@ def _offload_key(key: TierKey) -> bytes:
 
 
 class TierLookups:
-    """Scheduler side: which chunks after the CPU hit each tier serves, asked asynchronously."""
+    """Scheduler side: which tier serves each chunk the CPU tier lacks, asked asynchronously.
+
+    Every key is asked of tier 0, the keys tier 0 lacks of tier 1, and so on. The answer is
+    per key (not a prefix): a sliding-window group needs the chunks of its last window,
+    which may follow chunks no tier holds.
+    """
 
     def __init__(self, tiers: Sequence[SecondaryTier]) -> None:
         self.tiers = list(tiers)
-        # req id -> (index of the first key asked, answers so far: keys served per tier)
-        self._asked: dict[str, tuple[int, list[int]]] = {}
+        # req id -> (keys asked, per tier its answer for the keys the tiers before it lack)
+        self._asked: dict[str, tuple[tuple[bytes, ...], list[list[bool]]]] = {}
 
-    def lookup(self, req_id: str, keys: Sequence[bytes], first: int) -> list[int] | None:
-        """Per tier, how many chunks it serves, each tier continuing where the one before
-        stopped, for ``keys[first:]``; None means ask again next step.
+    def sources(self, req_id: str, keys: Sequence[bytes]) -> list[int | None] | None:
+        """Per key, the index of the first tier that holds it (None: no tier does); None
+        means ask again next step.
 
-        The answer is kept until :meth:`forget`, so asking again is cheap.
+        The answer is kept until :meth:`forget` (or a call with other keys), so asking
+        again is cheap.
         """
-        if not self.tiers or first >= len(keys):
-            return [0] * len(self.tiers)
+        keys = tuple(keys)
         asked = self._asked.get(req_id)
-        if asked is None or asked[0] != first:
-            if asked is not None:
-                self.forget(req_id)
-            asked = self._asked[req_id] = (first, [])
+        if asked is None or asked[0] != keys:
+            self.forget(req_id)
+            asked = self._asked[req_id] = (keys, [])
         answers = asked[1]
-        pos = first + sum(answers)
-        while len(answers) < len(self.tiers):
-            tier = self.tiers[len(answers)]
-            held = tier.lookup([tier_key(k) for k in keys[pos:]], token=(req_id, pos))
-            if held is None:
-                return None
-            answers.append(held)
-            pos += held
-        return list(answers)
+        source: list[int | None] = [None] * len(keys)
+        for t, tier in enumerate(self.tiers):
+            todo = [i for i, s in enumerate(source) if s is None]
+            if t < len(answers):
+                held = answers[t]
+            else:
+                held = tier.lookup_each([tier_key(keys[i]) for i in todo], token=(req_id, t)) if todo else []
+                if held is None:
+                    return None
+                answers.append(held)
+            for i, h in zip(todo, held, strict=True):
+                if h:
+                    source[i] = t
+        return source
+
+    def answered(self, req_id: str) -> dict[bytes, int]:
+        """The tier of each key held somewhere, from the request's complete answer (empty
+        if it has none)."""
+        asked = self._asked.get(req_id)
+        if asked is None or len(asked[1]) < len(self.tiers):
+            return {}
+        found = self.sources(req_id, asked[0]) or []
+        return {k: t for k, t in zip(asked[0], found, strict=True) if t is not None}
 
     def forget(self, req_id: str) -> None:
         """Drop the request's answers and any lookup still running for it."""
         asked = self._asked.pop(req_id, None)
-        if asked is None:
-            return
-        pos = asked[0] + sum(asked[1])
-        if len(asked[1]) < len(self.tiers):
-            self.tiers[len(asked[1])].cancel_lookup((req_id, pos))
+        if asked is not None and len(asked[1]) < len(self.tiers):
+            self.tiers[len(asked[1])].cancel_lookup((req_id, len(asked[1])))
 
     def close(self) -> None:
         """Close every tier."""
@@ -133,13 +150,13 @@ class TierLookups:
 
 
 class SchedulerTiers:
-    """Scheduler side of the cascade over the CPU tier's manager: extra hits from the tiers,
-    CPU slots reserved for promotions, CPU slots pinned for write-through copies.
+    """Scheduler side of the cascade over the CPU tier's manager: which chunks the tiers
+    serve, CPU slots reserved for promotions, CPU slots pinned for write-through copies.
 
     Args:
         tiers: the tiers (this side only looks things up in them).
         manager: the CPU tier's slots.
-        blocks_per_chunk: GPU blocks per chunk (CPU sub-blocks per slot).
+        blocks_per_chunk: CPU sub-blocks per chunk (slot).
     """
 
     def __init__(self, tiers: Sequence[SecondaryTier], manager: CPUOffloadingManager,
@@ -151,19 +168,31 @@ class SchedulerTiers:
     def _subs(self, slot: int) -> list[int]:
         return [slot * self.f + j for j in range(self.f)]
 
-    def extra_hits(self, req_id: str, keys: Sequence[bytes], first: int, cpu_hits: int) -> int | None:
-        """Chunks from ``keys[first]`` on that the tiers serve and the CPU tier has room to
-        promote now (besides the request's ``cpu_hits`` chunks, which its load pins);
-        None: ask again next step."""
-        answers = self.lookups.lookup(req_id, keys, first)
-        if answers is None:
-            return None
-        room = self.manager.num_free_blocks + self.manager.num_evictable_blocks - cpu_hits
-        return max(0, min(sum(answers), room))
+    def in_cpu(self, key: bytes) -> bool:
+        """True if the CPU tier holds ``key`` ready to load."""
+        return self.manager.lookup((key,)) == 1
 
-    def plan_promotion(self, req_id: str, keys: Sequence[bytes], first: int, end: int
-                       ) -> tuple[list[bytes], list[TierRead]]:
-        """Reserve CPU slots for chunks ``first .. end-1`` and say which tier serves each.
+    def promotable(self, req_id: str, keys: Sequence[bytes]) -> set[bytes] | None:
+        """The ``keys`` a tier serves and the CPU tier could take by promotion; None: ask
+        again next step.
+
+        A promotion needs a fresh CPU slot per chunk. A chunk the CPU tier already holds
+        but that is not ready (its store, or another request's promotion, is still in
+        flight) cannot get one and cannot be loaded yet, so it is no tier hit: it is
+        recomputed, as a CPU-only lookup would do.
+        """
+        sources = self.lookups.sources(req_id, keys)
+        if sources is None:
+            return None
+        policy = self.manager.policy
+        return {k for k, t in zip(keys, sources, strict=True) if t is not None and policy.get(k) is None}
+
+    def room(self, cpu_keys: int) -> int:
+        """CPU slots promotions may take now, besides ``cpu_keys`` chunks a load will pin."""
+        return self.manager.num_free_blocks + self.manager.num_evictable_blocks - cpu_keys
+
+    def plan_promotion(self, req_id: str, wanted: Sequence[bytes]) -> list[TierRead]:
+        """Reserve CPU slots for the ``wanted`` chunks and say which tier serves each.
 
         The slots stay invisible to lookups until the load completes
         (``complete_store(promoted, success)``). The request's lookup answer is used up.
@@ -172,12 +201,11 @@ class SchedulerTiers:
             InvariantError: the tiers' answer no longer covers the chunks, or the CPU tier
                 cannot take them (the scheduler then recomputes the request).
         """
-        answers = self.lookups.lookup(req_id, keys, first)
+        found = self.lookups.answered(req_id)
         self.lookups.forget(req_id)
-        tier_of = [t for t, n in enumerate(answers or ()) for _ in range(n)]
-        wanted = list(keys[first:end])
-        if len(tier_of) < len(wanted):
-            msg = f"request {req_id}: chunks {first}..{end - 1} are no longer in the CPU tier or a tier"
+        wanted = list(wanted)
+        if any(k not in found for k in wanted):
+            msg = f"request {req_id}: {len(wanted)} chunks to promote are no longer all in a tier"
             raise InvariantError(msg)
         out = self.manager.prepare_store(wanted)
         if out is None or list(out.keys_to_store) != wanted:
@@ -185,25 +213,26 @@ class SchedulerTiers:
                 self.manager.complete_store(out.keys_to_store, success=False)
             msg = f"request {req_id}: the CPU tier cannot take {len(wanted)} chunks promoted from a tier"
             raise InvariantError(msg)
-        reads = [TierRead(tier_of[i], key, self._subs(slot))
-                 for i, (key, slot) in enumerate(zip(wanted, out.store_spec.block_ids, strict=True))]
-        return wanted, reads
+        return [TierRead(found[key], key, self._subs(slot))
+                for key, slot in zip(wanted, out.store_spec.block_ids, strict=True)]
 
-    def plan_writes(self, job_id: int, keys: Sequence[bytes], chunk_info: ChunkInfoTable
+    def plan_writes(self, job_id: int, keys: Sequence[bytes],
+                    info_of: Callable[[bytes], ChunkInfo | None]
                     ) -> tuple[TierWriteJob, tuple[bytes, ...]] | None:
         """Pin the chunks the CPU tier just stored and describe their copy into the tiers.
 
-        ``chunk_info`` gives each chunk's GPU block hashes for the tiers' events (the key
-        alone where it has none, i.e. with events off). Returns the job and the pinned
-        keys (unpin them with ``complete_load`` once the job is reported).
+        ``info_of`` gives each chunk's GPU block hashes for the tiers' events (None, and
+        the key alone stands for them, where it has none, i.e. with events off). Returns
+        the job and the pinned keys (unpin them with ``complete_load`` once the job is
+        reported).
         """
-        keys = tuple(keys[:self.manager.lookup(keys)])
+        keys = tuple(k for k in keys if self.in_cpu(k))
         if not keys:
             return None
         spec = self.manager.prepare_load(keys)
         writes = []
         for key, slot in zip(keys, spec.block_ids, strict=True):
-            info = chunk_info.get(key)
+            info = info_of(key)
             hashes, parent = (info.block_hashes, info.parent_block_hash) if info else ((key,), None)
             writes.append(TierWrite(key, self._subs(slot), list(hashes), parent))
         return TierWriteJob(job_id, writes), keys
@@ -222,9 +251,13 @@ class _ReadJob:
 class WorkerTiers:
     """Worker side: copies chunks between the CPU buffer and the tiers; never blocks a step."""
 
-    def __init__(self, tiers: Sequence[SecondaryTier], *, block_size: int = 0) -> None:
+    def __init__(self, tiers: Sequence[SecondaryTier], *, block_sizes: Sequence[int] = (0,)) -> None:
         self.tiers = list(tiers)
-        self.block_size = block_size
+        self.block_sizes = list(block_sizes)
+        """Per KV cache group, tokens per GPU block (the block size of its events)."""
+        # Per tier and group: the chunks the tier announced, reference counted per GPU
+        # block hash like the CPU tier's events (chunks may share leading blocks).
+        self._tables: dict[tuple[int, int], ChunkInfoTable] = {}
         self._planes: tuple[torch.Tensor, ...] = ()
         self._jobs: dict[int, _ReadJob] = {}
         self._described: collections.OrderedDict[bytes, tuple[list[bytes], bytes | None]] = (
@@ -255,15 +288,10 @@ class WorkerTiers:
     def _read_cpu(self, ids: Sequence[int]) -> bytes:
         return b"".join(ctypes.string_at(addr, n) for addr, n in self._rows(ids))
 
-    def _write_cpu(self, ids: Sequence[int], value: bytes) -> bool:
-        runs = self._rows(ids)
-        if sum(n for _, n in runs) != len(value):
-            return False  # a value of another geometry: a failed load, never a partial copy
-        offset = 0
-        for addr, n in runs:
-            ctypes.memmove(addr, value[offset:offset + n], n)
-            offset += n
-        return True
+    def _cpu_views(self, ids: Sequence[int]) -> list[memoryview]:
+        """Writable views of the chunk's rows, in the order :meth:`_read_cpu` joins them:
+        a tier reads a value straight into them (no intermediate bytes)."""
+        return [memoryview((ctypes.c_char * n).from_address(addr)).cast("B") for addr, n in self._rows(ids)]
 
     # ------------------------------------------------------------ cascade and promotion
     def write(self, writes: Sequence[TierWrite]) -> None:
@@ -286,7 +314,8 @@ class WorkerTiers:
         for r in reads:
             by_tier.setdefault(r.tier, []).append(r)
         ordered = [r for t in sorted(by_tier) for r in by_tier[t]]
-        loads = [self.tiers[t].load([tier_key(r.key) for r in rs])
+        loads = [self.tiers[t].load_into([tier_key(r.key) for r in rs],
+                                         [self._cpu_views(r.cpu_block_ids) for r in rs])
                  for t, rs in sorted(by_tier.items())]
         self._jobs[job_id] = _ReadJob(ordered, loads)
 
@@ -302,10 +331,8 @@ class WorkerTiers:
             if not all(load.done() for load in job.loads):
                 continue
             del self._jobs[job_id]
-            values = [v for load in job.loads for v in load.values()]
-            ok = all(v is not None and self._write_cpu(r.cpu_block_ids, v)
-                     for r, v in zip(job.reads, values, strict=True))
-            done.append((job_id, ok))
+            # Each value is in its CPU slot, or the load fails (the slots stay invisible).
+            done.append((job_id, all(v for load in job.loads for v in load.values())))
         return done
 
     def wait_reads(self, timeout: float | None = None) -> None:
@@ -316,22 +343,29 @@ class WorkerTiers:
 
     # ------------------------------------------------------------ events, stats
     def take_events(self) -> list[KVCacheEvent]:
-        """The tiers' stored / removed chunks as wire events (medium ``DISK``, ``REDIS``...)."""
+        """The tiers' stored / removed chunks as wire events (medium ``DISK``, ``REDIS``...).
+
+        Per tier and KV cache group, GPU block hashes are reference counted across the
+        chunks the tier holds (as the CPU tier's events are): a hash is stored when the
+        first chunk holding it enters the tier and removed when the last one leaves, so
+        a replica of each medium holds exactly the blocks of the tier's chunks.
+        """
         out: list[KVCacheEvent] = []
-        for tier in self.tiers:
+        for t, tier in enumerate(self.tiers):
             for event in tier.take_events():
+                by_group: dict[int, list[bytes]] = {}
                 for key in event.keys:
-                    hashes, parent = self._described.get(_offload_key(key), ([key.block_hash], None))
-                    wire = [to_external_hash(h) for h in hashes]
-                    if event.removed:
-                        out.append(BlockRemoved(block_hashes=wire, medium=event.medium,
-                                                group_idx=key.group))
-                    else:
-                        out.append(BlockStored(
-                            block_hashes=wire,
-                            parent_block_hash=None if parent is None else to_external_hash(parent),
-                            token_ids=[], block_size=self.block_size, lora_id=None,
-                            medium=event.medium, lora_name=None, group_idx=key.group))
+                    by_group.setdefault(key.group, []).append(_offload_key(key))
+                for g, keys in by_group.items():
+                    table = self._tables.setdefault((t, g), ChunkInfoTable())
+                    if not event.removed:
+                        for key in keys:
+                            described = self._described.get(key)
+                            if described is not None:
+                                table.add(key, ChunkInfo(tuple(described[0]), described[1], None))
+                    block_size = self.block_sizes[g] if g < len(self.block_sizes) else 0
+                    out += to_wire_events([OffloadingEvent(tuple(keys), event.medium, event.removed)],
+                                          table, block_size, group_idx=g)
         return out
 
     def stats(self) -> dict[str, int]:

@@ -4,7 +4,9 @@ One :class:`~connectors.offload.transfer.KVBlockMover` (one pinned CPU buffer al
 in ``register_kv_caches``). Stores planned in step N are submitted at the start of step
 N+1 (``bind_connector_metadata``, before the forward) so they never delay step N; loads
 are submitted in ``start_load_kv`` and are asynchronous. Preempted requests' stores are
-waited for in ``handle_preemptions`` before their blocks can be overwritten. Job
+waited for in ``handle_preemptions`` before their blocks can be overwritten, and so are
+the stores that read a sliding-window block the engine allocated again
+(``flush_job_ids``, in ``bind_connector_metadata``: see :mod:`._fence`). Job
 completions travel to the scheduler side as :class:`OffloadWorkerMetadata`.
 
 With secondary tiers (:class:`~connectors.offload.tiering.WorkerTiers`): a load with
@@ -74,7 +76,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         cfg = offload_config
         self.tiers = WorkerTiers(make_tiers(cfg.tiers, layout=cfg.layout,
                                             enable_events=cfg.enable_events),
-                                 block_size=cfg.gpu_block_size) if cfg.tiers else None
+                                 block_sizes=[g.block_size for g in cfg.groups] or [cfg.gpu_block_size]
+                                 ) if cfg.tiers else None
         self._tier_waiting: dict[int, TransferJobSpec] = {}  # loads waiting for tier reads
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -125,11 +128,16 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         return meta
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Bind the plan and submit the previous step's stores, before this step's forward."""
+        """Bind the plan and submit the previous step's stores, before this step's forward;
+        wait for the stores reading blocks this step reuses (vLLM and kvconnector both
+        bind before the forward and before any load is started)."""
         super().bind_connector_metadata(connector_metadata)
         if self.mover is not None:
             self._submit_stores()
             self._write_tiers()
+            if self._meta().flush_job_ids:
+                self.mover.wait(self._meta().flush_job_ids)
+                self._add_stat("stores_fenced", len(self._meta().flush_job_ids))
 
     def _write_tiers(self) -> None:
         """Copy the pinned chunks into the tiers (non-blocking) and report the jobs done.
@@ -247,7 +255,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         return ids
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """Bytes and seconds moved since the last call (None when nothing moved), plus
+        """Bytes and seconds moved since the last call (None when nothing moved), the
+        stores waited for before a reused block was rewritten (``stores_fenced``), plus
         the tiers' counters (``disk_loads``, ``redis_stores_dropped``, ...)."""
         stats, self._stats = self._stats, {}
         if self.tiers is not None:

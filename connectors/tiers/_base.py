@@ -6,28 +6,31 @@ put into the CPU tier. Every public method is non-blocking; the I/O runs on the 
 own threads:
 
 - :meth:`SecondaryTier.lookup` answers how many leading keys of a chain the tier holds,
-  or None ("ask again") while the I/O that finds out is still running.
+  and :meth:`SecondaryTier.lookup_each` which keys it holds (a sliding-window group needs
+  chunks after a gap), or None ("ask again") while the I/O that finds out is still running.
 - :meth:`SecondaryTier.store` queues values; when more stores are pending than the tier
   allows (it is slower than the store rate) the new ones are dropped and counted. A
   store that fails is never visible: backends publish a value atomically or not at all.
 - :meth:`SecondaryTier.load` returns a :class:`TierLoad`; each value is bytes, or None
   when it is missing, unreadable, or fails its checksum (the caller recomputes it).
+  :meth:`SecondaryTier.load_into` reads straight into the caller's buffers (a CPU slot).
 
-Values are framed with a magic, the payload length and a CRC-32 over the key and the
-payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
+Values are framed (:mod:`connectors.tiers._frame`) with a magic, the payload length and a
+CRC-32 over the key and the payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
 (CRC-32 catches accidental damage, which is what it is for here; it runs at ~3 GB/s where
 BLAKE2b ran at 0.3 GB/s on the benchmark machine, and would have halved tier throughput.
-Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends implement four blocking methods (``_held_prefix``, ``_put``, ``_get``,
-``_close``) and see only framed bytes.
+Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends
+implement four blocking methods (``_held``, ``_put``, ``_get``, ``_close``), may override
+``_get_into`` to read into buffers directly, and see only framed bytes.
 
-Primitives: TierKey, TierLoad, SecondaryTier, TierEvent, frame_value, unframe_value.
+Primitives: TierKey, TierLoad, SecondaryTier, TierEvent.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,25 +38,23 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import msgspec
 
+from connectors.tiers._frame import (
+    ABSENT,
+    DAMAGED,
+    FAILED,
+    OTHER_SIZE,
+    PLACED,
+    frame_header,
+    intact_payload,
+    unframe_value,
+)
 from kvconnector_core.errors import ConfigError
 
-__all__ = [
-    "SecondaryTier",
-    "TierEvent",
-    "TierKey",
-    "TierLoad",
-    "frame_value",
-    "settings",
-    "unframe_value",
-]
+__all__ = ["SecondaryTier", "TierEvent", "TierKey", "TierLoad", "settings"]
 
 _S = TypeVar("_S")
 
 logger = logging.getLogger(__name__)
-
-_MAGIC = b"KVT1"
-_DIGEST = 4
-_HEADER = len(_MAGIC) + 8 + _DIGEST
 
 
 def settings(config: _S | dict[str, Any], cls: type[_S], what: str) -> _S:
@@ -89,44 +90,24 @@ class TierKey(NamedTuple):
 
 
 class TierEvent(NamedTuple):
-    """Keys a tier stored or removed (the connector turns these into wire KV events)."""
+    """Keys a tier stored or removed (the connector turns these into wire KV events).
+
+    Consistent with what the tier holds: a key is announced once when it enters the
+    tier (storing it again announces nothing) and removed once when it goes, so a
+    replica that applies the events holds exactly the keys the tier holds (as far as
+    this process knows; see :meth:`SecondaryTier.take_events`).
+    """
 
     keys: tuple[TierKey, ...]
     medium: str
     removed: bool
 
 
-def _digest(key: TierKey, payload: bytes | memoryview) -> bytes:
-    crc = zlib.crc32(key.group.to_bytes(4, "big"), zlib.crc32(key.block_hash))
-    return zlib.crc32(payload, crc).to_bytes(_DIGEST, "big")
-
-
-def frame_value(key: TierKey, payload: bytes | memoryview) -> bytes:
-    """Wrap ``payload`` for storage under ``key``: magic, length, digest, payload."""
-    return b"".join((_MAGIC, len(payload).to_bytes(8, "big"), _digest(key, payload), payload))
-
-
-def unframe_value(key: TierKey, value: bytes | None) -> bytes | None:
-    """Return the payload of a framed ``value`` read for ``key``, or None if it is not intact.
-
-    None covers a missing value, a foreign or truncated one, and a digest mismatch
-    (corruption, or a value stored under another key).
-    """
-    if value is None or len(value) < _HEADER or not value.startswith(_MAGIC):
-        return None
-    length = int.from_bytes(value[4:12], "big")
-    if len(value) != _HEADER + length:
-        return None
-    payload = memoryview(value)[_HEADER:]
-    if _digest(key, payload) != value[12:_HEADER]:
-        return None
-    return bytes(payload)
-
-
 class TierLoad:
-    """A load in flight: :meth:`done` polls, :meth:`values` gives one bytes-or-None per key."""
+    """A load in flight: :meth:`done` polls, :meth:`values` gives one result per key: the
+    payload (``load``) or True (``load_into``: it is in its buffers), None where it failed."""
 
-    def __init__(self, keys: tuple[TierKey, ...], futures: list[Future[list[bytes | None]]]) -> None:
+    def __init__(self, keys: tuple[TierKey, ...], futures: list[Future[list[Any]]]) -> None:
         self.keys = keys
         self._futures = futures  # consecutive parts of ``keys``, read in parallel
 
@@ -134,8 +115,8 @@ class TierLoad:
         """True once every value is read (or failed)."""
         return all(f.done() for f in self._futures)
 
-    def values(self, timeout: float | None = None) -> list[bytes | None]:
-        """The payloads in key order; None for each key that failed. Waits up to ``timeout``."""
+    def values(self, timeout: float | None = None) -> list[Any]:
+        """The results in key order; None for each key that failed. Waits up to ``timeout``."""
         return [v for f in self._futures for v in f.result(timeout)]
 
 
@@ -151,6 +132,10 @@ class SecondaryTier(ABC):
     medium: ClassVar[str] = "STORAGE"
     """Medium name in KV events and stats (``"DISK"``, ``"REDIS"``)."""
 
+    max_announced: ClassVar[int | None] = None
+    """Bound on the keys remembered as announced (None: the backend's own bound). A tier
+    that evicts silently needs one; past it the oldest key is removed from the stream."""
+
     def __init__(self, *, max_pending_stores: int = 64, io_threads: int = 2,
                  enable_events: bool = True) -> None:
         for name, value in (("max_pending_stores", max_pending_stores), ("io_threads", io_threads)):
@@ -165,6 +150,7 @@ class SecondaryTier(ABC):
         self._pending_stores = 0
         self._lookups: dict[Hashable, Future[int]] = {}
         self._events: list[TierEvent] = []
+        self._announced: dict[TierKey, None] = {}  # held keys whose stored event went out
         self._enable_events = enable_events
         self._stats = dict.fromkeys(
             ("stores", "stores_dropped", "store_failures", "bytes_stored", "loads",
@@ -173,12 +159,13 @@ class SecondaryTier(ABC):
 
     # ---------------------------------------------------------------- backend interface
     @abstractmethod
-    def _held_prefix(self, keys: Sequence[TierKey]) -> int:
-        """Blocking: how many leading ``keys`` the backend holds (one round trip if it can)."""
+    def _held(self, keys: Sequence[TierKey]) -> list[bool]:
+        """Blocking: which ``keys`` the backend holds (one round trip if it can)."""
 
     @abstractmethod
-    def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
-        """Blocking: store framed values, each atomically; raise if any failed."""
+    def _put(self, items: Sequence[tuple[TierKey, Sequence[bytes | memoryview]]]) -> None:
+        """Blocking: store framed values (each given as consecutive parts: frame header,
+        payload), each atomically; raise if any failed."""
 
     @abstractmethod
     def _get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
@@ -186,6 +173,28 @@ class SecondaryTier(ABC):
 
     def _close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources (connections)."""
+
+    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:
+        """Blocking: put each key's payload into its buffers if its value is intact and
+        fills them exactly; per key one of PLACED, ABSENT, DAMAGED, OTHER_SIZE.
+
+        This default reads with ``_get`` and copies once; a backend that can read into
+        the buffers directly overrides it.
+        """
+        out = []
+        for key, dest, raw in zip(keys, dests, self._get(keys), strict=True):
+            payload = intact_payload(key, raw)
+            if payload is None:
+                out.append(ABSENT if raw is None else DAMAGED)
+            elif len(payload) != sum(d.nbytes for d in dest):
+                out.append(OTHER_SIZE)
+            else:
+                offset = 0
+                for d in dest:
+                    d[:] = payload[offset:offset + d.nbytes]
+                    offset += d.nbytes
+                out.append(PLACED)
+        return out
 
     # ---------------------------------------------------------------- public API
     def lookup(self, keys: Sequence[TierKey], token: Hashable | None = None) -> int | None:
@@ -197,6 +206,19 @@ class SecondaryTier(ABC):
         """
         if not keys:
             return 0
+        held = self.lookup_each(keys, token)
+        if held is None:
+            return None
+        return next((i for i, h in enumerate(held) if not h), len(held))
+
+    def lookup_each(self, keys: Sequence[TierKey], token: Hashable | None = None
+                    ) -> list[bool] | None:
+        """Which ``keys`` the tier holds, or None: ask again later (see :meth:`lookup`).
+
+        A key whose lookup failed counts as not held (a miss). Never blocks.
+        """
+        if not keys:
+            return []
         token = tuple(keys) if token is None else token
         with self._lock:
             future = self._lookups.get(token)
@@ -237,8 +259,25 @@ class SecondaryTier(ABC):
         parts = [keys[i:i + n] for i in range(0, len(keys), n)] or [()]
         return TierLoad(keys, [self._pool.submit(self._load_io, part) for part in parts])
 
+    def load_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> TierLoad:
+        """Start reading ``keys`` straight into ``dests`` (per key, writable byte buffers
+        its payload fills in order, e.g. the rows of a CPU slot). Never blocks.
+
+        The :class:`TierLoad`'s values are True where the payload is in its buffers, None
+        where it is missing, damaged or of another size (its buffers then hold garbage).
+        """
+        keys, dests = tuple(keys), tuple(dests)
+        n = max(1, -(-len(keys) // self._io_threads))
+        return TierLoad(keys, [self._pool.submit(self._load_into_io, keys[i:i + n], dests[i:i + n])
+                               for i in range(0, len(keys), n)])
+
     def take_events(self) -> list[TierEvent]:
-        """Stored / removed keys since the last call."""
+        """Stored / removed keys since the last call.
+
+        A key is stored once, when this process first wrote it, and removed once, when
+        this process learns that it went: the tier evicted or deleted it, or a load
+        found it missing or damaged (another process deleted it, or Redis evicted it).
+        """
         with self._lock:
             events, self._events = self._events, []
         return events
@@ -270,28 +309,44 @@ class SecondaryTier(ABC):
 
     # ---------------------------------------------------------------- I/O threads
     def _record_event(self, keys: Sequence[TierKey], removed: bool) -> None:
-        if self._enable_events and keys:
-            with self._lock:
+        """Record the keys that entered (or left) the tier; keys already announced (or
+        never announced) are left out, so the stream matches the tier's contents."""
+        if not self._enable_events or not keys:
+            return
+        with self._lock:
+            held = self._announced
+            if removed:
+                keys = [k for k in keys if held.pop(k, 0) is None]
+            else:
+                keys = [k for k in dict.fromkeys(keys) if k not in held]
+                held.update(dict.fromkeys(keys))
+            if keys:
                 self._events.append(TierEvent(tuple(keys), self.medium, removed))
+            if self.max_announced is not None and len(held) > self.max_announced:
+                # Forgotten keys leave the stream (a consumer treats tier events as hints).
+                old = list(itertools.islice(held, len(held) - self.max_announced))
+                for k in old:
+                    del held[k]
+                self._events.append(TierEvent(tuple(old), self.medium, True))
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 self._stats[name] += delta
 
-    def _lookup_io(self, keys: tuple[TierKey, ...]) -> int:
+    def _lookup_io(self, keys: tuple[TierKey, ...]) -> list[bool]:
         try:
-            held = self._held_prefix(keys)
+            held = self._held(keys)
         except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
             logger.warning("%s tier lookup of %d keys failed: %s", self.medium, len(keys), exc)
             self._count(lookups=1, lookup_failures=1)
-            return 0
+            return [False] * len(keys)
         self._count(lookups=1)
         return held
 
     def _store_io(self, items: list[tuple[TierKey, bytes | memoryview]]) -> None:
         try:
-            framed = [(key, frame_value(key, payload)) for key, payload in items]
+            framed = [(key, (frame_header(key, payload), payload)) for key, payload in items]
             self._put(framed)
         except Exception as exc:  # noqa: BLE001 - a failed store is invisible, counted
             logger.warning("%s tier store of %d values failed: %s", self.medium, len(items), exc)
@@ -308,16 +363,39 @@ class SecondaryTier(ABC):
         try:
             raw = self._get(keys)
         except Exception as exc:  # noqa: BLE001 - a failed load is recomputed by the caller
-            logger.warning("%s tier load of %d values failed: %s", self.medium, len(keys), exc)
-            raw = [None] * len(keys)
+            self._settle(keys, [FAILED] * len(keys), [], exc)
+            return [None] * len(keys)
         values = [unframe_value(key, value) for key, value in zip(keys, raw, strict=True)]
-        failed = sum(v is None for v in values)
-        self._count(loads=len(keys) - failed, load_failures=failed,
-                    bytes_loaded=sum(len(v) for v in values if v is not None))
-        if failed:
-            self._on_bad_values([k for k, v, r in zip(keys, values, raw, strict=True)
-                                 if v is None and r is not None])
+        self._settle(keys, [PLACED if v is not None else ABSENT if r is None else DAMAGED
+                            for v, r in zip(values, raw, strict=True)],
+                     [len(v) if v is not None else 0 for v in values])
         return values
+
+    def _load_into_io(self, keys: tuple[TierKey, ...], dests: tuple[Sequence[memoryview], ...]
+                      ) -> list[bool | None]:
+        try:
+            status = self._get_into(keys, dests)
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed by the caller
+            self._settle(keys, [FAILED] * len(keys), [], exc)
+            return [None] * len(keys)
+        self._settle(keys, status, [sum(d.nbytes for d in dest) for dest in dests])
+        return [True if s == PLACED else None for s in status]
+
+    def _settle(self, keys: Sequence[TierKey], status: Sequence[str], sizes: Sequence[int],
+                error: Exception | None = None) -> None:
+        """Count a read, drop its damaged values and record the keys that went."""
+        if error is not None:
+            logger.warning("%s tier load of %d values failed: %s", self.medium, len(keys), error)
+        placed = [s == PLACED for s in status]
+        self._count(loads=sum(placed), load_failures=len(keys) - sum(placed),
+                    bytes_loaded=sum(n for n, p in zip(sizes, placed, strict=False) if p))
+        bad = [k for k, s in zip(keys, status, strict=True) if s == DAMAGED]
+        if bad:
+            self._on_bad_values(bad)
+        # A missing value went (evicted, or deleted by another process); a damaged one was
+        # just deleted: either way the tier no longer holds it.
+        self._record_event([k for k, s in zip(keys, status, strict=True) if s in (ABSENT, DAMAGED)],
+                           removed=True)
 
     def _on_bad_values(self, keys: list[TierKey]) -> None:  # noqa: B027 - optional hook
         """Called with keys whose stored value was present but not intact (drop them)."""

@@ -28,11 +28,24 @@ from typing import Any, ClassVar
 import msgspec
 
 from connectors.tiers._base import SecondaryTier, TierKey, settings
+from connectors.tiers._frame import ABSENT, DAMAGED, HEADER_BYTES, OTHER_SIZE, PLACED, header_matches, payload_length
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["DiskTier", "DiskTierConfig"]
 
 _SUFFIX = ".kvb"
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers left after ``n`` bytes of ``views`` were transferred."""
+    while n and views:
+        if n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views = views[1:]
+        else:
+            views = [views[0][n:], *views[1:]]
+            n = 0
+    return [v for v in views if v.nbytes]
 
 
 class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -111,25 +124,24 @@ class DiskTier(SecondaryTier):
             return self._bytes
 
     # ---------------------------------------------------------------- backend
-    def _held_prefix(self, keys: Sequence[TierKey]) -> int:
-        for i, key in enumerate(keys):
-            if not self._path(key).exists():
-                return i
-        return len(keys)
+    def _held(self, keys: Sequence[TierKey]) -> list[bool]:
+        return [self._path(key).exists() for key in keys]
 
-    def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
+    def _put(self, items: Sequence[tuple[TierKey, Sequence[bytes | memoryview]]]) -> None:
         # The temp name is unique per process and thread, so no random name and no
         # O_EXCL retry loop (mkstemp cost more than the write on the benchmark machine).
         tmp_tag = f".tmp-{os.getpid()}-{threading.get_ident()}"
-        for key, value in items:
+        for key, parts in items:
             path = self._path(key)
             path.parent.mkdir(exist_ok=True)
             tmp = path.parent / tmp_tag
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            size = sum(len(p) for p in parts)
             try:
-                view = memoryview(value)
-                while view:
-                    view = view[os.write(fd, view):]
+                # Header and payload in one writev: no joined copy of the value.
+                views = [memoryview(p).cast("B") for p in parts]
+                while views:
+                    views = _advance(views, os.writev(fd, views))
                 if self.config.fsync:
                     os.fsync(fd)
                 os.close(fd)
@@ -146,7 +158,7 @@ class DiskTier(SecondaryTier):
                     os.fsync(dir_fd)
                 finally:
                     os.close(dir_fd)
-            self._account(path.name, len(value))
+            self._account(path.name, size)
 
     def _account(self, name: str, size: int) -> None:
         """Record a written file and evict least recently used files over the budget."""
@@ -164,6 +176,45 @@ class DiskTier(SecondaryTier):
             block_hex, _, group = victim[: -len(_SUFFIX)].rpartition("-g")
             removed.append(TierKey(bytes.fromhex(block_hex), int(group)))
         self._record_event(removed, removed=True)
+
+    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:
+        # Straight into the caller's buffers (the CPU slot's rows): read the header, then
+        # preadv the payload into the buffers and check the CRC over them. No bytes object
+        # is made and nothing is copied twice (load ran at 0.53x raw reads with both).
+        out = []
+        for key, dest in zip(keys, dests, strict=True):
+            path = self._path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                out.append(ABSENT)
+                continue
+            try:
+                out.append(self._read_file(fd, key, dest))
+            finally:
+                os.close(fd)
+            if out[-1] == PLACED:
+                with self._lock:
+                    if path.name in self._files:
+                        self._files.move_to_end(path.name)
+        return out
+
+    @staticmethod
+    def _read_file(fd: int, key: TierKey, dest: Sequence[memoryview]) -> str:
+        header = os.pread(fd, HEADER_BYTES, 0)
+        length = payload_length(header)
+        if length is None or os.fstat(fd).st_size != HEADER_BYTES + length:
+            return DAMAGED  # not a frame, or truncated
+        if length != sum(d.nbytes for d in dest):
+            return OTHER_SIZE  # intact, of another geometry: a failed load, never a partial copy
+        views, offset = list(dest), HEADER_BYTES
+        while views:
+            n = os.preadv(fd, views, offset)
+            if n == 0:
+                return DAMAGED  # shrank while being read
+            offset += n
+            views = _advance(views, n)
+        return PLACED if header_matches(key, header, dest) else DAMAGED
 
     def _get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
         values: list[bytes | None] = []

@@ -175,6 +175,8 @@ class RedisTier(SecondaryTier):
     """
 
     medium: ClassVar[str] = "REDIS"
+    # Redis evicts without telling: remember a bounded number of announced keys.
+    max_announced: ClassVar[int | None] = 100_000
 
     def __init__(self, config: RedisTierConfig | dict[str, Any], *, enable_events: bool = True) -> None:
         if isinstance(config, dict) and "password" in config:
@@ -229,21 +231,24 @@ class RedisTier(SecondaryTier):
                     results[i] = answer
         return results
 
-    def _held_prefix(self, keys: Sequence[TierKey]) -> int:
+    def _held(self, keys: Sequence[TierKey]) -> list[bool]:
         names = [self.redis_key(k) for k in keys]
         # Unbatched: a chain's EXISTS go in one pipeline per node, one round trip each.
         found = self._run(names, lambda pipe, i: pipe.exists(names[i]))  # no batch limit
-        for i, answer in enumerate(found):
-            if isinstance(answer, Exception):
-                raise answer  # counted as a failed lookup: a miss
-            if not answer:
-                return i
-        return len(keys)
+        errors = [a for a in found if isinstance(a, Exception)]
+        if errors and len(errors) == len(found):
+            raise errors[0]  # counted as a failed lookup: a miss
+        if errors:  # a dead master: its keys are misses, the live masters' count
+            logger.warning("REDIS tier: %d of %d lookups failed: %s", len(errors), len(found), errors[0])
+            self._count(lookup_failures=1)
+        return [not isinstance(a, Exception) and bool(a) for a in found]
 
-    def _put(self, items: Sequence[tuple[TierKey, bytes]]) -> None:
+    def _put(self, items: Sequence[tuple[TierKey, Sequence[bytes | memoryview]]]) -> None:
         names = [self.redis_key(k) for k, _ in items]
+        # redis-py sends a value as one buffer: join the frame header and the payload.
+        values = [b"".join(parts) for _, parts in items]
         ttl = self.config.ttl_seconds
-        results = self._run(names, lambda pipe, i: pipe.set(names[i], items[i][1], ex=ttl),
+        results = self._run(names, lambda pipe, i: pipe.set(names[i], values[i], ex=ttl),
                             self.config.batch_size)
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:

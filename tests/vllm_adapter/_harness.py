@@ -9,6 +9,7 @@ against its hash (:meth:`VllmRig.check_blocks`).
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -81,12 +82,16 @@ class VllmRig:
         num_layers, num_heads, head_size: the KV cache shape.
         num_workers: worker connectors (TP ranks); their outputs are folded with
             vLLM's ``KVOutputAggregator`` as the multiprocess executor does.
+        sliding_window: a hybrid model: odd layers use sliding-window attention of this
+            many tokens, a second KV cache group (with HMA on, vLLM's hybrid KV cache
+            manager; select ``KVConnectorAdapterHMA`` with ``kv_transfer``).
     """
 
     def __init__(self, extra_config: dict[str, Any], *, layout: str = "LBHNC", num_gpu_blocks: int = 64,
                  block_size: int = 16, num_layers: int = 4, num_heads: int = 2, head_size: int = 8,
                  num_workers: int = 1, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                 check_every_step: bool = True, **config_kw: Any) -> None:
+                 check_every_step: bool = True, sliding_window: int | None = None,
+                 **config_kw: Any) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.cfg = make_vllm_config(extra_config, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -97,10 +102,17 @@ class VllmRig:
         cache = self.cfg.cache_config
         cache.kv_cache_layout = layout
         cache.num_gpu_blocks_override = num_gpu_blocks
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_heads, head_size=head_size,
-                                 dtype=torch.float16)
+        shape = {"block_size": block_size, "num_kv_heads": num_heads, "head_size": head_size,
+                 "dtype": torch.float16}
         self.layer_names = [f"model.layers.{i}.attn" for i in range(num_layers)]
-        groups = [KVCacheGroupSpec(self.layer_names, spec)]
+        if sliding_window is None:
+            groups = [KVCacheGroupSpec(self.layer_names, FullAttentionSpec(**shape))]
+        else:
+            groups = [KVCacheGroupSpec(self.layer_names[0::2], FullAttentionSpec(**shape)),
+                      KVCacheGroupSpec(self.layer_names[1::2],
+                                       SlidingWindowSpec(**shape, sliding_window=sliding_window))]
+        # Per KV cache group: its layers, as (index in the model, name).
+        self.group_layers = [[(self.layer_names.index(n), n) for n in g.layer_names] for g in groups]
         self.kv_cache_config = get_kv_cache_config_from_groups(self.cfg, groups, available_memory=1 << 30)
         cache.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.scheduler = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config,
@@ -132,8 +144,9 @@ class VllmRig:
                 group = blocks.blocks[0]
                 local = next((i for i, b in enumerate(group) if b.block_hash is None), len(group))
                 self.stats.hit_tokens += num_external_tokens
-                self._loaded.update(b.block_id for b in group[local:local + num_external_tokens
-                                                              // self.block_size])
+                n = num_external_tokens // self.block_size
+                self._loaded.update(b.block_id for g in blocks.blocks for b in g[local:local + n]
+                                    if b.block_id != 0)  # null: out of a sliding window
             forward(request, blocks, num_external_tokens)
 
         conn.update_state_after_alloc = update_state_after_alloc
@@ -161,9 +174,11 @@ class VllmRig:
         seed[0] = seed[0] + layer
         return seed.repeat(-(-numel // seed.numel()))[:numel]
 
-    def _write(self, block_id: int, block_hash: bytes | None) -> None:
+    def _write(self, block_id: int, block_hash: bytes | None, group: int = 0) -> None:
+        if block_id == 0:  # vLLM's null block (a sliding-window position out of the window)
+            return
         for caches in self.kv_caches:
-            for layer, name in enumerate(self.layer_names):
+            for layer, name in self.group_layers[group]:
                 view = caches[name][block_id]
                 if block_hash is None:
                     view.fill_(-1)
@@ -184,21 +199,26 @@ class VllmRig:
         """
         sched = self.scheduler
         for req in list(sched.running):
-            block_ids = sched.kv_cache_manager.get_block_ids(req.request_id)[0]
-            n_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(block_ids))
-            for i in range(n_full):
-                bid = block_ids[i]
-                for w, caches in enumerate(self.kv_caches):
-                    for layer, name in enumerate(self.layer_names):
-                        view = caches[name][bid]
-                        want = self.pattern(req.block_hashes[i], layer, view.numel()).view(view.shape)
-                        assert torch.equal(view, want), (
-                            f"request {req.request_id} block #{i} (id {bid}) layer {name} worker {w}: "
-                            "bytes differ from what the model wrote for its hash")
-                        self.stats.layer_blocks_checked += 1
-                        if bid in self._loaded:
-                            self.stats.loaded_layer_blocks_checked += 1
-                self._loaded.discard(bid)
+            for g, block_ids in enumerate(sched.kv_cache_manager.get_block_ids(req.request_id)):
+                self._check_group_blocks(req, g, block_ids)
+
+    def _check_group_blocks(self, req: Any, g: int, block_ids: list[int]) -> None:
+        n_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(block_ids))
+        for i in range(n_full):
+            bid = block_ids[i]
+            if bid == 0:  # left the sliding window: nothing to check
+                continue
+            for w, caches in enumerate(self.kv_caches):
+                for layer, name in self.group_layers[g]:
+                    view = caches[name][bid]
+                    want = self.pattern(req.block_hashes[i], layer, view.numel()).view(view.shape)
+                    assert torch.equal(view, want), (
+                        f"request {req.request_id} block #{i} (id {bid}) layer {name} worker {w}: "
+                        "bytes differ from what the model wrote for its hash")
+                    self.stats.layer_blocks_checked += 1
+                    if bid in self._loaded:
+                        self.stats.loaded_layer_blocks_checked += 1
+            self._loaded.discard(bid)
 
     # -------------------------------------------------------------------- steps
     def _fake_forward(self, so: Any) -> tuple[list[str], list[list[int]]]:
@@ -206,12 +226,12 @@ class VllmRig:
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             req = sched.requests[rid]
-            block_ids = sched.kv_cache_manager.get_block_ids(rid)[0]
             end = req.num_computed_tokens  # already advanced by schedule()
             start = end - n
-            for i in range(start // self.block_size, -(-end // self.block_size)):
-                full = i < len(req.block_hashes) and (i + 1) * self.block_size <= end
-                self._write(block_ids[i], req.block_hashes[i] if full else None)
+            for g, block_ids in enumerate(sched.kv_cache_manager.get_block_ids(rid)):
+                for i in range(start // self.block_size, -(-end // self.block_size)):
+                    full = i < len(req.block_hashes) and (i + 1) * self.block_size <= end
+                    self._write(block_ids[i], req.block_hashes[i] if full else None, g)
             req_ids.append(rid)
             sampled.append([1000 + len(req.output_token_ids)] if end >= req.num_tokens else [])
         return req_ids, sampled
@@ -274,3 +294,47 @@ class VllmRig:
         self.connector.shutdown()
         for w in self.workers:
             w.shutdown()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """``n`` seeded random token ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, 50_000) for _ in range(n)]
+
+
+def assert_no_leak(rig: VllmRig) -> None:
+    """Nothing runs and every block but the null block is back in vLLM's pool."""
+    pool = rig.scheduler.kv_cache_manager.block_pool
+    assert not rig.scheduler.has_requests()
+    assert rig.free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
+
+
+def randomized(rig: VllmRig, seed: int, num_requests: int) -> None:
+    """Requests on a few shared prefixes, arriving while others run; the GPU prefix
+    cache is dropped (and every byte zeroed) every 16 requests."""
+    rng = random.Random(seed)
+    prefixes = [prompt(100 + i, 16 * rng.randrange(2, 6)) for i in range(4)]
+    for i in range(num_requests):
+        tail = prompt(1000 + i, rng.randrange(1, 40))
+        rig.add(rng.choice(prefixes) + tail, max_tokens=rng.randrange(1, 48))
+        for _ in range(rng.randrange(0, 3)):
+            rig.step()
+        if i % 16 == 15:  # drop the GPU prefix cache now and then: hits must come from the CPU tier
+            rig.run()
+            assert rig.scheduler.reset_prefix_cache() is True
+            rig.wipe()
+    rig.run()
+
+
+def check_randomized_run(rig: VllmRig, seed: int, num_requests: int, min_layer_blocks: int) -> None:
+    """:func:`randomized`, then check that it finished everything with preemptions,
+    async loads and hits, byte-checked at least ``min_layer_blocks`` layer-blocks (some
+    of them loaded), leaked no block; shuts the rig down."""
+    randomized(rig, seed=seed, num_requests=num_requests)
+    s = rig.stats
+    assert s.finished == num_requests
+    assert s.preemptions > 0 and s.async_loads > 0 and s.hit_tokens > 0
+    assert s.layer_blocks_checked >= min_layer_blocks, s.layer_blocks_checked
+    assert s.loaded_layer_blocks_checked > 0
+    assert_no_leak(rig)
+    rig.shutdown()

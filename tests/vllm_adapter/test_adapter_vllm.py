@@ -9,22 +9,21 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
 
 import torch  # noqa: E402
-from _harness import LAYOUTS, VllmRig, connector, make_vllm_config, multi, offload  # noqa: E402
+from _harness import (  # noqa: E402
+    LAYOUTS,
+    VllmRig,
+    assert_no_leak,
+    check_randomized_run,
+    connector,
+    make_vllm_config,
+    multi,
+    offload,
+    prompt,
+)
 
 from kvconnector_core.integrations.vllm import AdapterStats, block_dense_views  # noqa: E402
 
 TTL = connector("ttl", {"ttl_seconds": 1e6, "max_pinned_blocks": 8})
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 50_000) for _ in range(n)]
-
-
-def assert_no_leak(rig: VllmRig) -> None:
-    pool = rig.scheduler.kv_cache_manager.block_pool
-    assert not rig.scheduler.has_requests()
-    assert rig.free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
 
 
 # ------------------------------------------------------------------ construction
@@ -50,7 +49,7 @@ def test_hma_adapter_refuses_a_single_group_connector():
     from kvconnector_core.errors import ConfigError
     from kvconnector_core.integrations.vllm import KVConnectorAdapterHMA
 
-    rig = VllmRig(offload())
+    rig = VllmRig(TTL)
     with pytest.raises(ConfigError, match="handles one KV cache group only"):
         KVConnectorAdapterHMA(rig.cfg, KVConnectorRole.SCHEDULER, rig.kv_cache_config)
 
@@ -222,32 +221,10 @@ def test_adapter_stats_protocol():
 
 
 # ------------------------------------------------------------------- randomized
-def _randomized(rig: VllmRig, seed: int, num_requests: int) -> None:
-    rng = random.Random(seed)
-    prefixes = [prompt(100 + i, 16 * rng.randrange(2, 6)) for i in range(4)]
-    for i in range(num_requests):
-        tail = prompt(1000 + i, rng.randrange(1, 40))
-        rig.add(rng.choice(prefixes) + tail, max_tokens=rng.randrange(1, 48))
-        for _ in range(rng.randrange(0, 3)):
-            rig.step()
-        if i % 16 == 15:  # drop the GPU prefix cache now and then: hits must come from the CPU tier
-            rig.run()
-            assert rig.scheduler.reset_prefix_cache() is True
-            rig.wipe()
-    rig.run()
-
-
 @pytest.mark.parametrize(("name", "extra"), [("offload", offload(24)), ("multi", multi(TTL, offload(24)))])
 def test_randomized_run_checks_every_block_byte_for_byte(name, extra):
     rig = VllmRig(extra, layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64)
-    _randomized(rig, seed=5, num_requests=96)
-    s = rig.stats
-    assert s.finished == 96
-    assert s.preemptions > 0 and s.async_loads > 0 and s.hit_tokens > 0
-    assert s.layer_blocks_checked >= 10_000, s.layer_blocks_checked
-    assert s.loaded_layer_blocks_checked > 0
-    assert_no_leak(rig)
-    rig.shutdown()
+    check_randomized_run(rig, seed=5, num_requests=96, min_layer_blocks=10_000)
 
 
 @pytest.mark.parametrize("layout", ["BHLNC", "BLNHC"])
