@@ -169,6 +169,10 @@ class MultiConnector(RoleSplitConnector):
         self.supports_async_load = any(c.supports_async_load for c in self._children)  # type: ignore[misc]
         self.has_sync_kv_loads = any(c.has_sync_kv_loads for c in self._children)  # type: ignore[misc]
         self.requires_block_pool = any(c.requires_block_pool for c in self._children)  # type: ignore[misc]
+        # Hybrid models only when every child handles them (a child that does not was
+        # already refused when it was created with this kv_cache_config).
+        self.supports_multiple_kv_cache_groups = all(  # type: ignore[misc]
+            c.supports_multiple_kv_cache_groups for c in self._children)
         self._is_shut_down = False
         super().__init__(config, role, kv_cache_config)
 

@@ -24,11 +24,19 @@ from typing import Any, ClassVar
 import msgspec
 import torch
 
-from kvconnector_core.connector.base import KVConnectorBase_V1
+from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.connector.planning import StorePlanner
 
-__all__ = ["BUGS", "ReferenceConnector", "ReferenceMetadata"]
+__all__ = [
+    "BUGS",
+    "FalseHybridReferenceConnector",
+    "HitCountingReferenceConnector",
+    "OneShotLookupReferenceConnector",
+    "ReferenceConnector",
+    "ReferenceMetadata",
+    "UndeclaredAsyncReferenceConnector",
+]
 
 BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block")
 """Planted bugs: load another block's data; change one value per loaded block; claim one
@@ -177,3 +185,53 @@ class ReferenceConnector(KVConnectorBase_V1):
 
     def _add(self, key: str, value: float) -> None:
         self._stats[key] = self._stats.get(key, 0) + value
+
+
+class FalseHybridReferenceConnector(ReferenceConnector):
+    """The reference connector claiming hybrid support it lacks: it stores and loads group 0
+    only, so on a model with several KV cache groups the other groups' loaded blocks are
+    never written (what the kit's ``hybrid`` workload must catch)."""
+
+    name: ClassVar[str] = "FalseHybridReferenceConnector"
+    supports_multiple_kv_cache_groups: ClassVar[bool] = True
+
+
+class OneShotLookupReferenceConnector(ReferenceConnector):
+    """The reference connector with a lookup that is not repeatable: a hit is handed out
+    once per request, so asking again (as vLLM does for a request that stays waiting)
+    answers a miss."""
+
+    name: ClassVar[str] = "OneShotLookupReferenceConnector"
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if n and request.request_id in getattr(self, "_handed_out", set()):
+            return 0, False
+        self._handed_out = getattr(self, "_handed_out", set()) | ({request.request_id} if n else set())
+        return n, load_async
+
+
+class UndeclaredAsyncReferenceConnector(ReferenceConnector):
+    """The reference connector answering ``load_async=True`` without declaring it."""
+
+    name: ClassVar[str] = "UndeclaredAsyncReferenceConnector"
+    supports_async_load: ClassVar[bool] = False
+
+
+class HitCountingReferenceConnector(ReferenceConnector):
+    """The reference connector counting hits in its lookup (a side effect that never changes
+    an answer, but doubles the count when vLLM asks again)."""
+
+    name: ClassVar[str] = "HitCountingReferenceConnector"
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if n:
+            self._hits = getattr(self, "_hits", 0) + 1
+        return n, load_async
+
+    def get_kv_connector_stats(self):
+        stats = dict(super().get_kv_connector_stats() or {})
+        if self.role == KVConnectorRole.SCHEDULER and getattr(self, "_hits", 0):
+            stats["lookup_hits"], self._hits = self._hits, 0
+        return stats or None

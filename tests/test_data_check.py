@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.testing import DataCheck, data_check_workloads, run_data_check
+from kvconnector_core.errors import ConfigError
+from kvconnector_core.testing import (
+    DataCheck,
+    FaultSettings,
+    HookFault,
+    data_check_workloads,
+    fault_injection_config,
+    run_data_check,
+)
 
 WORKLOADS = data_check_workloads()
 
@@ -67,6 +75,8 @@ def test_workloads_exercise_the_connector() -> None:
     """Each workload makes the correct connector load something, and the eviction and
     preemption workloads really evict and preempt."""
     for name, workload in WORKLOADS.items():
+        if workload.is_hybrid:
+            continue  # the reference connector handles one group: refused there (test_hybrid)
         report = run_data_check(reference(), workload)
         assert report.ok, str(report)
         metrics = report.checked.metrics
@@ -103,3 +113,111 @@ def test_cpu_offload_scheduler_side_stats_do_not_raise() -> None:
     config = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8})
     connector = create_connector(config, KVConnectorRole.SCHEDULER, make_kv_cache_config())
     assert connector.get_kv_connector_stats() is None
+
+
+# -- issue 11, second stage: hybrid models, workload names, faults, report wording ------------
+
+
+def test_hybrid_workload_catches_a_one_group_connector_that_claims_hybrid_support() -> None:
+    """A connector that declares ``supports_multiple_kv_cache_groups`` but moves group 0 only
+    passes every one-group workload; the ``hybrid`` workload names the unloaded group."""
+    cfg = KVConnectorConfig(name="FalseHybridReferenceConnector", module_path="_reference_connector")
+    assert run_data_check(cfg, "block_aligned").ok
+    report = run_data_check(cfg, "hybrid")
+    assert not report.ok
+    assert "KV rows" in report.problems[0], str(report)
+    assert any(p.startswith("request 'r") and "output" in p for p in report.problems), str(report)
+
+
+def test_layer_types_runs_any_workload_on_a_hybrid_model() -> None:
+    report = run_data_check(KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64}),
+                            "block_aligned", layer_types=("full", "sliding:8"))
+    assert report.ok, str(report)
+    assert report.checked is not None and report.checked.metrics.bytes_stored > 0
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        run_data_check(reference(), "block_aligned", layer_types=("full", "sliding:8"))
+
+
+def test_run_data_check_takes_a_workload_name() -> None:
+    """Regression: a name failed with AttributeError ('str' object has no attribute 'name')."""
+    report = run_data_check(reference(), "eviction")
+    assert report.ok and report.workload == "eviction"
+    with pytest.raises(ConfigError, match="'evict'.*eviction"):
+        run_data_check(reference(), "evict")
+
+
+_OFFLOAD = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64})
+
+
+@pytest.mark.parametrize("faults", [
+    FaultSettings(store_failure_rate=0.3),
+    FaultSettings(load_failure_rate=0.3, store_failure_rate=0.2),
+    FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)),
+], ids=["stores", "loads_and_stores", "start_load_kv_raises"])
+def test_injected_faults_are_not_the_connectors_errors(faults: FaultSettings) -> None:
+    """Regression: every injected failed store (a raise from wait_for_save) was reported as
+    'the connector raised'; now only raises beyond the injected ones are problems, and the
+    row and output checks still run."""
+    report = run_data_check(fault_injection_config(_OFFLOAD, faults), "repeated_prefixes")
+    assert report.ok, str(report)
+    assert report.injected_raises > 0
+    assert report.checked is not None
+    assert sum(report.checked.metrics.connector_errors.values()) == report.injected_raises
+
+
+def test_own_raises_still_count_under_fault_injection() -> None:
+    cfg = fault_injection_config(reference(raise_in_lookup=True), FaultSettings(store_failure_rate=0.3))
+    report = run_data_check(cfg, "repeated_prefixes")
+    assert any("the connector raised" in p and "get_num_new_matched_tokens" in p
+               for p in report.problems), str(report)
+
+
+def test_fault_injection_still_catches_wrong_data() -> None:
+    """The reference connector serves saves computed in a step whose sync load failed (it has
+    no such duty check): with start_load_kv raising, DataCheck under faults names the rows."""
+    cfg = fault_injection_config(reference(), FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)))
+    report = run_data_check(cfg, "repeated_prefixes")
+    assert not report.ok
+    assert "KV rows" in report.problems[0], str(report)
+
+
+def test_partly_written_block_is_named_as_such() -> None:
+    """Regression (gap 18): a block with 3 rows still poisoned and 1 rewritten was reported as
+    'holds other values'; now the report says how many rows were never written."""
+    cfg = reference(bug="partial_last_block", claim_whole_prompt=False)
+    report = run_data_check(cfg, "full_prompt_hit")
+    assert not report.ok
+    first = report.problems[0]
+    assert "never written" in first or "written only in part" in first, first
+
+
+def test_kit_asks_lookups_twice_and_catches_an_answer_that_changes_on_hits() -> None:
+    """Regression (gaps 6 and 13): the contract asked twice on a fresh miss only, so a lookup
+    with side effects on hits passed. DataCheck now repeats every lookup, hits included."""
+    cfg = KVConnectorConfig(name="OneShotLookupReferenceConnector", module_path="_reference_connector")
+    report = run_data_check(cfg, "block_aligned")
+    assert any("when asked again at once" in p for p in report.problems), str(report)
+
+
+def test_kit_reports_an_async_answer_without_the_declaration() -> None:
+    cfg = KVConnectorConfig(name="UndeclaredAsyncReferenceConnector", module_path="_reference_connector",
+                            extra_config={"load_async": True})
+    report = run_data_check(cfg, "block_aligned")
+    assert any("does not declare supports_async_load" in p for p in report.problems), str(report)
+
+
+def test_kit_catches_a_lookup_that_counts_hits() -> None:
+    """Regression (gap 13): a lookup that counted hits in its stats (answers unchanged) passed
+    every check; the kit now compares runs with lookups asked once and twice."""
+
+    class Probe(DataCheck):
+        connector_config = KVConnectorConfig(name="HitCountingReferenceConnector",
+                                             module_path="_reference_connector")
+
+    with pytest.raises(AssertionError, match="stats counters differ.*lookup_hits"):
+        Probe().test_lookups_are_repeatable()
+
+    class Clean(DataCheck):
+        connector_config = reference()
+
+    Clean().test_lookups_are_repeatable()

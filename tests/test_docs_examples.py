@@ -250,3 +250,17 @@ def test_readme_lists_every_doc_page_and_both_examples():
     quick = readme.split("## Quick start")[1].split("```bash\n")[1].split("```")[0]
     assert [line.split("#")[0].strip() for line in quick.splitlines() if not line.startswith(" ")] == [
         "make run", "make test"]
+
+
+@pytest.mark.parametrize(("module", "name"), [("sync_memory", "SyncMemoryConnector"),
+                                              ("async_memory", "AsyncMemoryConnector")])
+def test_examples_never_serve_saves_of_a_step_whose_load_failed(package, module: str, name: str):
+    """Issue 11 (gap 15): with ``start_load_kv`` raising, the step's forward runs on bad
+    blocks; the sync example served that step's saves later (rows and outputs differed)
+    until it un-marked them after a failed load."""
+    from kvconnector_core.testing import FaultSettings, HookFault, fault_injection_config
+
+    faults = FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),))
+    report = run_data_check(fault_injection_config(config(module, name), faults), "repeated_prefixes")
+    assert report.ok, str(report)
+    assert report.injected_raises > 0

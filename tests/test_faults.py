@@ -219,3 +219,22 @@ def test_a_good_step_counts_every_full_block_of_its_requests_as_stored():
     sched.build_connector_meta(scheduler_output_for([(again, manager.get_block_ids("b"), 1)]))
     sched.get_num_new_matched_tokens(make_request(13, request_id="c"), 0)
     sched.check_failed_stores_invisible()
+
+
+def test_injected_fault_stats_are_deltas_so_the_engine_total_is_right():
+    """Regression: the wrapper reported running totals each step and the engine summed them
+    (a run with 18 injected raises reported 233)."""
+    from kvconnector_core.connector.config import KVConnectorConfig
+    from kvconnector_core.engine.engine import Engine
+    from kvconnector_core.testing import FaultSettings, data_check_workloads, fault_injection_config
+
+    work = data_check_workloads()["repeated_prefixes"]
+    config = fault_injection_config(KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64}),
+                                    FaultSettings(store_failure_rate=0.3, load_failure_rate=0.3))
+    with Engine(work.engine_config(config)) as engine:
+        result = engine.run(list(work.requests))
+        worker, sched = engine.worker_connector, engine.scheduler_connector
+    stats = result.metrics.connector_stats
+    assert worker.num_injected["stores"] > 0 and sched.num_injected["loads"] > 0
+    assert stats["injected_faults.stores"] == worker.num_injected["stores"]
+    assert stats["scheduler.injected_faults.loads"] == sched.num_injected["loads"]

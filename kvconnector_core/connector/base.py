@@ -102,6 +102,27 @@ class KVConnectorRole(enum.IntEnum):
     """Runs next to the model: moves KV bytes in and out of the paged tensors."""
 
 
+def _refuse_unsupported_groups(connector: KVConnectorBase_V1, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse a one-group connector on a model with several KV cache groups.
+
+    vLLM refuses a connector without hybrid support when its hybrid KV cache manager is
+    on; doing the same here keeps a connector that only knows group 0 from loading the
+    other groups' blocks wrongly (it would pass on one-group models and silently
+    corrupt outputs on hybrid ones). Read on the instance, so a wrapper such as
+    MultiConnector can declare it from its children.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) <= 1 or connector.supports_multiple_kv_cache_groups:
+        return
+    kinds = ", ".join(f"{i}: {g.kv_cache_spec.kind} x{len(g.layer_names)} layers"
+                      for i, g in enumerate(groups))
+    msg = (f"connector {connector.name or type(connector).__name__!r} handles one KV cache group "
+           f"only, but the model has {len(groups)} ({kinds}); use a model with one group (e.g. "
+           f"'tiny'), or declare supports_multiple_kv_cache_groups = True on the connector "
+           f"once it loads and stores every group's blocks")
+    raise ConfigError(msg)
+
+
 class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portability
     """Base class of every KV connector.
 
@@ -156,10 +177,15 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``build_connector_meta``; wrappers use it to decode the plan.
         supports_async_load: ``get_num_new_matched_tokens`` may answer
             ``load_async=True`` (the request then waits in
-            WAITING_FOR_REMOTE_KVS until ``finished_recving`` reports it).
-        has_sync_kv_loads: the connector may answer ``load_async=False`` with
-            tokens to load, so the worker must run ``start_load_kv`` before the
-            forward and finish those loads before the layers read them.
+            WAITING_FOR_REMOTE_KVS until ``finished_recving`` reports it). A
+            declaration: the engine goes by each answer, and ``DataCheck`` reports an
+            async answer from a connector that does not declare it.
+        has_sync_kv_loads: run ``start_load_kv`` before the forward in *every*
+            step. Not needed for synchronous loads: the scheduler sets
+            ``SchedulerOutput.has_sync_kv_loads`` in each step where some request
+            loads synchronously (vLLM 0.33 does the same and has no such class
+            attribute), and the worker then starts loads before the forward. Leave it
+            False unless ``start_load_kv`` must always precede the forward.
         requires_block_pool: the connector does nothing useful without
             ``bind_gpu_block_pool`` (e.g. it pins GPU blocks); engines without a
             block pool must refuse it.
@@ -169,7 +195,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``get_required_kvcache_layout`` with it.
         supports_multiple_kv_cache_groups: the connector handles models with
             several KV cache groups (hybrid models); the vLLM adapter enables
-            vLLM's hybrid KV cache manager only for such connectors.
+            vLLM's hybrid KV cache manager only for such connectors, and the
+            constructor refuses any other connector on such a model (ConfigError).
+            Read on the instance, so a wrapper may set it from what it wraps before
+            calling ``super().__init__``.
         settings_type: the connector's settings, a
             :class:`~kvconnector_core.connector.settings.ConnectorSettings` Struct;
             ``extra_config`` is converted to it on creation (unknown keys and bad
@@ -207,8 +236,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
 
         Raises:
             ConfigError: ``config`` is not a :class:`KVConnectorConfig`,
-                ``role`` is not a :class:`KVConnectorRole`, or ``extra_config``
-                does not convert to :attr:`settings_type`.
+                ``role`` is not a :class:`KVConnectorRole`, ``extra_config``
+                does not convert to :attr:`settings_type`, or ``kv_cache_config``
+                has several KV cache groups (a hybrid model) and the connector
+                does not declare :attr:`supports_multiple_kv_cache_groups`.
         """
         if not isinstance(config, KVConnectorConfig):
             msg = (
@@ -224,6 +255,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
                 f"or KVConnectorRole.WORKER (1), got {role!r}"
             )
             raise ConfigError(msg) from None
+        _refuse_unsupported_groups(self, kv_cache_config)
         self._config = config
         self._role = role
         self._kv_cache_config = kv_cache_config

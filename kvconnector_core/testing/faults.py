@@ -138,6 +138,8 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         completion_delay_steps: int = 0,
         seed: int = 0,
     ) -> None:
+        # Before the base checks it: the wrapper handles the groups its inner connector handles.
+        self.supports_multiple_kv_cache_groups = inner.supports_multiple_kv_cache_groups  # type: ignore[misc]
         super().__init__(inner.config, inner.role, inner.kv_cache_config)
         # Not ``settings``: the base class's name for a connector's typed extra_config.
         self.fault_settings = FaultSettings(
@@ -175,6 +177,9 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._fail_stores = False
         self.num_injected = {"loads": 0, "stores": 0, "raises": 0, "late": 0}
         """How many faults were injected, by kind."""
+        self.num_injected_raises = 0
+        """How many times a hook raised InjectedFault on purpose (failed stores included,
+        which raise from ``wait_for_save``); the engine's guard counts each one as an error."""
 
     def __repr__(self) -> str:
         return f"<FaultInjectingConnector inner={self.inner!r}>"
@@ -190,6 +195,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         elif fault.rate < 1.0 and self._raise_rng.random() >= fault.rate:
             return
         self.num_injected["raises"] += 1
+        self.num_injected_raises += 1
         msg = f"injected fault in {self.inner.name}.{hook} (step {self._step})"
         raise InjectedFault(msg)
 
@@ -388,6 +394,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._maybe_raise("wait_for_save")
         self.inner.wait_for_save()
         if self._fail_stores:
+            self.num_injected_raises += 1
             msg = f"injected store failure in {self.inner.name} (step {self._step})"
             raise InjectedFault(msg)
 
@@ -445,12 +452,19 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """The inner stats plus ``injected_faults`` (and ``failed_stores_visible``)."""
+        """The inner stats plus ``injected_faults`` (and ``failed_stores_visible``), both as
+        counts since the previous call."""
         self._maybe_raise("get_kv_connector_stats")
         stats = dict(self.inner.get_kv_connector_stats() or {})
-        stats["injected_faults"] = dict(self.num_injected)
+        # Deltas since the last call, as the engine sums stats over steps (totals would be
+        # counted again every step); ``num_injected`` keeps the totals.
+        now = {**self.num_injected, "failed_stores_visible": len(self.failed_store_hits)}
+        seen = getattr(self, "_stats_reported", {})
+        self._stats_reported = now
+        delta = {k: v - seen.get(k, 0) for k, v in now.items()}
+        stats["injected_faults"] = {k: delta[k] for k in self.num_injected}
         if self.role == KVConnectorRole.SCHEDULER:
-            stats["failed_stores_visible"] = len(self.failed_store_hits)
+            stats["failed_stores_visible"] = delta["failed_stores_visible"]
         return stats
 
     def clear_connector_metadata(self) -> None:

@@ -56,6 +56,7 @@ class RecordingConnector(KVConnectorBase_V1):
     metadata_type: ClassVar[type[KVConnectorMetadata]] = RecordingMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = True
+    supports_multiple_kv_cache_groups: ClassVar[bool] = True  # it moves no KV data
 
     def __init__(self, config: KVConnectorConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         """Create the connector (see :class:`KVConnectorBase_V1`)."""
