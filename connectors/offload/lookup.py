@@ -11,7 +11,7 @@ Primitives: :func:`needed_chunks`, :func:`longest_hit`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,14 +27,16 @@ def needed_chunks(group: OffloadGroup, start_tokens: int, end_tokens: int, chunk
     return range(first // chunk_tokens, -(-end_tokens // chunk_tokens))
 
 
-def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[list[bytes]], int],
+def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[Iterable[bytes]], int],
                 key: Callable[[int, int], bytes], *, num_computed_tokens: int, num_chunks: int,
                 last_loadable: int, chunk_tokens: int) -> int:
     """Tokens past ``num_computed_tokens`` that the tier can serve (0: no hit).
 
     Args:
         groups: the KV cache groups, in index order.
-        lookup: the tier's lookup: how many of the keys, from the first, are ready.
+        lookup: the tier's lookup: how many of the keys, from the first, are ready. It
+            gets a lazy iterable for full-attention groups, so keys past the first miss
+            are never built (the cost of a miss is O(1), not O(prompt chunks)).
         key: ``key(group, chunk)``, the offload key of a chunk of a group.
         num_computed_tokens: tokens already on the GPU (the local hit).
         num_chunks: whole chunks the request's block hashes cover.
@@ -48,7 +50,7 @@ def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[list[bytes]], 
     best = num_chunks
     for g, group in enumerate(groups):
         if group.is_full:
-            best = min(best, start + lookup([key(g, c) for c in range(start, num_chunks)]))
+            best = min(best, start + lookup(key(g, c) for c in range(start, num_chunks)))
     # Windowed groups: the longest hit whose window is held. One lookup per chunk,
     # then O(1) per candidate end (counts of missing chunks before each chunk).
     windowed = []

@@ -50,6 +50,10 @@ class GuardBase:
         self.quarantined = False
         """Set once one hook raised ``quarantine_after`` times in a row; never cleared."""
         self._streaks: dict[str, int] = {}  # hook -> raises in a row
+        # Hooks that raised since the last step began: the worker's hot hooks inline their
+        # try (no per-call success bookkeeping), so their streaks end at the next step
+        # in which they did not raise (GuardedWorker.begin_step).
+        self._raised_now: set[str] = set()
 
     def has_pending_work(self) -> bool:
         """Whether the engine should run another step for this connector: the guard's own
@@ -80,16 +84,15 @@ class GuardBase:
         try:
             result = call()
         except Exception:  # noqa: BLE001 - containing it is the contract
-            logger.exception("connector %s raised in %s; %s", self.label, hook, consequence)
-            self._count(hook)
-            self._note_raise(hook)
+            self._raised(hook, consequence)
             return default, False
         if self._streaks:
             self._streaks.pop(hook, None)
         return result, True
 
     def _note_raise(self, hook: str) -> None:
-        """Quarantine the connector once ``hook`` raised ``quarantine_after`` times in a row."""
+        """Quarantine the connector once ``hook`` raised ``quarantine_after`` times in a row
+        (for the worker's per-step hooks: in consecutive steps; see ``_raised_now``)."""
         streak = self._streaks[hook] = self._streaks.get(hook, 0) + 1
         if self.quarantined or self.quarantine_after is None or streak < self.quarantine_after:
             return
@@ -97,6 +100,15 @@ class GuardBase:
         self._count("quarantined")
         logger.error("connector %s quarantined: %s raised %d times in a row; no more loads or stores "
                      "go through it", self.label, hook, streak)
+
+    def _raised(self, hook: str, consequence: str) -> None:
+        """Log (with the traceback) and count the exception being handled; called from
+        the ``except`` block of a hot hook that inlines its ``try`` instead of building a
+        closure for :meth:`_contained` (the per-layer and per-step hooks)."""
+        logger.exception("connector %s raised in %s; %s", self.label, hook, consequence)
+        self._count(hook)
+        self._raised_now.add(hook)
+        self._note_raise(hook)
 
     def _not_contained(self, hook: str, call: Callable[[], None]) -> None:
         """Run a setup hook whose failure means misconfiguration.

@@ -204,6 +204,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``extra_config`` is converted to it on creation (unknown keys and bad
             values are ConfigErrors naming the connector and the key) and kept in
             :attr:`settings`. None: ``extra_config`` is passed through unchecked.
+        uses_layer_hooks: the worker side does something in ``wait_for_layer_load`` /
+            ``save_kv_layer``. False lets the engine skip the two calls per layer per
+            step (a connector that moves whole blocks once per step declares it).
     """
 
     name: ClassVar[str] = ""
@@ -215,6 +218,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     required_kv_cache_layout: ClassVar[str | None] = None
     supports_multiple_kv_cache_groups: ClassVar[bool] = False
     settings_type: ClassVar[type[Any] | None] = None
+    uses_layer_hooks: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -480,20 +480,26 @@ class BlockPool:
         A block at ref count 0 leaves the free queue, so it cannot be evicted
         while referenced. The null block is skipped.
         """
-        revived = 0
+        # Counts the blocks that stay out of the free queue (already referenced, or the
+        # null block) instead of the revived ones: on a hit nearly every block is revived,
+        # so the counter is almost never touched (this runs once per prompt block).
+        kept = 0
         for b in blocks:
-            if b.ref_cnt == 0 and not b.is_null:
+            rc = b.ref_cnt  # read once
+            if rc == 0 and not b.is_null:
                 # FreeKVCacheBlockQueue.remove, inlined: one frame less per block.
                 prev, nxt = b.prev_free_block, b.next_free_block
                 if prev is None or nxt is None:
+                    revived = list(blocks).index(b) - kept
                     self.free_block_queue.num_free_blocks -= revived
                     raise InvariantError(f"{b!r} has ref count 0 but is not in the free queue")
                 prev.next_free_block = nxt
                 nxt.prev_free_block = prev
                 b.prev_free_block = b.next_free_block = None
-                revived += 1
-            b.ref_cnt += 1
-        self.free_block_queue.num_free_blocks -= revived  # once, not per block
+            else:
+                kept += 1
+            b.ref_cnt = rc + 1
+        self.free_block_queue.num_free_blocks -= len(blocks) - kept  # once, not per block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given (eviction) order.

@@ -336,7 +336,7 @@ class ModelRunner:
         batch, sample_req_ids = self._build_batch(work)
         connector = self.connector
         before = after = None
-        if connector is not None:
+        if connector is not None and connector.uses_layer_hooks:
             before = connector.wait_for_layer_load
 
             def after(name: str, kv_layer: torch.Tensor, meta: GroupAttentionMetadata) -> None:
