@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from connectors.multi import LongestHitPolicy, LoaderSelectionPolicy, MultiConnector
+    from connectors.multi import LoaderSelectionPolicy, LongestHitPolicy, MultiConnector
     from connectors.offload.connector import OffloadingConnector
 
 __all__ = ["LoaderSelectionPolicy", "LongestHitPolicy", "MultiConnector", "OffloadingConnector"]

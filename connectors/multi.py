@@ -283,7 +283,7 @@ class MultiConnector(RoleSplitConnector):
         for i, child in enumerate(self._children):
             try:
                 child.shutdown()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - every child is shut down; all failures are raised below
                 failures.append((self.labels[i], exc))
         if failures:
             raise ShutdownError(failures)

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import msgspec
 
@@ -197,7 +197,7 @@ class ZmqEventPublisher:
         if not self._thread.is_alive():
             self._close_sockets()
 
-    def __enter__(self) -> ZmqEventPublisher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -236,7 +236,7 @@ class ZmqEventPublisher:
             self._queue.task_done()
 
     def _serve_replay(self) -> None:
-        assert self._replay is not None
+        assert self._replay is not None  # noqa: S101 - narrows the type: the thread serves replay only when it is on
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             logger.warning("KV event publisher: ignoring a malformed replay request of %d frames",
@@ -301,7 +301,7 @@ class EventSubscriber:
         """Close the socket."""
         self._sub.close(linger=0)
 
-    def __enter__(self) -> EventSubscriber:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -156,4 +156,6 @@ encode_event_batch = _encoder.encode
 """Encode a :class:`KVEventBatch` to msgpack, exactly as vLLM's publisher puts it on the wire."""
 
 decode_event_batch = _decoder.decode
-"""Decode msgpack bytes (ours or vLLM's) into a :class:`KVEventBatch`; raises ``msgspec.ValidationError`` on bad input."""
+"""Decode msgpack bytes (ours or vLLM's) into a :class:`KVEventBatch`.
+
+Raises ``msgspec.ValidationError`` on bad input."""

@@ -15,6 +15,7 @@ step; as (planes x runs) tensor arithmetic it costs tens of microseconds.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -93,8 +94,8 @@ class CopyPlan:
         c = [p.data_ptr() for p in cpu_planes]
         g_pitch, c_pitch = g[1] - g[0], c[1] - c[0]
         spans_ok = (g_pitch >= gpu_planes[0].shape[0] * row and c_pitch >= cpu_planes[0].shape[0] * row)
-        even = all(b - a == g_pitch for a, b in zip(g, g[1:], strict=False)) and all(
-            b - a == c_pitch for a, b in zip(c, c[1:], strict=False))
+        even = all(b - a == g_pitch for a, b in pairwise(g)) and all(
+            b - a == c_pitch for a, b in pairwise(c))
         if not (spans_ok and even):
             return None
         return g[0], g_pitch, c[0], c_pitch, row, len(gpu_planes)

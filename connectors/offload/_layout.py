@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -96,7 +97,7 @@ def cross_layer_planes(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     ordered = sorted(tensors, key=lambda t: t.storage_offset())
     offsets = [t.storage_offset() * elt for t in ordered]
     # Layers must sit back to back inside a block, and blocks back to back after that.
-    if any(b - a != layer_bytes for a, b in zip(offsets, offsets[1:], strict=False)):
+    if any(b - a != layer_bytes for a, b in pairwise(offsets)):
         return None
     row_bytes = layer_bytes * len(ordered)
     if first.stride(0) * elt < row_bytes:

@@ -69,12 +69,12 @@ import torch
 from connectors.offload import _cudart
 from connectors.offload._copy_plan import CopyPlan, run_starts
 from connectors.offload._issuer import IssueThread
-from connectors.offload._staged import staged_copy
 from connectors.offload._layout import (
     BlockLayout,
     build_block_layout,
     cross_layer_planes,
 )
+from connectors.offload._staged import staged_copy
 
 __all__ = [
     "BlockLayout",
@@ -363,7 +363,7 @@ class KVBlockMover:
         g, c = _id_array(gpu_ids), _id_array(cpu_ids)
         for name, ids, bound in (("device", g, self.layout.num_blocks),
                                  ("CPU", c, self.num_cpu_blocks)):
-            if ids and not (0 <= min(ids) and max(ids) < bound):
+            if ids and not (min(ids) >= 0 and max(ids) < bound):
                 bad = [i for i in ids if not 0 <= i < bound][:8]
                 msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)

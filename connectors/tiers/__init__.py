@@ -36,7 +36,18 @@ _EXPORTS = {
 TIER_TYPES = {"disk": ("disk", "DiskTier"), "redis": ("redis_tier", "RedisTier")}
 """Tier ``type`` -> (module, class) accepted by :func:`make_tier`."""
 
-__all__ = sorted([*_EXPORTS, "TIER_TYPES", "make_tier"])
+__all__ = [
+    "TIER_TYPES",
+    "DiskTier",
+    "DiskTierConfig",
+    "RedisTier",
+    "RedisTierConfig",
+    "SecondaryTier",
+    "TierEvent",
+    "TierKey",
+    "TierLoad",
+    "make_tier",
+]
 
 
 def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryTier:

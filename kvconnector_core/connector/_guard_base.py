@@ -48,7 +48,7 @@ class GuardBase:
         ``consequence``), count it and return ``(default, False)``."""
         try:
             return call(), True
-        except Exception:  # noqa: BLE001 - containing it is the contract
+        except Exception:  # containing it is the contract
             logger.exception("connector %s raised in %s; %s", self.label, hook, consequence)
             self._count(hook)
             return default, False

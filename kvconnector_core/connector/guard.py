@@ -127,7 +127,7 @@ class GuardedScheduler(GuardBase):
         if request.request_id in self.detached:
             return 0, False
         hook = "get_num_new_matched_tokens"
-        answer, ok = self._contained(hook, "treated as a miss",
+        answer, _ = self._contained(hook, "treated as a miss",
                                      lambda: self.connector.get_num_new_matched_tokens(request, num_computed_tokens),
                                      (0, False))
         if not (isinstance(answer, tuple) and len(answer) == 2
@@ -225,7 +225,7 @@ class GuardedScheduler(GuardBase):
         while self._undelivered:
             report = self._undelivered[0]
             _, ok = self._contained("update_connector_output", "the report is delivered again next step",
-                                    lambda: self.connector.update_connector_output(report), None)
+                                    lambda r=report: self.connector.update_connector_output(r), None)
             if not ok:
                 break
             self._undelivered.pop(0)

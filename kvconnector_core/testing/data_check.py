@@ -40,6 +40,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvconnector_core.engine.engine import Engine, EngineConfig, RunResult
@@ -129,7 +130,7 @@ def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
                    (20, odd, 2), (20, b16, 2), (30, b16, 2)])
     system = _tokens(rng, 10)
     turns = [[_tokens(rng, 7)] + [_tokens(rng, 3) for _ in range(2)] for _ in range(4)]
-    prefixes = _trace([(8 * r + i, system + sum(turns[i][:r + 1], []), 3)
+    prefixes = _trace([(8 * r + i, system + list(chain.from_iterable(turns[i][:r + 1])), 3)
                        for r in range(3) for i in range(4)])
     prompts = [_tokens(rng, 12 + 2 * i) for i in range(4)]
     evict = _trace([(6 * i, prompts[i % 4], 2) for i in range(12)])
@@ -365,7 +366,7 @@ class DataCheck:
     def check(self, workload_name: str) -> DataCheckReport:
         """Run one standard workload; fail the test with the report unless it is clean."""
         report = run_data_check(self.connector_config, data_check_workloads()[workload_name])
-        assert report.ok, str(report)  # noqa: S101 - this is a test
+        assert report.ok, str(report)  # this is a test
         return report
 
     def test_block_aligned(self) -> None:

@@ -69,7 +69,8 @@ def make_kv_cache_config(
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[group])
 
 
-def make_block_pool(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, *, enable_kv_cache_events: bool = False) -> BlockPool:
+def make_block_pool(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, *,
+                    enable_kv_cache_events: bool = False) -> BlockPool:
     """Return a real GPU ``BlockPool`` with prefix caching on."""
     from kvconnector_core.kv_cache.block_pool import BlockPool
 
@@ -77,7 +78,8 @@ def make_block_pool(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, 
                      enable_kv_cache_events=enable_kv_cache_events)
 
 
-def make_kv_cache_manager(kv_cache_config: KVCacheConfig | None = None, *, max_model_len: int = MAX_MODEL_LEN) -> KVCacheManager:
+def make_kv_cache_manager(kv_cache_config: KVCacheConfig | None = None, *,
+                          max_model_len: int = MAX_MODEL_LEN) -> KVCacheManager:
     """Return a real ``KVCacheManager`` over ``kv_cache_config`` (default: :func:`make_kv_cache_config`)."""
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheManager
 

@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 
-class InjectedFault(TransferError):
+class InjectedFault(TransferError):  # noqa: N818 - a public name; "fault" already says what it is
     """Raised by a :class:`FaultInjectingConnector` hook on purpose."""
 
 

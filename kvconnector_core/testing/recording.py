@@ -57,7 +57,8 @@ class RecordingConnector(KVConnectorBase_V1):
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = True
 
-    def __init__(self, config: KVConnectorConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         """Create the connector (see :class:`KVConnectorBase_V1`)."""
         super().__init__(config, role, kv_cache_config)
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
