@@ -13,6 +13,7 @@ Primitives: :class:`MultiWorkerSide`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Give every child the KV tensors, then raise the first failure."""
-        call_each(lambda g=g: g.register_kv_caches(kv_caches) for g in self.guards)
+        call_each(functools.partial(g.register_kv_caches, kv_caches) for g in self.guards)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Decode and bind each child's plan; record this step's bookkeeping.

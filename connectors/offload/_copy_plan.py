@@ -59,7 +59,8 @@ class CopyPlan:
 
     def __init__(self, gpu_planes: Sequence[torch.Tensor], cpu_planes: Sequence[torch.Tensor]
                  ) -> None:
-        dense, gapped = [], []
+        dense: list[tuple[int, int, int, int, int]] = []
+        gapped: list[tuple[int, int, int, int, int]] = []
         for g, c in zip(gpu_planes, cpu_planes, strict=True):
             row = g.shape[1]
             entry = (g.data_ptr(), g.stride(0), c.data_ptr(), c.stride(0), row)

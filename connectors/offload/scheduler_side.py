@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.offload.events import ChunkInfo, GroupedEvents
 from connectors.offload.lookup import longest_hit, needed_chunks
 from connectors.offload.manager import CPUOffloadingManager
+from connectors.offload.policies import OffloadKey
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
     OffloadWorkerMetadata,
@@ -51,8 +52,10 @@ from kvconnector_core.scheduler.output import yield_req_data
 
 if TYPE_CHECKING:
     from connectors.offload.config import OffloadConfig
+    from connectors.offload.records import TierRead
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
+    from kvconnector_core.kv_cache.hashing import BlockHash
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_events import KVCacheEvent
     from kvconnector_core.request import Request
@@ -73,15 +76,15 @@ class _ReqState:
     store_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     forgotten: bool = False  # the guard said forget it: no new loads or stores
-    hit_keys: list[bytes] = field(default_factory=list)  # touched when the request finishes
+    hit_keys: list[OffloadKey] = field(default_factory=list)  # touched when the request finishes
 
 
 @dataclass(frozen=True, slots=True)
 class _JobRecord:
     req_id: str
-    keys: tuple[bytes, ...]  # stores: keys written; loads and tier writes: keys pinned
+    keys: tuple[OffloadKey, ...]  # stores: keys written; loads and tier writes: keys pinned
     is_store: bool
-    promoted: tuple[bytes, ...] = ()  # loads: tier chunks read into reserved CPU slots
+    promoted: tuple[OffloadKey, ...] = ()  # loads: tier chunks read into reserved CPU slots
 
 
 def group_suffix(group: int) -> bytes:
@@ -132,11 +135,12 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         ``hash_block_size``: its hashes are per GPU block (one group under the adapter)."""
         return getattr(request, "hash_block_size", None) or self.offload_config.gpu_block_size
 
-    def _key(self, request: Request, group: int, chunk: int) -> bytes:
+    def _key(self, request: Request, group: int, chunk: int) -> OffloadKey:
         """Key of chunk ``chunk`` of ``group``: the chained hash of its last token's block,
         plus the group. O(1): no list of keys is built (planning is O(new chunks))."""
         ct = self.offload_config.chunk_tokens
-        return request.block_hashes[(chunk + 1) * ct // self._hash_block_size(request) - 1] + self._suffixes[group]
+        return OffloadKey(request.block_hashes[(chunk + 1) * ct // self._hash_block_size(request) - 1]
+                          + self._suffixes[group])
 
     # ------------------------------------------------------------------ loads
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -225,9 +229,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
                    f"number of {cfg.gpu_block_size}-token blocks")
             raise InvariantError(msg)
-        load_keys: list[bytes] = []
-        slot_of: dict[bytes, int] = {}
-        pairs: list[tuple[int, bytes, int]] = []  # (GPU block id, chunk key, sub-block)
+        load_keys: list[OffloadKey] = []
+        slot_of: dict[OffloadKey, int] = {}
+        pairs: list[tuple[int, OffloadKey, int]] = []  # (GPU block id, chunk key, sub-block)
         for g, group in enumerate(self._groups):
             bs = group.block_size
             table = blocks.blocks[g]
@@ -243,7 +247,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         sub = cfg.sub_blocks_per_chunk
         num_cpu = self.manager.lookup(load_keys) if self.tiers is not None else len(load_keys)
         spec = self.manager.prepare_load(load_keys[:num_cpu])
-        slots, reads, promoted = list(spec.block_ids), [], []
+        slots = list(spec.block_ids)
+        reads: list[TierRead] = []
+        promoted: list[OffloadKey] = []
         if num_cpu < len(load_keys) and self.tiers is not None:
             # One full-attention group: load_keys are chunks first.. of group 0, in order.
             first = hit_tokens // ct + num_cpu
@@ -323,7 +329,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             return None
         request = state.request
         ranges = [self._store_range(state, g, num_done_tokens) for g in range(len(self._groups))]
-        wanted: list[tuple[int, int, bytes]] = [
+        wanted: list[tuple[int, int, OffloadKey]] = [
             (g, c, self._key(request, g, c)) for g, chunks in enumerate(ranges) for c in chunks]
         if not wanted:
             return None
@@ -359,7 +365,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         f, bs = group.factor, group.block_size
         hashes = request.block_hashes
 
-        def block_hash(j: int) -> bytes:
+        def block_hash(j: int) -> BlockHash:
             return hashes[(j + 1) * bs // hbs - 1]
 
         first = chunk * f
@@ -500,7 +506,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             if not success:
                 self._events.discard(record.promoted)
 
-    def _plan_tier_writes(self, keys: tuple[bytes, ...]) -> None:
+    def _plan_tier_writes(self, keys: tuple[OffloadKey, ...]) -> None:
         """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
         assert self.tiers is not None  # noqa: S101 - only called with tiers
         job_id = next(self._job_ids)

@@ -31,10 +31,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connectors.offload.policies import OffloadKey
 from connectors.offload.records import TierRead, TierWrite, TierWriteJob
 from connectors.tiers import SecondaryTier, TierKey, make_tier
 from kvconnector_core.errors import InvariantError
-from kvconnector_core.kv_events import BlockRemoved, BlockStored, KVCacheEvent, to_external_hash
+from kvconnector_core.kv_cache.hashing import BlockHash
+from kvconnector_core.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVCacheEvent,
+    to_external_hash,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -75,14 +83,14 @@ def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: b
     return tiers
 
 
-def tier_key(key: bytes) -> TierKey:
+def tier_key(key: OffloadKey) -> TierKey:
     """The tier key of an offload key: its chained hash and its KV cache group (the key's
     last 4 bytes)."""
-    return TierKey(key[:-4], int.from_bytes(key[-4:], "big"))
+    return TierKey(BlockHash(key[:-4]), int.from_bytes(key[-4:], "big"))
 
 
-def _offload_key(key: TierKey) -> bytes:
-    return key.block_hash + key.group.to_bytes(4, "big")
+def _offload_key(key: TierKey) -> OffloadKey:
+    return OffloadKey(key.block_hash + key.group.to_bytes(4, "big"))
 
 
 class TierLookups:
@@ -93,7 +101,7 @@ class TierLookups:
         # req id -> (index of the first key asked, answers so far: keys served per tier)
         self._asked: dict[str, tuple[int, list[int]]] = {}
 
-    def lookup(self, req_id: str, keys: Sequence[bytes], first: int) -> list[int] | None:
+    def lookup(self, req_id: str, keys: Sequence[OffloadKey], first: int) -> list[int] | None:
         """Per tier, how many chunks it serves, each tier continuing where the one before
         stopped, for ``keys[first:]``; None means ask again next step.
 
@@ -151,7 +159,7 @@ class SchedulerTiers:
     def _subs(self, slot: int) -> list[int]:
         return [slot * self.f + j for j in range(self.f)]
 
-    def extra_hits(self, req_id: str, keys: Sequence[bytes], first: int, cpu_hits: int) -> int | None:
+    def extra_hits(self, req_id: str, keys: Sequence[OffloadKey], first: int, cpu_hits: int) -> int | None:
         """Chunks from ``keys[first]`` on that the tiers serve and the CPU tier has room to
         promote now (besides the request's ``cpu_hits`` chunks, which its load pins);
         None: ask again next step."""
@@ -161,8 +169,8 @@ class SchedulerTiers:
         room = self.manager.num_free_blocks + self.manager.num_evictable_blocks - cpu_hits
         return max(0, min(sum(answers), room))
 
-    def plan_promotion(self, req_id: str, keys: Sequence[bytes], first: int, end: int
-                       ) -> tuple[list[bytes], list[TierRead]]:
+    def plan_promotion(self, req_id: str, keys: Sequence[OffloadKey], first: int, end: int
+                       ) -> tuple[list[OffloadKey], list[TierRead]]:
         """Reserve CPU slots for chunks ``first .. end-1`` and say which tier serves each.
 
         The slots stay invisible to lookups until the load completes
@@ -189,8 +197,8 @@ class SchedulerTiers:
                  for i, (key, slot) in enumerate(zip(wanted, out.store_spec.block_ids, strict=True))]
         return wanted, reads
 
-    def plan_writes(self, job_id: int, keys: Sequence[bytes], chunk_info: ChunkInfoTable
-                    ) -> tuple[TierWriteJob, tuple[bytes, ...]] | None:
+    def plan_writes(self, job_id: int, keys: Sequence[OffloadKey], chunk_info: ChunkInfoTable
+                    ) -> tuple[TierWriteJob, tuple[OffloadKey, ...]] | None:
         """Pin the chunks the CPU tier just stored and describe their copy into the tiers.
 
         ``chunk_info`` gives each chunk's GPU block hashes for the tiers' events (the key
@@ -204,7 +212,9 @@ class SchedulerTiers:
         writes = []
         for key, slot in zip(keys, spec.block_ids, strict=True):
             info = chunk_info.get(key)
-            hashes, parent = (info.block_hashes, info.parent_block_hash) if info else ((key,), None)
+            # Without its info (events off) a chunk is described by its own block hash.
+            hashes, parent = ((info.block_hashes, info.parent_block_hash) if info
+                              else ((tier_key(key).block_hash,), None))
             writes.append(TierWrite(key, self._subs(slot), list(hashes), parent))
         return TierWriteJob(job_id, writes), keys
 
@@ -227,7 +237,7 @@ class WorkerTiers:
         self.block_size = block_size
         self._planes: tuple[torch.Tensor, ...] = ()
         self._jobs: dict[int, _ReadJob] = {}
-        self._described: collections.OrderedDict[bytes, tuple[list[bytes], bytes | None]] = (
+        self._described: collections.OrderedDict[OffloadKey, tuple[list[BlockHash], BlockHash | None]] = (
             collections.OrderedDict())
         self.writes_dropped = 0
         self._reported: dict[str, int] = {}
@@ -322,7 +332,7 @@ class WorkerTiers:
             for event in tier.take_events():
                 for key in event.keys:
                     hashes, parent = self._described.get(_offload_key(key), ([key.block_hash], None))
-                    wire = [to_external_hash(h) for h in hashes]
+                    wire: list[ExternalBlockHash] = [to_external_hash(h) for h in hashes]
                     if event.removed:
                         out.append(BlockRemoved(block_hashes=wire, medium=event.medium,
                                                 group_idx=key.group))

@@ -130,7 +130,7 @@ def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[
     return runs
 
 
-def _id_array(ids: Sequence[int]) -> array.array:
+def _id_array(ids: Sequence[int]) -> array.array[int]:
     """A private int64 copy of the ids (the caller may reuse its list after submitting).
 
     ``array.array`` because building it from a list of Python ints is ~6x faster than
@@ -145,7 +145,7 @@ def _id_array(ids: Sequence[int]) -> array.array:
         raise ValueError(msg) from exc
 
 
-def _as_tensor(ids: array.array) -> torch.Tensor:
+def _as_tensor(ids: array.array[int]) -> torch.Tensor:
     """The ids as an int64 tensor sharing the array's memory."""
     if not ids:
         return torch.empty(0, dtype=torch.int64)
@@ -321,8 +321,8 @@ class KVBlockMover:
             job.issued = threading.Event()
             self._issuer.submit(functools.partial(self._issue, job, ready, g, c))
 
-    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g_ids: array.array,
-               c_ids: array.array) -> None:
+    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g_ids: array.array[int],
+               c_ids: array.array[int]) -> None:
         """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
         t0 = time.perf_counter()
         try:
@@ -355,7 +355,7 @@ class KVBlockMover:
                        "store" if job.is_store else "load", job.job_id, job.error)
 
     def _checked_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
-                     ) -> tuple[array.array, array.array]:
+                     ) -> tuple[array.array[int], array.array[int]]:
         """The ids as private int64 arrays, checked: equal lengths, every id in range."""
         if len(gpu_ids) != len(cpu_ids):
             msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"

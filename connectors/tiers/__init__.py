@@ -12,6 +12,7 @@ a file system.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,7 @@ def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryT
         msg = f"tier type {kind!r} is not known; valid types: {', '.join(TIER_TYPES)}"
         raise ConfigError(msg)
     module, cls_name = TIER_TYPES[kind]
-    cls = getattr(import_module(f"{__name__}.{module}"), cls_name)
+    cls: Callable[..., SecondaryTier] = getattr(import_module(f"{__name__}.{module}"), cls_name)
     return cls(spec, enable_events=enable_events)
 
 

@@ -37,6 +37,7 @@ from typing import Any, ClassVar, NamedTuple, Self, TypeVar
 import msgspec
 
 from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_cache.hashing import BlockHash
 
 __all__ = [
     "SecondaryTier",
@@ -80,7 +81,7 @@ class TierKey(NamedTuple):
         group: the KV cache group the block belongs to (hybrid models store per group).
     """
 
-    block_hash: bytes
+    block_hash: BlockHash
     group: int = 0
 
     @property

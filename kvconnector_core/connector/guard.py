@@ -28,9 +28,10 @@ Primitives: :class:`GuardedScheduler`, :class:`GuardedWorker` (in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -50,19 +51,23 @@ __all__ = ["MAX_UNDELIVERED_OUTPUTS", "GuardedScheduler", "GuardedWorker"]
 
 logger = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
 MAX_UNDELIVERED_OUTPUTS = 64
 """Worker reports kept for redelivery after ``update_connector_output`` raised; beyond
 this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
 
 
-def _replace(record: Any, **changes: Any) -> Any:
+def _replace(record: R, **changes: Any) -> R:
     """A copy of ``record`` with ``changes``: kvconnector's records are msgspec Structs;
     another engine's (vLLM's dataclasses, or a view with ``replace``) work too."""
     if isinstance(record, msgspec.Struct):
         return msgspec.structs.replace(record, **changes)
-    if dataclasses.is_dataclass(record):
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return dataclasses.replace(record, **changes)
-    return record.replace(**changes)
+    view: Any = record  # duck-typed: any record with a ``replace`` method
+    replaced: R = view.replace(**changes)
+    return replaced
 
 
 class GuardedScheduler(GuardBase):
@@ -225,7 +230,7 @@ class GuardedScheduler(GuardBase):
         while self._undelivered:
             report = self._undelivered[0]
             _, ok = self._contained("update_connector_output", "the report is delivered again next step",
-                                    lambda r=report: self.connector.update_connector_output(r), None)
+                                    functools.partial(self.connector.update_connector_output, report), None)
             if not ok:
                 break
             self._undelivered.pop(0)
@@ -273,11 +278,11 @@ class GuardedScheduler(GuardBase):
                                 lambda: list(self.connector.take_events()), [])
         if not ok:
             return []
-        events = self._snapshot()
-        if events is None:
+        snapshot = self._snapshot()
+        if snapshot is None:
             return []
         self._resync_events = False
-        return events
+        return snapshot
 
     def get_event_snapshot(self) -> list[KVCacheEvent]:
         """The connector's snapshot (see :meth:`take_events`); [] on a raise."""
