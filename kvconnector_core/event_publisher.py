@@ -119,7 +119,7 @@ class ZmqEventPublisher:
         import zmq
 
         self.config = config or EventPublisherConfig()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(self.config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
         self._topic = self.config.topic.encode()
@@ -131,7 +131,7 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.Socket[bytes] | None = None
         try:
             self.endpoint = self._bind(self._pub, self.config.endpoint)
             self.replay_endpoint = None
@@ -149,7 +149,7 @@ class ZmqEventPublisher:
         self._thread.start()
 
     @staticmethod
-    def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
         import zmq
 
         try:
@@ -287,7 +287,7 @@ class EventSubscriber:
         _check_endpoint("endpoint", endpoint)
         if replay_endpoint is not None:
             _check_endpoint("replay_endpoint", replay_endpoint)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
