@@ -37,8 +37,11 @@ __all__ = [
 ]
 
 MEDIUM_GPU = "GPU"
+"""``medium`` of events about the GPU KV cache (the engine's prefix cache)."""
 MEDIUM_CPU = "CPU"
+"""``medium`` of events about a CPU tier (the offload connector)."""
 MEDIUM_STORAGE = "STORAGE"
+"""``medium`` of events about storage behind the CPU tier."""
 
 ExternalBlockHash = bytes | int
 """A block hash as it appears on the wire: raw digest bytes or its 64-bit int form."""
