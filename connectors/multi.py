@@ -166,9 +166,10 @@ class MultiConnector(RoleSplitConnector):
         self.labels = self._make_labels(self._children)
         """Per child: its name, or ``name#index`` when several children share it."""
         self._policy = loader_policy or self._policy_from_config(config)
-        self.supports_async_load = any(c.supports_async_load for c in self._children)  # type: ignore[misc]
-        self.has_sync_kv_loads = any(c.has_sync_kv_loads for c in self._children)  # type: ignore[misc]
-        self.requires_block_pool = any(c.requires_block_pool for c in self._children)  # type: ignore[misc]
+        # The capability ClassVars are per instance here: they depend on the children.
+        self.supports_async_load = any(c.supports_async_load for c in self._children)  # type: ignore[misc]  # see above
+        self.has_sync_kv_loads = any(c.has_sync_kv_loads for c in self._children)  # type: ignore[misc]  # see above
+        self.requires_block_pool = any(c.requires_block_pool for c in self._children)  # type: ignore[misc]  # see above
         self._is_shut_down = False
         super().__init__(config, role, kv_cache_config)
 
@@ -265,6 +266,7 @@ class MultiConnector(RoleSplitConnector):
     @staticmethod
     def _first_group_block_size(kv_cache_config: KVCacheConfig | None) -> int | None:
         try:
+            # A missing config (None) is one of the cases the except below handles.
             return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)  # type: ignore[union-attr]
         except (AttributeError, IndexError, TypeError):
             return None

@@ -214,7 +214,7 @@ def _observe(engine: Engine, observer: _Recorder | _Checker) -> None:
         observer.after(so, out)
         return out
 
-    runner.execute_model = execute_model  # type: ignore[method-assign,assignment]
+    runner.execute_model = execute_model  # type: ignore[method-assign,assignment]  # observing wrapper
 
 
 class _Recorder:

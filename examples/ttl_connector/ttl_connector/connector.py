@@ -155,6 +155,7 @@ class TTLPinConnector(KVConnectorBase_V1):
     @property
     def _block_size(self) -> int:
         try:
+            # A missing config (None) is one of the cases the except below handles.
             return int(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)  # type: ignore[union-attr]
         except (AttributeError, IndexError):
             return 1

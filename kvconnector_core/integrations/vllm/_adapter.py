@@ -286,6 +286,7 @@ class KVConnectorAdapter(VllmConnectorBase):
     def get_kv_connector_stats(self) -> AdapterStats | None:
         """The wrapped stats under vLLM's stats protocol (None when empty)."""
         side = self._sched if self._sched is not None else self._worker
+        # mypy: exactly one of the two sides is set (hence the ignore)
         stats = AdapterStats.from_kvconnector(side.get_kv_connector_stats())  # type: ignore[union-attr]
         return None if stats.is_empty() else stats
 
