@@ -165,3 +165,20 @@ def test_huge_max_new_tokens_is_a_bound_error(tmp_path, capsys):
     code, err = run_cli(capsys, "--trace", str(trace), "--connector", "none")
     assert code == 2
     assert "has 1000000002 tokens (prompt + max_new_tokens); the engine supports at most 1048560" in err
+
+
+@pytest.mark.parametrize("blocks", ["0", "-3", str(2**40)])
+def test_out_of_range_cpu_blocks_is_a_bound_error(capsys, blocks):
+    """--cpu-blocks 0 used to run silently with the default size (0 is falsy) and a huge
+    value reached the allocator; both are now a bound error naming the option."""
+    code, err = run_cli(capsys, "--cpu-blocks", blocks, "--no-baseline")
+    assert code == 2
+    assert f"--cpu-blocks {blocks} is out of range; valid: 1 to 67108864" in err
+    assert "Traceback" not in err and "allocate" not in err
+
+
+def test_cpu_blocks_with_another_connector_is_refused(capsys):
+    """--cpu-blocks belongs to cpu_offload (the check now tests for None, not for a true value)."""
+    code, err = run_cli(capsys, "--cpu-blocks", "1", "--connector", "none")
+    assert code == 2
+    assert "--tier and --cpu-blocks need the cpu_offload connector, not 'none'" in err

@@ -28,6 +28,8 @@ _MODEL_LEN_HEADROOM = 16
 MAX_MODEL_LEN = 2**20  # EngineConfig's bound (the integer model is exact up to it)
 MAX_NUM_GPU_BLOCKS = 2**24
 """Largest ``--num-gpu-blocks`` (a bound, not a promise that memory suffices)."""
+MAX_NUM_CPU_BLOCKS = 2**26
+"""Largest ``--cpu-blocks`` (a bound, not a promise that memory suffices)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +98,8 @@ def _check_sources(args: argparse.Namespace) -> str | None:
     if args.num_gpu_blocks is not None and not 1 <= args.num_gpu_blocks <= MAX_NUM_GPU_BLOCKS:
         return (f"--num-gpu-blocks {args.num_gpu_blocks} is out of range; valid: 1 to "
                 f"{MAX_NUM_GPU_BLOCKS}")
+    if args.cpu_blocks is not None and not 1 <= args.cpu_blocks <= MAX_NUM_CPU_BLOCKS:
+        return f"--cpu-blocks {args.cpu_blocks} is out of range; valid: 1 to {MAX_NUM_CPU_BLOCKS}"
     return None
 
 
@@ -111,7 +115,7 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     from kvconnector_core.errors import ConfigError
 
     if args.config:
-        if args.tier or args.cpu_blocks:
+        if args.tier or args.cpu_blocks is not None:
             msg = "--tier and --cpu-blocks go with --connector; in a --config file use extra_config"
             raise ConfigError(msg)
         return load_connector_config(args.config)
@@ -122,7 +126,7 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
             return None  # not installed; a name claimed twice is an error (below), not absent
         name = DEFAULT_CONNECTOR
     if name.lower() == "none":
-        if args.tier or args.cpu_blocks:
+        if args.tier or args.cpu_blocks is not None:
             msg = f"--tier and --cpu-blocks need the {DEFAULT_CONNECTOR} connector, not 'none'"
             raise ConfigError(msg)
         return None
@@ -139,7 +143,7 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
         # mypy: the default connector's demo_extra_config takes these extra keywords (the ignore)
         extra = cls.demo_extra_config(num_gpu_blocks, cpu_blocks=args.cpu_blocks,  # type: ignore[call-arg]
                                       tiers=args.tier)
-    elif args.tier or args.cpu_blocks:
+    elif args.tier or args.cpu_blocks is not None:
         msg = f"--tier and --cpu-blocks need the {DEFAULT_CONNECTOR} connector, not {name!r}"
         raise ConfigError(msg)
     else:
