@@ -12,6 +12,7 @@ Primitives: :class:`MultiSchedulerSide`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -81,7 +82,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
 
     def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
         """Give every child the pool, then raise the first failure."""
-        call_each(lambda g=g: g.bind_gpu_block_pool(gpu_block_pool) for g in self.guards)
+        call_each(functools.partial(g.bind_gpu_block_pool, gpu_block_pool) for g in self.guards)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Ask every child; return the chosen loader's answer (see :mod:`connectors.multi`)."""

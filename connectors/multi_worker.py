@@ -13,6 +13,7 @@ Primitives: :class:`MultiWorkerSide`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Give every child the KV tensors, then raise the first failure."""
-        call_each(lambda g=g: g.register_kv_caches(kv_caches) for g in self.guards)
+        call_each(functools.partial(g.register_kv_caches, kv_caches) for g in self.guards)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Decode and bind each child's plan; record this step's bookkeeping.
@@ -219,7 +220,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def has_pending_work(self) -> bool:
         """Whether a child (or its guard) has something to deliver in a later step."""
-        return any([g.has_pending_work() for g in self.guards])  # a list: ask every guard
+        return any([g.has_pending_work() for g in self.guards])  # noqa: C419 - a list, so every guard is asked (each counts its pending asks)
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""

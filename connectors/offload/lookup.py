@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from connectors.offload.config import OffloadGroup
+    from connectors.offload.policies import OffloadKey
 
 __all__ = ["longest_hit", "needed_chunks"]
 
@@ -27,8 +28,8 @@ def needed_chunks(group: OffloadGroup, start_tokens: int, end_tokens: int, chunk
     return range(first // chunk_tokens, -(-end_tokens // chunk_tokens))
 
 
-def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[Iterable[bytes]], int],
-                key: Callable[[int, int], bytes], *, num_computed_tokens: int, num_chunks: int,
+def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[Iterable[OffloadKey]], int],
+                key: Callable[[int, int], OffloadKey], *, num_computed_tokens: int, num_chunks: int,
                 last_loadable: int, chunk_tokens: int) -> int:
     """Tokens past ``num_computed_tokens`` that the tier can serve (0: no hit).
 

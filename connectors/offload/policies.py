@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NewType
 
 from kvconnector_core.errors import ConfigError
 
@@ -37,8 +38,9 @@ __all__ = [
     "register_cache_policy",
 ]
 
-OffloadKey = bytes
-"""Key of an offloaded block: the chained hash of the last GPU block it holds."""
+OffloadKey = NewType("OffloadKey", bytes)
+"""Key of an offloaded chunk: the chained hash of the last GPU block it holds, then its KV
+cache group as 4 big-endian bytes. A NewType: bytes at run time, its own type for mypy."""
 
 
 @dataclass(slots=True)

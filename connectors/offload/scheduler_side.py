@@ -39,6 +39,7 @@ from connectors.offload._fence import StoreFence
 from connectors.offload.events import ChunkInfo, GroupedEvents
 from connectors.offload.lookup import longest_hit, needed_chunks
 from connectors.offload.manager import CPUOffloadingManager
+from connectors.offload.policies import OffloadKey
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
     OffloadWorkerMetadata,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from connectors.offload.config import OffloadConfig
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
+    from kvconnector_core.kv_cache.hashing import BlockHash
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_events import KVCacheEvent
     from kvconnector_core.request import Request
@@ -79,16 +81,16 @@ class _ReqState:
     # Recency, committed when the request finishes (as vLLM 0.33 does): every key it
     # loaded, stored or offered while held, with its (chunk, group) for prefix order, and
     # which of them were reuses (loads and keys found held) rather than its own stores.
-    seen: dict[bytes, tuple[int, int]] = field(default_factory=dict)
-    reused: set[bytes] = field(default_factory=set)
+    seen: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
+    reused: set[OffloadKey] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
 class _JobRecord:
     req_id: str
-    keys: tuple[bytes, ...]  # stores: keys written; loads and tier writes: keys pinned
+    keys: tuple[OffloadKey, ...]  # stores: keys written; loads and tier writes: keys pinned
     is_store: bool
-    promoted: tuple[bytes, ...] = ()  # loads: tier chunks read into reserved CPU slots
+    promoted: tuple[OffloadKey, ...] = ()  # loads: tier chunks read into reserved CPU slots
 
 
 # The pool's null block (vLLM's and kvconnector's): what a block table holds at positions
@@ -149,11 +151,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         ``hash_block_size``: its hashes are per GPU block (one group under the adapter)."""
         return getattr(request, "hash_block_size", None) or self._gpu_bs
 
-    def _key(self, request: Request, group: int, chunk: int) -> bytes:
+    def _key(self, request: Request, group: int, chunk: int) -> OffloadKey:
         """Key of chunk ``chunk`` of ``group``: the chained hash of its last token's block,
         plus the group. O(1): no list of keys is built (planning is O(new chunks))."""
         hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
-        return request.block_hashes[(chunk + 1) * self._ct // hbs - 1] + self._suffixes[group]
+        return OffloadKey(request.block_hashes[(chunk + 1) * self._ct // hbs - 1] + self._suffixes[group])
 
     # ------------------------------------------------------------------ loads
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -185,7 +187,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             # are built lazily: a miss costs one key, a hit one key per chunk it covers.
             step = ct // hbs
             suffix = self._suffixes[0]
-            hits = self.manager.lookup(h + suffix for h in itertools.islice(
+            hits = self.manager.lookup(OffloadKey(h + suffix) for h in itertools.islice(
                 request.block_hashes, (start + 1) * step - 1, num_chunks * step, step))
             hit = min((start + hits) * ct, last_loadable) - num_computed_tokens if hits else 0
             return (hit, True) if hit > 0 else (0, False)
@@ -209,7 +211,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         ct, start = cfg.chunk_tokens, num_computed_tokens // cfg.chunk_tokens
         last = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
 
-        def hit(lookup: Callable[[Iterable[bytes]], int], last_loadable: int) -> int:
+        def hit(lookup: Callable[[Iterable[OffloadKey]], int], last_loadable: int) -> int:
             return longest_hit(self._groups, lookup, lambda g, c: self._key(request, g, c),
                                num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
                                last_loadable=last_loadable, chunk_tokens=ct)
@@ -222,7 +224,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if promotable is None:
             return None, False
 
-        def available(ks: Iterable[bytes]) -> int:
+        def available(ks: Iterable[OffloadKey]) -> int:
             # longest_hit may pass a lazy iterable: count, do not take len().
             n = 0
             for k in ks:
@@ -278,8 +280,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
                    f"number of {cfg.gpu_block_size}-token blocks")
             raise InvariantError(msg)
-        where: dict[bytes, tuple[int, int]] = {}  # load key -> (group, chunk), in order
-        pairs: list[tuple[int, bytes, int]] = []  # (GPU block id, chunk key, sub-block)
+        where: dict[OffloadKey, tuple[int, int]] = {}  # load key -> (group, chunk), in order
+        pairs: list[tuple[int, OffloadKey, int]] = []  # (GPU block id, chunk key, sub-block)
         for g, group in enumerate(self._groups):
             bs = group.block_size
             table = blocks.blocks[g]
@@ -388,7 +390,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if len(state.next_chunk) == 1 and num_done_tokens // self._ct <= state.next_chunk[0]:
             return None  # one group and no chunk completed since the last store (most steps)
         ranges = [self._store_range(state, g, num_done_tokens) for g in range(len(self._groups))]
-        wanted: list[tuple[int, int, bytes]] = [
+        wanted: list[tuple[int, int, OffloadKey]] = [
             (g, c, self._key(request, g, c)) for g, chunks in enumerate(ranges) for c in chunks]
         if not wanted:
             return None
@@ -433,7 +435,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         f, bs = group.factor, group.block_size
         hashes = request.block_hashes
 
-        def block_hash(j: int) -> bytes:
+        def block_hash(j: int) -> BlockHash:
             return hashes[(j + 1) * bs // hbs - 1]
 
         first = chunk * f
@@ -581,7 +583,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             if not success:
                 self._events.discard(record.promoted)
 
-    def _plan_tier_writes(self, keys: tuple[bytes, ...]) -> None:
+    def _plan_tier_writes(self, keys: tuple[OffloadKey, ...]) -> None:
         """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
         assert self.tiers is not None  # noqa: S101 - only called with tiers
         job_id = next(self._job_ids)

@@ -149,7 +149,7 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
             if self.tiers is not None:
                 try:
                     self.tiers.write(job.writes)
-                except Exception:  # noqa: BLE001 - contained: a failed store, logged
+                except Exception:  # contained: a failed store, logged
                     logger.exception("copying %d chunks into the tiers failed", len(job.writes))
             self._done_jobs.append(job.job_id)
 

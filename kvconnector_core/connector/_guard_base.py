@@ -20,6 +20,7 @@ __all__ = ["GuardBase"]
 
 logger = logging.getLogger("kvconnector_core.connector.guard")
 T = TypeVar("T")
+D = TypeVar("D")  # the default's own type: inferring T from both would make a None default fix T
 
 MAX_PENDING_STEPS = 64
 """Consecutive asks for which a guard answers that its connector has pending work; past
@@ -78,7 +79,7 @@ class GuardBase:
     def _count(self, hook: str) -> None:
         self.errors[hook] = self.errors.get(hook, 0) + 1
 
-    def _contained(self, hook: str, consequence: str, call: Callable[[], T], default: T) -> tuple[T, bool]:
+    def _contained(self, hook: str, consequence: str, call: Callable[[], T], default: D) -> tuple[T | D, bool]:
         """Run one hook call; on an exception log it (naming the connector, the hook and
         ``consequence``), count it and return ``(default, False)``."""
         try:

@@ -305,7 +305,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """The engine's KV cache layout, as given to the constructor."""
         return self._kv_cache_config
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, buffers, pins). Both roles; default: nothing.
 
         Called once when the engine stops; must be safe to call again.
@@ -390,7 +390,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             raise InvariantError(msg)
         return self._connector_metadata
 
-    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027 - optional hook
         """Act on the step's preemptions before the forward (worker side, optional).
 
         Called right after ``bind_connector_metadata`` and before
@@ -420,7 +420,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
         return None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """Receive the paged KV tensors once they are allocated (worker side).
 
         Args:
@@ -517,7 +517,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
 
     # ----------------------------------------------------------- scheduler side
 
-    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027 - optional hook
         """Receive the GPU block pool (scheduler side, opt-in).
 
         The scheduler calls this exactly once, unconditionally, right after
@@ -614,7 +614,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             An instance of :attr:`metadata_type` that survives msgpack.
         """
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027 - optional hook
         """Learn what the worker side finished this step (scheduler side).
 
         Args:
@@ -636,7 +636,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
         return False, None
 
-    def forget_requests(self, request_ids: set[str]) -> None:
+    def forget_requests(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Stop planning for these requests (scheduler side, optional; called by the guard).
 
         The guard calls this after a hook raised in a way that may have left this
@@ -654,7 +654,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             request_ids: the requests to forget.
         """
 
-    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,  # noqa: B027 - optional hook
                     stores_failed: bool) -> None:
         """The worker side could not carry out part of a plan (scheduler side, optional).
 

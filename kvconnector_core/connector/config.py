@@ -142,7 +142,8 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as a plain dict (the inverse of :meth:`from_dict`)."""
-        return msgspec.to_builtins(self)
+        as_dict: dict[str, Any] = msgspec.to_builtins(self)
+        return as_dict
 
 
 def load_connector_config(path: str | os.PathLike[str]) -> KVConnectorConfig:

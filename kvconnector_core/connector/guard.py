@@ -28,9 +28,10 @@ Primitives: :class:`GuardedScheduler`, :class:`GuardedWorker` (in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -54,19 +55,23 @@ logger = logging.getLogger(__name__)
 EVENT_SNAPSHOT_ATTEMPTS = 4
 """Tries of ``get_event_snapshot`` per resync call before the stream carries a gap marker."""
 
+R = TypeVar("R")
+
 MAX_UNDELIVERED_OUTPUTS = 64
 """Worker reports kept for redelivery after ``update_connector_output`` raised; beyond
 this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
 
 
-def _replace(record: Any, **changes: Any) -> Any:
+def _replace(record: R, **changes: Any) -> R:
     """A copy of ``record`` with ``changes``: kvconnector's records are msgspec Structs;
     another engine's (vLLM's dataclasses, or a view with ``replace``) work too."""
     if isinstance(record, msgspec.Struct):
         return msgspec.structs.replace(record, **changes)
-    if dataclasses.is_dataclass(record):
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return dataclasses.replace(record, **changes)
-    return record.replace(**changes)
+    view: Any = record  # duck-typed: any record with a ``replace`` method
+    replaced: R = view.replace(**changes)
+    return replaced
 
 
 class GuardedScheduler(GuardBase):
@@ -137,7 +142,7 @@ class GuardedScheduler(GuardBase):
         if self.quarantined or request.request_id in self.detached:
             return 0, False
         hook = "get_num_new_matched_tokens"
-        answer, ok = self._contained(hook, "treated as a miss",
+        answer, _ = self._contained(hook, "treated as a miss",
                                      lambda: self.connector.get_num_new_matched_tokens(request, num_computed_tokens),
                                      (0, False))
         if not (isinstance(answer, tuple) and len(answer) == 2
@@ -238,7 +243,7 @@ class GuardedScheduler(GuardBase):
         while self._undelivered:
             report = self._undelivered[0]
             _, ok = self._contained("update_connector_output", "the report is delivered again next step",
-                                    lambda: self.connector.update_connector_output(report), None)
+                                    functools.partial(self.connector.update_connector_output, report), None)
             if not ok:
                 break
             self._undelivered.pop(0)

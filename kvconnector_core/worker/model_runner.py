@@ -219,7 +219,7 @@ class ModelRunner:
             old = self.requests.get(new.req_id)
             # A re-sent request keeps the tokens it sampled if they extend the prompt.
             keep = old is not None and old.token_ids[:len(new.prompt_token_ids)] == new.prompt_token_ids
-            tokens = old.token_ids if keep else list(new.prompt_token_ids)
+            tokens = old.token_ids if keep and old is not None else list(new.prompt_token_ids)
             self.requests[new.req_id] = _RequestState(
                 new.req_id, tokens, len(new.prompt_token_ids), [list(b) for b in new.block_ids])
         cached = so.scheduled_cached_reqs
@@ -401,8 +401,9 @@ class ModelRunner:
             (n.req_id, n.num_computed_tokens, n.block_ids) for n in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                admitted.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i]))
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                admitted.append((req_id, cached.num_computed_tokens[i], new_ids))
         # How many requests hold each block (the runner's state is already updated).
         holders: dict[int, int] = {}
         for state in self.requests.values():
