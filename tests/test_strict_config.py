@@ -96,6 +96,20 @@ def test_config_file_typos_exit_2_naming_the_key(tmp_path, capsys, config, needl
     assert needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("extra", [{"num_cpu_blocks": 2**40}, {"cpu_bytes": 2**62}], ids=["blocks", "bytes"])
+def test_a_cpu_tier_larger_than_host_memory_is_a_bound_error(tmp_path, capsys, extra):
+    """Regression: a huge CPU tier in a config file reached the allocator, whose message
+    names no setting; it is refused before anything is allocated, naming the key, the bytes
+    it needs and the largest valid size."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"name": "cpu_offload", "extra_config": extra}))
+    assert main(["run", "--config", str(path), "--no-baseline", "--workload", "chat"]) == 2
+    err = capsys.readouterr().err
+    (key,) = extra
+    assert f"extra_config {key}=" in err and "more than this host's" in err and "valid: at most" in err
+    assert "Traceback" not in err and "register_kv_caches" not in err
+
+
 def test_load_connector_config_rejects_unknown_fields(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"name": "x", "modul_path": "m"}')

@@ -10,6 +10,7 @@ Primitives: :class:`OffloadSettings`, :class:`OffloadConfig`, :class:`OffloadGro
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -177,9 +178,27 @@ class OffloadConfig:
             msg = (f"OffloadingConnector: the CPU tier must hold at least one offloaded block of "
                    f"{chunk_bytes} bytes; extra_config cpu_bytes={settings.cpu_bytes} is less")
             raise ConfigError(msg)
+        host = _host_memory_bytes()
+        if host is not None and num * chunk_bytes > host:
+            # Checked here, before anything is allocated: otherwise the allocator fails
+            # (or the OOM killer ends the process) with a message that names no setting.
+            what = (f"num_cpu_blocks={settings.num_cpu_blocks}" if settings.num_cpu_blocks is not None
+                    else f"cpu_bytes={settings.cpu_bytes}")
+            msg = (f"OffloadingConnector: extra_config {what} needs {num * chunk_bytes} bytes "
+                   f"({num} offloaded blocks of {chunk_bytes} bytes), more than this host's "
+                   f"{host} bytes of memory; valid: at most {host // chunk_bytes} blocks")
+            raise ConfigError(msg)
         return cls(gpu_bs, factor, num, settings.cache_policy, settings.enable_events,
                    settings.transfer_method, groups, tuple(dict(t) for t in settings.tiers),
                    f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B")
+
+
+def _host_memory_bytes() -> int | None:
+    """The host's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _blocks_per_chunk(settings: OffloadSettings, gpu_bs: int) -> int:
