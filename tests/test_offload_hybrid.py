@@ -77,15 +77,35 @@ def test_hybrid_models_offload_with_identical_outputs(layer_types):
     eng.shutdown()
 
 
-def test_sliding_window_group_stores_only_chunks_in_its_window():
-    """With a 48-token window and 64-token prefill steps, the sliding group stores only
-    the chunks still in the window after each step, far fewer than the full group."""
-    eng, _, _ = _run(("full", "sliding:48"), OFFLOAD)
-    keys = [k for k, _ in eng.scheduler_connector.manager.policy]
-    full = sum(1 for k in keys if k[-4:] == bytes(4))
-    sliding = len(keys) - full
-    assert 0 < sliding < full / 2
-    eng.shutdown()
+def _prefill_once(layer_types: tuple[str, ...], prompt: list[int]) -> Engine:
+    """An engine that prefilled ``prompt`` in one step and completed its stores."""
+    model = ModelConfig(layer_types=layer_types, vocab_size=1000)
+    eng = Engine(EngineConfig(model=model, max_num_batched_tokens=128, max_model_len=1024,
+                              num_gpu_blocks=GPU_BLOCKS, connector=OFFLOAD))
+    eng.add_request(prompt, 1)
+    while eng.has_unfinished_requests():
+        eng.step()
+    for _ in range(3):  # stores complete and are reported
+        eng.step()
+    return eng
+
+
+@pytest.mark.parametrize("window", [3, 8, 16, 48])
+def test_windowed_groups_serve_a_hit_at_every_chunk_boundary(window):
+    """Regression: a windowed group stored only the chunks still in its window after the
+    prefill step, so only a hit ending where that step ended was served. A repeated prompt
+    (whose hit ends one block short) and a shared prefix got no hit with windows of 8 or
+    16 tokens (hybrid DataCheck: 0 hit tokens). Every chunk the step computed is stored."""
+    from kvconnector_core.request import Request
+
+    prompt = [(7 * i) % 997 + 1 for i in range(96)]
+    for kind in ("sliding", "chunked"):
+        eng = _prefill_once(("full", f"{kind}:{window}") * 2, prompt)
+        lookup = eng.scheduler_connector.get_num_new_matched_tokens
+        assert lookup(Request("again", prompt, 1, hash_block_size=16), 0) == (80, True), kind
+        shared = prompt[:48] + [999] * 22
+        assert lookup(Request("shared", shared, 1, hash_block_size=16), 0) == (48, True), kind
+        eng.shutdown()
 
 
 def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
