@@ -184,3 +184,49 @@ def test_a_resent_prompt_hits_its_sliding_window_after_a_one_step_prefill():
     again = Request("again", prompt, 1, hash_block_size=16)
     assert eng.scheduler_connector.get_num_new_matched_tokens(again, 0) == (96, True)
     eng.shutdown()
+
+
+def test_a_chunk_with_a_block_freed_before_the_step_is_never_stored():
+    """Regression: with a window smaller than a chunk, a chunk that completes after its
+    first block left the window was stored from that block's old id (freed by this step's
+    allocation, possibly rewritten by another request). Window 4, 4-token blocks, 8-token
+    chunks: decoding token 15 frees blocks 0-2 (window of token 15: tokens 12-15), so
+    chunk 1 (blocks 2-3) of the sliding group is skipped; the full group stores it."""
+    from connectors.offload.connector import OffloadingConnector
+    from kvconnector_core.connector.base import KVConnectorRole
+    from kvconnector_core.connector.config import KVConnectorConfig
+    from kvconnector_core.kv_cache.block_pool import KVCacheBlock
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.kv_cache.kv_cache_spec import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    kv = KVCacheConfig(16, [KVCacheGroupSpec(["f"], FullAttentionSpec(block_size=4)),
+                            KVCacheGroupSpec(["s"], SlidingWindowSpec(block_size=4, sliding_window=4))])
+    conn = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={
+        "num_cpu_blocks": 16, "blocks_per_chunk": 2}), KVConnectorRole.SCHEDULER, kv)
+    prompt = list(range(1, 15))
+    req = Request("r", prompt, 8, hash_block_size=4)
+    full_ids, sliding_ids = [1, 2, 3, 4], [5, 6, 7, 8]
+
+    def step(new, cached, n):
+        return conn.build_connector_meta(SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens={"r": n},
+            total_num_scheduled_tokens=n, finished_req_ids=set(), preempted_req_ids=set()))
+
+    conn.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in full_ids],
+                                                      [KVCacheBlock(i) for i in sliding_ids])), 0)
+    first = step([NewRequestData("r", prompt, (full_ids, sliding_ids), 0)],
+                 CachedRequestData([], set(), [], [], []), 14)
+    assert [job.gpu_block_ids for job in first.stores] == [[1, 2, 5, 6]]  # chunk 0 of each group
+    stored = []
+    for token, computed in ((14, 14), (15, 15)):
+        req.append_output_token_ids(token)
+        meta = step([], CachedRequestData(["r"], set(), [[token]], [None], [computed]), 1)
+        stored += [job.gpu_block_ids for job in meta.stores]
+    assert stored == [[3, 4]]  # chunk 1 of the full group only: block 7 was freed
