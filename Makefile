@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean lint
 
 $(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml examples/disk_connector/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,19 @@ test: $(STAMP)
 	@command -v redis-server >/dev/null || echo "note: redis-server is not installed, so the Redis tier tests will skip; install it with: apt-get install -y redis-server"
 	@command -v openssl >/dev/null || echo "note: openssl is not installed, so the Redis TLS tests will skip; install it with: apt-get install -y openssl"
 	$(PY) -m pytest -q $(ARGS)
+
+# ruff and mypy --strict on the library and the example connectors (settings in
+# pyproject.toml; the tools are pinned in requirements/lint.txt).
+LINT_PATHS := kvconnector_core connectors examples/ttl_connector/ttl_connector examples/disk_connector/disk_connector
+LINT_STAMP := $(VENV)/.lint-installed
+
+$(LINT_STAMP): requirements/lint.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements/lint.txt
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/mypy $(LINT_PATHS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py

@@ -4,7 +4,13 @@ Runs the engine the way ``kvconnector run`` does (default workload ``mixed``, it
 sizing, the tiny model on CPU with one thread) twice per repeat, alternating: without a
 connector and with the default ``cpu_offload`` connector. Timers wrap, without changing
 them, the scheduler's ``schedule`` and ``update_from_output`` (which call the
-scheduler-side hooks) and every worker-side hook. Reported per engine step:
+scheduler-side hooks through the guard) and every worker-side hook of the guard the model
+runner calls (so the guard's own cost counts). Times are the engine thread's CPU time
+(``time.thread_time_ns``): on a machine shared with other jobs, wall time mostly measures
+the neighbours (the same run read 380-540 us/step wall, 142-155 us/step CPU). On CPU the
+connector copies blocks on this thread, so the copies count too. Reading the thread clock
+costs about a microsecond here, so the timers' own cost, calibrated in the same process on
+a no-op, is subtracted per timed call. Reported per engine step:
 
 * ``scheduler`` - ``schedule + update_from_output``, connector hooks included;
 * ``scheduler hooks`` - the part of it spent inside the connector's scheduler-side hooks;
@@ -54,26 +60,68 @@ WORKER_HOOKS = ("bind_connector_metadata", "handle_preemptions", "start_load_kv"
                 "clear_connector_metadata")
 
 
+_now = time.thread_time_ns
+
+
 class _Clock:
-    """Accumulates nanoseconds per label."""
+    """Accumulates the thread's CPU nanoseconds per label, and calls per label.
+
+    ``inner`` (what a timed call adds to its own label) and ``outer`` (what it adds to
+    an enclosing timed call) are the timers' own costs, calibrated on a no-op; labels
+    listed in ``nested`` are timed inside calls of ``outer_label``.
+    """
+
+    inner = 0.0
+    outer = 0.0
 
     def __init__(self) -> None:
         self.ns: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
 
     def wrap(self, obj: Any, name: str, label: str) -> None:
         fn = getattr(obj, name, None)
         if not callable(fn):
             return
-        ns = self.ns
+        ns, calls = self.ns, self.calls
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter_ns()
+            t0 = _now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                ns[label] = ns.get(label, 0) + time.perf_counter_ns() - t0
+                ns[label] = ns.get(label, 0) + _now() - t0
+                calls[label] = calls.get(label, 0) + 1
 
         setattr(obj, name, timed)
+
+    def corrected_us(self, label: str, nested: tuple[str, ...] = ()) -> float:
+        """Microseconds of ``label`` less the timers' cost (its own and its nested calls')."""
+        ns = self.ns.get(label, 0) - self.calls.get(label, 0) * self.inner
+        ns -= sum(self.calls.get(n, 0) for n in nested) * self.outer
+        return max(ns, 0.0) / 1e3
+
+    @classmethod
+    def calibrate(cls, n: int = 20000) -> None:
+        """Measure the timers' cost on a no-op (median of 5)."""
+        class _Noop:
+            def f(self) -> None:
+                pass
+
+        inner, outer = [], []
+        for _ in range(5):
+            raw, clock = _Noop(), cls()
+            clock.wrap(raw, "f", "x")
+            t0 = _now()
+            for _ in range(n):
+                raw.f()
+            wrapped = _now() - t0
+            plain = _Noop().f
+            t0 = _now()
+            for _ in range(n):
+                plain()
+            inner.append(clock.ns["x"] / n)
+            outer.append((wrapped - (_now() - t0)) / n)
+        cls.inner, cls.outer = statistics.median(inner), statistics.median(outer)
 
 
 def _sizing(trace: Trace) -> dict[str, Any]:
@@ -87,8 +135,9 @@ def _sizing(trace: Trace) -> dict[str, Any]:
                 max_num_seqs=run_cmd.MAX_NUM_SEQS, device="cpu", max_model_len=max_model_len)
 
 
-def measure(trace: Trace, with_connector: bool) -> dict[str, float]:
-    """Run ``trace`` once; return step count, request-steps and per-label nanoseconds."""
+def measure(trace: Trace, with_connector: bool, hooks: bool = False) -> dict[str, float]:
+    """Run ``trace`` once; return step count, request-steps and per-label CPU microseconds
+    (``hooks``: also time the scheduler-side hooks inside the scheduler's calls)."""
     base = _sizing(trace)
     connector = None
     if with_connector:
@@ -98,11 +147,14 @@ def measure(trace: Trace, with_connector: bool) -> dict[str, float]:
     with Engine(EngineConfig(**base, connector=connector)) as engine:
         clock.wrap(engine.scheduler, "schedule", "scheduler")
         clock.wrap(engine.scheduler, "update_from_output", "scheduler")
+        clock.wrap(engine.scheduler, "take_events", "scheduler")  # the engine calls it per step
         if engine.scheduler_connector is not None:
-            for name in SCHEDULER_HOOKS:
-                clock.wrap(engine.scheduler_connector, name, "scheduler hooks")
-            for name in WORKER_HOOKS:
-                clock.wrap(engine.worker_connector, name, "worker hooks")
+            if hooks:  # inside the scheduler's calls: only when the split is asked for
+                for name in SCHEDULER_HOOKS:
+                    clock.wrap(engine.scheduler.connector, name, "scheduler hooks")
+            guarded = engine.model_runner.connector  # the guard the runner calls
+            for name in (*WORKER_HOOKS, "get_transfer_results"):
+                clock.wrap(guarded, name, "worker hooks")
         request_steps = 0
         schedule = engine.scheduler.schedule
 
@@ -115,7 +167,8 @@ def measure(trace: Trace, with_connector: bool) -> dict[str, float]:
         engine.scheduler.schedule = counting_schedule
         result = engine.run(trace)
         steps = engine.num_steps
-    out = {k: v / 1e3 for k, v in clock.ns.items()}  # microseconds
+    nested = {"scheduler": ("scheduler hooks",)}
+    out = {label: clock.corrected_us(label, nested.get(label, ())) for label in clock.calls}  # us
     out.update(steps=steps, request_steps=request_steps, requests=len(trace),
                hit_rate=getattr(result.metrics, "prefix_hit_rate", float("nan")))
     return out
@@ -142,16 +195,23 @@ def step_table(repeats: int) -> tuple[str, dict[str, Any]]:
     per_step = lambda r: r["steps"]  # noqa: E731
     base = _med(runs[False], "scheduler", per_step)
     sched = _med(runs[True], "scheduler", per_step)
-    hooks = _med(runs[True], "scheduler hooks", per_step)
     worker = _med(runs[True], "worker hooks", per_step)
-    total = statistics.median((r["scheduler"] + r.get("worker hooks", 0.0)) / r["steps"]
-                              for r in runs[True])
+    # The scheduler-side split comes from separate runs: timing hooks inside the
+    # scheduler's calls would add the timers' cost to the ratio's numerator.
+    split = [measure(trace, True, hooks=True) for _ in range(max(1, repeats // 2))]
+    hooks = _med(split, "scheduler hooks", per_step)
+    totals = [(r["scheduler"] + r.get("worker hooks", 0.0)) / r["steps"] for r in runs[True]]
+    bases = [r["scheduler"] / r["steps"] for r in runs[False]]
+    total = statistics.median(totals)
+    pairs = sorted(t / b for t, b in zip(totals, bases))
     lines = ["| run | steps | scheduler us/step | of which scheduler hooks | worker hooks us/step "
-             "| scheduler + worker hooks us/step | x no connector |", "|---|---|---|---|---|---|---|",
-             f"| no connector | {runs[False][0]['steps']} | {base:.1f} | - | - | {base:.1f} | 1.00 |",
+             "| scheduler + worker hooks us/step | x no connector | spread (paired runs) |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| no connector | {runs[False][0]['steps']} | {base:.1f} | - | - | {base:.1f} | 1.00 | - |",
              f"| cpu_offload | {runs[True][0]['steps']} | {sched:.1f} | {hooks:.1f} | {worker:.1f} "
-             f"| {total:.1f} | {total / base:.2f} |"]
-    return "\n".join(lines), {"trace": trace.name, "runs": runs}
+             f"| {total:.1f} | {total / base:.2f} | {pairs[0]:.2f}-{pairs[-1]:.2f} |"]
+    return "\n".join(lines), {"trace": trace.name, "runs": runs, "split": split,
+                              "timer_ns": {"inner": _Clock.inner, "outer": _Clock.outer}}
 
 
 def length_table(repeats: int, lengths: list[int], num_requests: int) -> tuple[str, dict[str, Any]]:
@@ -167,7 +227,7 @@ def length_table(repeats: int, lengths: list[int], num_requests: int) -> tuple[s
         reqs = [TraceRequest(arrival=float(i), prompt_token_ids=p, max_new_tokens=4)
                 for i, p in enumerate(prompts + prompts)]
         trace = Trace(name=f"unique_{length}_twice", requests=reqs)
-        runs = [measure(trace, True) for _ in range(repeats)]
+        runs = [measure(trace, True, hooks=True) for _ in range(repeats)]
         hooks = [r.get("scheduler hooks", 0.0) + r.get("worker hooks", 0.0) for r in runs]
         blocks = 2 * num_requests * length / EngineConfig().block_size
         med = statistics.median
@@ -189,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as `kvconnector run` does on CPU
     t0 = time.perf_counter()
+    _Clock.calibrate()
+    print(f"timer cost per timed call: {_Clock.inner:.0f} ns own, {_Clock.outer:.0f} ns to an enclosing call")
     steps, step_data = step_table(args.repeats)
     print(steps, flush=True)
     lengths, length_data = length_table(max(1, args.repeats // 2), args.lengths, args.requests)

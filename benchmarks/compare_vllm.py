@@ -197,21 +197,25 @@ def compare(repeats: int = 5, trace_size: str = "large", pool_blocks: int = 6553
         r_off = Row("CPU offload manager", f"{policy.upper()}, {offload_blocks} slots", "ops/s",
                     _TARGET)
         hit: dict[str, tuple[int, int]] = {}
+        per_req: dict[str, list[int]] = {}
 
         def offload(side: d.Side, policy: str = policy, r_off: Row = r_off,
-                    hit: dict[str, tuple[int, int]] = hit) -> None:
+                    hit: dict[str, tuple[int, int]] = hit, per_req: dict[str, list[int]] = per_req) -> None:
             st = d.run_offload_trace(side, chains, policy=policy, num_blocks=offload_blocks)
             r_off.add(side.name, st.keys, st.ns)
             hit[side.name] = (st.hit_keys, st.keys)
+            per_req[side.name] = st.per_request
 
         _alternate(repeats, sides, offload, lambda r_off=r_off: [r_off])
         (kh, kn), (vh, vn) = hit["kvconnector"], hit["vllm"]
         r_off.extra = f"hit rate {kh / kn:.4f} / {vh / vn:.4f}"
-        if (kh, kn) != (vh, vn):
+        differ = sum(a != b for a, b in zip(per_req["kvconnector"], per_req["vllm"], strict=True))
+        if (kh, kn) != (vh, vn) or differ:
             # Unequal hits mean unequal work (a miss stores, a hit loads): no fair ratio.
-            r_off.failure = f"hit keys differ: {kh} vs {vh} of {kn}"
+            r_off.failure = f"hit keys differ: {kh} vs {vh} of {kn} ({differ} requests differ)"
         checks[f"offload {policy}"] = {"kvconnector hit keys": kh, "vllm hit keys": vh,
-                                       "keys": kn, "equal": kh == vh}
+                                       "keys": kn, "requests that differ": differ,
+                                       "equal": kh == vh and not differ}
         rows.append(r_off)
     log("offload done")
 

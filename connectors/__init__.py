@@ -17,31 +17,23 @@ import this package.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvconnector_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from connectors.multi import LongestHitPolicy, LoaderSelectionPolicy, MultiConnector
+    from connectors.multi import LoaderSelectionPolicy, LongestHitPolicy, MultiConnector
     from connectors.offload.connector import OffloadingConnector
 
 __all__ = ["LoaderSelectionPolicy", "LongestHitPolicy", "MultiConnector", "OffloadingConnector"]
 
-_LAZY: dict[str, str] = {
-    "LoaderSelectionPolicy": "connectors.multi",
-    "LongestHitPolicy": "connectors.multi",
-    "MultiConnector": "connectors.multi",
-    "OffloadingConnector": "connectors.offload.connector",
+# name -> defining submodule. Imported on first use, which keeps `import connectors` free
+# of torch.
+_LAZY = {
+    "LoaderSelectionPolicy": "multi",
+    "LongestHitPolicy": "multi",
+    "MultiConnector": "multi",
+    "OffloadingConnector": "offload.connector",
 }
 
-
-def __getattr__(name: str) -> Any:
-    # Lazy attributes (PEP 562) keep `import connectors` free of torch.
-    module_path = _LAZY.get(name)
-    if module_path is None:
-        msg = f"module 'connectors' has no attribute {name!r}"
-        raise AttributeError(msg)
-    return getattr(importlib.import_module(module_path), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)

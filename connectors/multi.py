@@ -269,6 +269,7 @@ class MultiConnector(RoleSplitConnector):
     @staticmethod
     def _first_group_block_size(kv_cache_config: KVCacheConfig | None) -> int | None:
         try:
+            # A missing config (None) is one of the cases the except below handles.
             return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)  # type: ignore[union-attr]
         except (AttributeError, IndexError, TypeError):
             return None
@@ -287,7 +288,7 @@ class MultiConnector(RoleSplitConnector):
         for i, child in enumerate(self._children):
             try:
                 child.shutdown()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - every child is shut down; all failures are raised below
                 failures.append((self.labels[i], exc))
         if failures:
             raise ShutdownError(failures)

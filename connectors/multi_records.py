@@ -160,6 +160,9 @@ class MultiKVConnectorMetadata(KVConnectorMetadata, kw_only=True):
         delayed_sends: request id -> children that asked to delay its free.
         loads: request id -> the load planned for it this step.
         failed_loads: request id -> a load the scheduler side already knows failed.
+        settled_sends: requests whose delayed free the scheduler side saw reported; the
+            worker side stops waiting for them (a re-sent delayed free can reach it after
+            the children already reported the request, and they do not report it twice).
     """
 
     children: list[msgspec.Raw] = msgspec.field(default_factory=list)
@@ -167,6 +170,7 @@ class MultiKVConnectorMetadata(KVConnectorMetadata, kw_only=True):
     delayed_sends: dict[str, list[int]] = msgspec.field(default_factory=dict)
     loads: dict[str, MultiLoad] = msgspec.field(default_factory=dict)
     failed_loads: dict[str, MultiLoad] = msgspec.field(default_factory=dict)
+    settled_sends: list[str] = msgspec.field(default_factory=list)
 
 
 class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):

@@ -12,6 +12,7 @@ Primitives: :class:`MultiSchedulerSide`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         self._step_delayed: dict[str, list[int]] = {}
         self._step_loads: dict[str, MultiLoad] = {}
         self._step_failed: dict[str, MultiLoad] = {}
+        self._settled: list[str] = []  # delayed frees reported since the last plan
         # Each child's plan of the last step (None when it built none), for plan_failed.
         self._last_plans: list[KVConnectorMetadata | None] = [None] * len(self.guards)
 
@@ -80,7 +82,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
 
     def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
         """Give every child the pool, then raise the first failure."""
-        call_each(lambda g=g: g.bind_gpu_block_pool(gpu_block_pool) for g in self.guards)
+        call_each(functools.partial(g.bind_gpu_block_pool, gpu_block_pool) for g in self.guards)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Ask every child; return the chosen loader's answer (see :mod:`connectors.multi`)."""
@@ -147,8 +149,8 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                 children.append(msgspec.Raw(encode_metadata(meta)))
         out = MultiKVConnectorMetadata(children=children, skipped_children=skipped,
                                        delayed_sends=self._step_delayed, loads=self._step_loads,
-                                       failed_loads=self._step_failed)
-        self._step_delayed, self._step_loads, self._step_failed = {}, {}, {}
+                                       failed_loads=self._step_failed, settled_sends=self._settled)
+        self._step_delayed, self._step_loads, self._step_failed, self._settled = {}, {}, {}, []
         return out
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -176,8 +178,11 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
             )
             guard.update_connector_output(own, self._last_plans[i])
         for req_id in connector_output.finished_sending:
-            # A delayed free re-sent by plan_failed but reported meanwhile: nothing to send.
+            # A delayed free re-sent by plan_failed but reported meanwhile: nothing to send,
+            # and the worker side must stop waiting if the re-send already went out.
             self._step_delayed.pop(req_id, None)
+            if req_id not in self._settled:
+                self._settled.append(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay the free if any child asks; merge the children's params (earlier child wins a key)."""
@@ -221,6 +226,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         if stores_failed:
             for req_id, children in plan.delayed_sends.items():
                 self._step_delayed.setdefault(req_id, children)
+            self._settled += [r for r in plan.settled_sends if r not in self._settled]
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Chain the children's events, in child order (each resyncs on its own failure)."""
@@ -234,6 +240,11 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         """Reset every child (each through its guard); False if any child refused or raised."""
         results = [guard.reset_cache() for guard in self.guards]
         return all(results)
+
+    def has_pending_work(self) -> bool:
+        """Whether a child (or its guard) has something to deliver in a later step."""
+        pending = [g.has_pending_work() for g in self.guards]  # a list: ask every guard
+        return bool(self._settled or self._step_delayed or self._step_failed) or any(pending)
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""

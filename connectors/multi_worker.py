@@ -13,6 +13,7 @@ Primitives: :class:`MultiWorkerSide`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Give every child the KV tensors, then raise the first failure."""
-        call_each(lambda g=g: g.register_kv_caches(kv_caches) for g in self.guards)
+        call_each(functools.partial(g.register_kv_caches, kv_caches) for g in self.guards)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Decode and bind each child's plan; record this step's bookkeeping.
@@ -86,6 +87,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         self._failed_loaders = set()
         for req_id, children in plan.delayed_sends.items():
             self._awaiting_send[req_id] = set(children)
+        for req_id in plan.settled_sends:
+            self._awaiting_send.pop(req_id, None)
         for req_id, load in plan.failed_loads.items():
             self._fail_load(req_id, load)
         for i, (guard, raw) in enumerate(zip(self.guards, plan.children)):
@@ -214,6 +217,10 @@ class MultiWorkerSide(KVConnectorWorkerSide):
     def get_kv_connector_kv_cache_events(self) -> list[Any]:
         """Every child's worker-side events (e.g. an offload child's disk and Redis tiers)."""
         return [e for g in self.guards for e in g.get_kv_connector_kv_cache_events()]
+
+    def has_pending_work(self) -> bool:
+        """Whether a child (or its guard) has something to deliver in a later step."""
+        return any([g.has_pending_work() for g in self.guards])  # noqa: C419 - a list, so every guard is asked (each counts its pending asks)
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import msgspec
 
@@ -119,7 +119,7 @@ class ZmqEventPublisher:
         import zmq
 
         self.config = config or EventPublisherConfig()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(self.config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
         self._topic = self.config.topic.encode()
@@ -131,7 +131,7 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.Socket[bytes] | None = None
         try:
             self.endpoint = self._bind(self._pub, self.config.endpoint)
             self.replay_endpoint = None
@@ -149,7 +149,7 @@ class ZmqEventPublisher:
         self._thread.start()
 
     @staticmethod
-    def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
         import zmq
 
         try:
@@ -197,7 +197,7 @@ class ZmqEventPublisher:
         if not self._thread.is_alive():
             self._close_sockets()
 
-    def __enter__(self) -> ZmqEventPublisher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -236,7 +236,7 @@ class ZmqEventPublisher:
             self._queue.task_done()
 
     def _serve_replay(self) -> None:
-        assert self._replay is not None
+        assert self._replay is not None  # noqa: S101 - narrows the type: the thread serves replay only when it is on
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             logger.warning("KV event publisher: ignoring a malformed replay request of %d frames",
@@ -287,7 +287,7 @@ class EventSubscriber:
         _check_endpoint("endpoint", endpoint)
         if replay_endpoint is not None:
             _check_endpoint("replay_endpoint", replay_endpoint)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -301,7 +301,7 @@ class EventSubscriber:
         """Close the socket."""
         self._sub.close(linger=0)
 
-    def __enter__(self) -> EventSubscriber:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

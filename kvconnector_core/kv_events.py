@@ -37,8 +37,11 @@ __all__ = [
 ]
 
 MEDIUM_GPU = "GPU"
+"""``medium`` of events about the GPU KV cache (the engine's prefix cache)."""
 MEDIUM_CPU = "CPU"
+"""``medium`` of events about a CPU tier (the offload connector)."""
 MEDIUM_STORAGE = "STORAGE"
+"""``medium`` of events about storage behind the CPU tier."""
 
 ExternalBlockHash = bytes | int
 """A block hash as it appears on the wire: raw digest bytes or its 64-bit int form."""
@@ -156,4 +159,6 @@ encode_event_batch = _encoder.encode
 """Encode a :class:`KVEventBatch` to msgpack, exactly as vLLM's publisher puts it on the wire."""
 
 decode_event_batch = _decoder.decode
-"""Decode msgpack bytes (ours or vLLM's) into a :class:`KVEventBatch`; raises ``msgspec.ValidationError`` on bad input."""
+"""Decode msgpack bytes (ours or vLLM's) into a :class:`KVEventBatch`.
+
+Raises ``msgspec.ValidationError`` on bad input."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash, hash_request_tokens
@@ -116,7 +117,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.num_external_computed_tokens = 0
-        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.stop_reason: str | None = None
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()

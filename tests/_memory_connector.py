@@ -41,6 +41,7 @@ class InMemoryMetadata(KVConnectorMetadata, kw_only=True):
     stores: list[tuple[str, bytes, list[int]]] = msgspec.field(default_factory=list)
     async_load_reqs: list[str] = msgspec.field(default_factory=list)
     preempted: list[str] = msgspec.field(default_factory=list)
+    cancelled: list[str] = msgspec.field(default_factory=list)  # forgotten: drop their pending saves
 
 
 class InMemoryConnector(KVConnectorBase_V1):
@@ -68,9 +69,11 @@ class InMemoryConnector(KVConnectorBase_V1):
         self._async_reqs: list[str] = []
         self._last_stores: list[tuple[str, bytes, list[int]]] = []
         self._unfinished_stores: list[tuple[str, bytes, int]] = []  # (req, key, ready at step)
+        self._cancelled: list[str] = []  # forgotten requests the worker must drop saves of
         # worker side
         self._views: list[torch.Tensor] = []
         self._store: dict[bytes, list[torch.Tensor]] = {}
+        self._store_due: dict[bytes, int] = {}  # the step each stored key's copy was due
         self._pending: list[tuple[int, str, bytes, list[int]]] = []
         self._recving: set[str] = set()
         self._finished: set[str] = set()
@@ -107,14 +110,14 @@ class InMemoryConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output):
         meta = InMemoryMetadata(step=self._step, loads=self._loads, async_load_reqs=self._async_reqs,
-                                preempted=sorted(scheduler_output.preempted_req_ids))
+                                preempted=sorted(scheduler_output.preempted_req_ids), cancelled=self._cancelled)
         new_ids_of = {n.req_id for n in scheduler_output.scheduled_new_reqs}
         computed = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, new_ids, resumed in yield_req_data(scheduler_output):
             state = self._reqs.get(rid)
-            if state is None or state.get("forgotten"):
+            if state is None:
                 continue
             if resumed or rid in new_ids_of:  # the full block list: replace
                 state["blocks"] = [list(g) for g in new_ids]
@@ -134,7 +137,7 @@ class InMemoryConnector(KVConnectorBase_V1):
                 meta.stores.append((rid, key, block_ids))
                 state["last_store"] = self._step
             state["next_store"] = max(state["next_store"], full)
-        self._loads, self._async_reqs = [], []
+        self._loads, self._async_reqs, self._cancelled = [], [], []
         self._last_stores = list(meta.stores)
         self._step += 1
         return meta
@@ -161,19 +164,24 @@ class InMemoryConnector(KVConnectorBase_V1):
             state["next_store"] = min(state["next_store"], first_bad)
 
     def forget_requests(self, request_ids):
-        """Plan nothing more for these requests; their loads not yet sent and their stores
-        not yet complete are dropped (the latter never become visible)."""
+        """Drop everything kept for these requests: loads not yet sent, stores not yet
+        complete (never visible; the worker is told to drop their pending copies), and
+        the request itself, so nothing delays its free (a store still reading its blocks
+        is invisible, and a late stale copy never replaces a newer one)."""
         self._loads = [load for load in self._loads if load[0] not in request_ids]
         self._async_reqs = [r for r in self._async_reqs if r not in request_ids]
         for rid in request_ids:
-            if rid in self._reqs:
-                self._reqs[rid]["forgotten"] = True
+            self._reqs.pop(rid, None)
+            self._matched.pop(rid, None)
+        self._cancelled += sorted(set(request_ids) - set(self._cancelled))
         self._drop_stores({key for rid, key, _ in self._unfinished_stores if rid in request_ids})
 
     def plan_failed(self, connector_metadata, *, loads_failed, stores_failed):
-        """A plan whose stores failed: they never become visible (loads hold nothing here)."""
+        """A plan whose stores failed: they never become visible (loads hold nothing here),
+        and the cancellations it carried are sent again."""
         if stores_failed:
             self._drop_stores({key for _, key, _ in connector_metadata.stores})
+            self._cancelled += [r for r in connector_metadata.cancelled if r not in self._cancelled]
 
     def _drop_stores(self, keys) -> None:
         for key in keys:
@@ -224,6 +232,8 @@ class InMemoryConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
+        if meta.cancelled:
+            self._pending = [p for p in self._pending if p[1] not in meta.cancelled]
         for rid, key, block_ids in meta.stores:
             self._pending.append((meta.step + self.save_delay, rid, key, block_ids))
         self._copy_pending(lambda due, rid: due <= meta.step)
@@ -235,6 +245,9 @@ class InMemoryConnector(KVConnectorBase_V1):
             if not ready(due, rid):
                 keep.append((due, rid, key, block_ids))
                 continue
+            if self._store_due.get(key, -1) > due:
+                continue  # a stale copy (its store was dropped) never replaces a newer one
+            self._store_due[key] = due
             self._store[key] = [view[b].clone() for view, b in zip(self._views, block_ids)]
             self._add("bytes_stored", sum(v[b].numel() for v, b in zip(self._views, block_ids)))
         self._pending = keep
@@ -251,6 +264,10 @@ class InMemoryConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self):
         stats, self._stats = self._stats, {}
         return stats or None
+
+    def has_pending_work(self):
+        """Scheduler side: cancellations not sent yet; worker side: saves not copied yet."""
+        return bool(self._cancelled or self._pending)
 
     def _add(self, key: str, value: float) -> None:
         self._stats[key] = self._stats.get(key, 0) + value

@@ -150,6 +150,22 @@ def test_touch_in_use_block_only_increments_ref():
     assert free_ids(pool) == before
 
 
+def test_touch_counts_only_revived_blocks_even_when_it_raises():
+    """The free count drops by the blocks a touch takes out of the queue (not the null
+    block, not blocks already referenced), also up to a block that is corrupt."""
+    pool = make_pool(6)
+    a, b, c = pool.get_new_blocks(3)
+    pool.free_blocks([b, c])
+    free = pool.get_num_free_blocks()
+    pool.touch([pool.null_block, a, b])  # only b is revived
+    assert pool.get_num_free_blocks() == free - 1
+    pool.free_blocks([b])
+    c.next_free_block = None  # corrupt: ref count 0 but unlinked
+    with pytest.raises(InvariantError, match="not in the free queue"):
+        pool.touch([a, b, c])  # b revived, then c raises
+    assert pool.get_num_free_blocks() == free - 1
+
+
 def test_touch_skips_null_block_in_queue():
     """Touching the null block never changes the free queue."""
     pool = make_pool(4)

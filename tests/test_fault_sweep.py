@@ -19,7 +19,7 @@ from connectors.offload.manager import CPUOffloadingManager  # noqa: E402
 from kvconnector_core.engine.engine import Engine  # noqa: E402
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 
-QUICK_SEEDS = range(3)
+QUICK_SEEDS = range(5)
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +27,10 @@ def baselines():
     return {seed: fr.baseline_outputs(seed) for seed in QUICK_SEEDS}
 
 
-# Cells whose quick seeds still find damage, with what the sweep found; each is a strict
-# xfail, so the entry must go once its defect is fixed (see benchmarks/RESULTS.md).
-KNOWN_DAMAGE: dict[tuple[str, str], str] = {
-    ("cpu_offload", "raise_10pct"): "seed 1: the CPU replica is short for some steps after take_events "
-                                    "raised (not analysed yet)",
-    ("memory", "raise_10pct"): "seed 0: the in-memory test connector keeps request state ('r5', 'r8', "
-                               "'r9' in InMemoryConnector._reqs) when its own hooks raise (not analysed yet)",
-}
-
-
 def _cells():
     for connector in fr.CONNECTORS:
         for fault in fr.FAULTS:
-            reason = KNOWN_DAMAGE.get((connector, fault))
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            yield pytest.param(connector, fault, id=f"{connector}-{fault}", marks=marks)
+            yield pytest.param(connector, fault, id=f"{connector}-{fault}")
 
 
 @pytest.mark.parametrize(("connector", "fault"), list(_cells()))

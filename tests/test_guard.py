@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
-from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
+from kvconnector_core.connector.guard import EVENT_SNAPSHOT_ATTEMPTS, GuardedScheduler, GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput, KVConnectorTransferResults
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvconnector_core.request import Request
@@ -236,18 +236,38 @@ def test_events_lost_in_a_raising_take_events_are_replaced_by_a_snapshot():
     assert replica == {2, 3, 4} and guard.errors == {"take_events": 1}
 
 
-def test_a_failed_snapshot_is_retried_until_it_succeeds():
+def test_a_failed_snapshot_is_retried_in_the_same_call_without_draining():
+    """Regression (replica short for steps): a failed snapshot was retried only next step."""
     conn = Events()
     guard = GuardedScheduler(conn)
     conn.store(1)
-    conn.fail.update(take_events=1, get_event_snapshot=2)
-    assert guard.take_events() == []
-    conn.store(2)
-    assert guard.take_events() == []  # the snapshot failed again: a gap, documented
-    replica = replay(guard.take_events(), {99})
-    assert replica == {1, 2} and guard.errors == {"take_events": 1, "get_event_snapshot": 2}
+    conn.fail.update(take_events=1, get_event_snapshot=EVENT_SNAPSHOT_ATTEMPTS - 1)
+    assert replay(guard.take_events(), {99}) == {1}
+    assert conn.hooks().count("take_events") == 1  # no drain: the snapshot supersedes the queue
     conn.store(5)
-    assert replay(guard.take_events(), replica) == {1, 2, 5}
+    assert replay(guard.take_events(), {1}) == {1, 5}
+
+
+def test_a_snapshot_that_keeps_failing_clears_the_media_once_and_is_retried_later():
+    """The stream says so: a replica holds nothing of the connector's media until the
+    snapshot comes, never a block the connector may have dropped."""
+    conn = Events()
+    guard = GuardedScheduler(conn)
+    guard.quarantine_after = None  # nine snapshot raises in a row would quarantine it
+    conn.store(1)
+    replica = replay(guard.take_events(), set())
+    conn.remove(1)
+    conn.store(2)
+    conn.fail.update(take_events=1, get_event_snapshot=2 * EVENT_SNAPSHOT_ATTEMPTS + 1)
+    gap = guard.take_events()
+    assert [(type(e).__name__, e.medium) for e in gap] == [("AllBlocksCleared", "CPU")]
+    assert replay(gap, replica) == set() and guard.errors["event_gap"] == 1
+    conn.store(3)
+    assert guard.take_events() == []  # still no snapshot: the gap marker is not repeated
+    assert replay(guard.take_events(), replica) == {2, 3}
+    assert guard.errors == {"take_events": 1, "get_event_snapshot": 2 * EVENT_SNAPSHOT_ATTEMPTS + 1, "event_gap": 1}
+    conn.store(4)
+    assert replay(guard.take_events(), replica) == {2, 3, 4}
 
 
 def test_bind_gpu_block_pool_is_not_contained():

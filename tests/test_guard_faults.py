@@ -99,11 +99,25 @@ def test_hook_raising_at_ten_percent_does_no_damage(monkeypatch, caplog, hook, c
     flaky = FlakyHook(monkeypatch, OffloadingConnector, hook, rate=0.1, seed=3)
     eng = engine(connector)
     result = eng.run(trace(1))
-    if hook != "wait_for_layer_load":  # offload never loads synchronously: not called
+    if hook == "save_kv_layer" and connector is OFFLOAD:
+        # uses_layer_hooks = False: the runner skips the per-layer hooks (they do nothing).
+        assert flaky.calls == 0
+    elif hook != "wait_for_layer_load":  # offload never loads synchronously: not called
         assert flaky.raised > 0
     assert result.outputs == baseline(1)
     assert all(s in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED") for s in result.statuses.values())
     check_clean(eng)
+
+
+def test_per_layer_hooks_reach_a_connector_only_if_it_uses_them(monkeypatch):
+    """OffloadingConnector declares uses_layer_hooks = False: the runner makes none of the
+    two calls per layer; a connector that keeps the default (True) gets them."""
+    calls = FlakyHook(monkeypatch, OffloadingConnector, "save_kv_layer")
+    engine(OFFLOAD).run(trace(1))
+    assert calls.calls == 0
+    monkeypatch.setattr(OffloadingConnector, "uses_layer_hooks", True)
+    engine(OFFLOAD).run(trace(1))
+    assert calls.calls > 0
 
 
 def test_without_faults_the_tier_serves_hits():

@@ -524,3 +524,28 @@ def test_fault_wrapper_forwards_worker_metadata_and_preemptions() -> None:
 def test_scheduler_side_stats_are_none_not_an_error():
     """Regression: the engine asks the scheduler role for stats; `kvconnector run` printed a traceback."""
     assert make({"num_cpu_blocks": 8}).get_kv_connector_stats() is None
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_one_group_lookup_fast_path_matches_longest_hit(factor: int) -> None:
+    """The one-full-group lookup (no key function per chunk) answers what the general
+    longest_hit answers, for random held chunks, local hits and prompt lengths."""
+    import types
+
+    rng = random.Random(factor)
+    side = make({"num_cpu_blocks": 64, "blocks_per_chunk": factor}).scheduler_side
+    hashes = [rng.randbytes(8) for _ in range(40)]
+    ct = 16 * factor
+    held = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c)  # noqa: SLF001
+            for c in range(len(hashes) // factor) if rng.random() < 0.8]
+    side.manager.complete_store(side.manager.prepare_store(held).keys_to_store)
+    for i in range(200):
+        n = rng.randrange(1, 41)
+        req = types.SimpleNamespace(request_id=f"r{i}", block_hashes=hashes[:n],
+                                    num_tokens=n * 16 + rng.randrange(0, 16))
+        computed = rng.randrange(0, n + 1) * 16 // ct * ct
+        fast = side.get_num_new_matched_tokens(req, computed)
+        side._one_full_group = False  # noqa: SLF001 - the general path
+        general = side.get_num_new_matched_tokens(req, computed)
+        side._one_full_group = True  # noqa: SLF001
+        assert fast == general, (n, computed)

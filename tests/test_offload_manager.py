@@ -229,3 +229,27 @@ def test_random_operations_keep_invariants(policy: str, ops: list[tuple[str, lis
         assert replay == ready  # the event stream says exactly what is readable
         assert all(m.lookup([key]) == 0 for key in failed)
         assert all(m.policy.get(key) is not None for key in pinned)
+
+
+@POLICIES
+def test_prepare_store_reports_keys_already_held_and_ready(policy: str) -> None:
+    """reused_keys: offered keys the tier holds ready (a reuse for recency); a key still
+    being written is neither stored again nor a reuse."""
+    m = CPUOffloadingManager(8, cache_policy=policy)
+    m.complete_store(m.prepare_store(ks(1, 2)).keys_to_store)
+    m.prepare_store(ks(3))  # 3 is being written
+    out = m.prepare_store(ks(1, 3, 4, 2))
+    assert out is not None
+    assert list(out.keys_to_store) == ks(4) and list(out.reused_keys) == ks(1, 2)
+
+
+def test_lru_finish_request_commits_stores_too_head_most_recent() -> None:
+    """As vLLM 0.33: at finish every key a request loaded, stored or found held gets
+    recency, tail first (the head of its prefix is evicted last); our connector used to
+    touch only the keys a request hit, so its own stores aged from their insertion."""
+    m = CPUOffloadingManager(4, cache_policy="lru")
+    m.complete_store(m.prepare_store(ks(1, 2)).keys_to_store)  # request A stores 1, 2
+    m.complete_store(m.prepare_store(ks(3, 4)).keys_to_store)  # request B stores 3, 4
+    m.finish_request(ks(1, 2), reused=set())  # A finishes last: order 3, 4, 2, 1
+    out = m.prepare_store(ks(5, 6, 7))
+    assert out is not None and list(out.evicted_keys) == ks(3, 4, 2)

@@ -261,3 +261,47 @@ def test_arc_store_miss_adapts_once_per_ghost_across_retries() -> None:
     assert m.prepare_store(ks(1)) is None
     assert m.prepare_store(ks(1)) is None  # the retry
     assert policy.target == pytest.approx(1.0)
+
+
+# --------------------------------------------------- request-scoped recency (vLLM 0.33)
+def test_arc_finish_promotes_reuses_and_only_reorders_own_stores() -> None:
+    """vLLM 0.33's on_request_finished: a key the request stored stays in T1 (moved to
+    its end), a reused key goes to T2, a ghost is left alone (no target change)."""
+    p = ARCCachePolicy(capacity=2)
+    fill(p, 1, 2)
+    assert victims(p.evict(1, ())) == ks(1)  # 1 becomes a B1 ghost
+    fill(p, 3, 4)
+    p.on_request_finished(ks(1, 2, 3, 4), reused=set(ks(2)))
+    assert list(p.t1) == ks(4, 3) and list(p.t2) == ks(2)  # tail first: 3 ends most recent in T1
+    assert list(p.b1) == ks(1) and p.target == 0.0
+
+
+def test_arc_finish_moves_a_stored_t2_key_to_the_end_without_promotion() -> None:
+    p = ARCCachePolicy(capacity=4)
+    fill(p, 1, 2, 3)
+    p.on_request_finished(ks(1, 2), reused=set(ks(1, 2)))  # both -> T2, 1 most recent
+    p.on_request_finished(ks(2, 3), reused=set())  # only stores: nothing is promoted
+    assert list(p.t1) == ks(3) and list(p.t2) == ks(1, 2)
+
+
+def test_lru_access_ranks_at_once_head_of_prefix_most_recent() -> None:
+    """LRU ranks a request's accesses when they happen (vLLM 0.33's on_request_access), so
+    keys a request just loaded are the last its own stores evict."""
+    p = LRUCachePolicy(capacity=8)
+    fill(p, 1, 2, 3, 4)
+    p.on_access(ks(1, 2))
+    assert victims(p.evict(3, ())) == ks(3, 4, 2)
+
+
+def test_base_policy_finish_falls_back_to_touch() -> None:
+    class Touching(LRUCachePolicy):
+        def __init__(self, capacity: int) -> None:
+            super().__init__(capacity)
+            self.touched: list[list[bytes]] = []
+
+        def touch(self, keys):  # type: ignore[override]
+            self.touched.append(list(keys))
+
+    p = Touching(4)
+    CachePolicy.on_request_finished(p, ks(1, 2), set())
+    assert p.touched == [ks(1, 2)]

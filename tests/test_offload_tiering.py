@@ -7,8 +7,10 @@ import time
 import pytest
 import torch
 
+from connectors.offload.events import ChunkInfoTable
+from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import TierRead, TierWrite
-from connectors.offload.tiering import TierLookups, WorkerTiers, make_tiers, tier_key
+from connectors.offload.tiering import SchedulerTiers, TierLookups, WorkerTiers, make_tiers, tier_key
 from connectors.tiers import DiskTier, TierKey
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_events import BlockStored, to_external_hash
@@ -203,3 +205,17 @@ def test_tier_events_are_reference_counted_so_a_replica_equals_the_tier(tmp_path
     assert _poll(worker.finished_reads) == [(1, False)]
     assert check() == {"c"}
     worker.close()
+
+
+def test_a_write_without_chunk_info_describes_the_chunk_by_its_block_hash():
+    """Regression: with no ChunkInfo for a chunk (events off), its tier write described it by
+    the whole offload key (hash + 4 group bytes), so a tier event would carry a wrong wire hash."""
+    manager = CPUOffloadingManager(2)
+    key = _keys(1, group=1)[0]
+    manager.prepare_store([key])
+    manager.complete_store([key])
+    planned = SchedulerTiers([], manager, blocks_per_chunk=1).plan_writes(3, [key], ChunkInfoTable())
+    assert planned is not None
+    job, pinned = planned
+    assert pinned == (key,)
+    assert [(w.key, w.block_hashes, w.parent_block_hash) for w in job.writes] == [(key, [key[:-4]], None)]

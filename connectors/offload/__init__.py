@@ -51,7 +51,21 @@ _EXPORTS = {
     "register_cache_policy": "policies",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ARCCachePolicy",
+    "CPUOffloadingManager",
+    "CachePolicy",
+    "LRUCachePolicy",
+    "LoadStoreSpec",
+    "OffloadWorkerMetadata",
+    "OffloadingConnector",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "available_cache_policies",
+    "get_cache_policy",
+    "register_cache_policy",
+]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

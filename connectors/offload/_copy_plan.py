@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -104,7 +105,8 @@ class CopyPlan:
 
     def __init__(self, gpu_planes: Sequence[torch.Tensor], cpu_planes: Sequence[torch.Tensor]
                  ) -> None:
-        dense, gapped = [], []
+        dense: list[tuple[int, int, int, int, int]] = []
+        gapped: list[tuple[int, int, int, int, int]] = []
         for g, c in zip(gpu_planes, cpu_planes, strict=True):
             row = g.shape[1]
             entry = (g.data_ptr(), g.stride(0), c.data_ptr(), c.stride(0), row)
@@ -139,8 +141,8 @@ class CopyPlan:
         c = [p.data_ptr() for p in cpu_planes]
         g_pitch, c_pitch = g[1] - g[0], c[1] - c[0]
         spans_ok = (g_pitch >= gpu_planes[0].shape[0] * row and c_pitch >= cpu_planes[0].shape[0] * row)
-        even = all(b - a == g_pitch for a, b in zip(g, g[1:], strict=False)) and all(
-            b - a == c_pitch for a, b in zip(c, c[1:], strict=False))
+        even = all(b - a == g_pitch for a, b in pairwise(g)) and all(
+            b - a == c_pitch for a, b in pairwise(c))
         if not (spans_ok and even):
             return None
         return g[0], g_pitch, c[0], c_pitch, row, len(gpu_planes)
@@ -171,7 +173,7 @@ class CopyPlan:
         return tuple(cols[:, i:i + 1] for i in range(5))  # each (planes, 1), broadcasts over runs
 
     def single_plane_descriptors(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int],
-                                 is_store: bool) -> tuple[array.array, array.array, array.array] | None:
+                                 is_store: bool) -> tuple[array.array[int], array.array[int], array.array[int]] | None:
         """:meth:`descriptors` as ``array('q')`` built in Python, for one dense plane (else None).
 
         Why: the engine's cross-layer layout is one plane, where a job is at most a few

@@ -133,14 +133,16 @@ def batch_memcpy_async() -> BatchMemcpy | None:
         fn.argtypes = [vp, vp, vp, sz, vp, vp, sz, vp]
 
         def call(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
-            return fn(dsts, srcs, sizes, count, ctypes.byref(attrs), attr_idx, 1, stream)
+            status: int = fn(dsts, srcs, sizes, count, ctypes.byref(attrs), attr_idx, 1, stream)
+            return status
     else:
         fn.argtypes = [vp, vp, vp, sz, vp, vp, sz, vp, vp]
         fail_idx = ctypes.c_size_t(0)
 
         def call(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
-            return fn(dsts, srcs, sizes, count, ctypes.byref(attrs), attr_idx, 1,
-                      ctypes.byref(fail_idx), stream)
+            status: int = fn(dsts, srcs, sizes, count, ctypes.byref(attrs), attr_idx, 1,
+                             ctypes.byref(fail_idx), stream)
+            return status
     return call
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -63,7 +64,7 @@ def _plane_of(t: torch.Tensor) -> torch.Tensor:
                "each block (t[i]) must be one contiguous chunk")
         raise ValueError(msg)
     elt = t.element_size()
-    return _byte_rows(t, t.storage_offset() * elt, t.shape[0], t[0].numel() * elt,
+    return _byte_rows(t, int(t.storage_offset()) * elt, int(t.shape[0]), t[0].numel() * elt,
                       t.stride(0) * elt)
 
 
@@ -94,14 +95,14 @@ def cross_layer_planes(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     elt = first.element_size()
     layer_bytes = first[0].numel() * elt
     ordered = sorted(tensors, key=lambda t: t.storage_offset())
-    offsets = [t.storage_offset() * elt for t in ordered]
+    offsets = [int(t.storage_offset()) * elt for t in ordered]
     # Layers must sit back to back inside a block, and blocks back to back after that.
-    if any(b - a != layer_bytes for a, b in zip(offsets, offsets[1:], strict=False)):
+    if any(b - a != layer_bytes for a, b in pairwise(offsets)):
         return None
     row_bytes = layer_bytes * len(ordered)
     if first.stride(0) * elt < row_bytes:
         return None
-    return _byte_rows(ordered[0], offsets[0], first.shape[0], row_bytes, first.stride(0) * elt)
+    return _byte_rows(ordered[0], offsets[0], int(first.shape[0]), row_bytes, first.stride(0) * elt)
 
 
 def build_block_layout(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
@@ -120,7 +121,7 @@ def build_block_layout(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Te
     tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
     # Layers of KV cache groups that share a physical pool are views of the same
     # memory (slot i of each group): move each piece of memory once.
-    unique: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    unique: dict[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
     for t in tensors:
         unique.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                            t.stride()), t)

@@ -30,7 +30,8 @@ read or written.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +101,7 @@ class GatherPlan:
 
     def gather_index(self, gpu_ids: torch.Tensor) -> torch.Tensor:
         """Rows to gather, plane-major: ``planes * n`` int64 (span rows, or block ids)."""
-        if self.source is None:
+        if self.source is None or self.first_row is None or self.rows_per_block is None:
             return gpu_ids
         return (self.first_row + gpu_ids.view(1, -1) * self.rows_per_block).view(-1)
 
@@ -151,7 +152,7 @@ def _cpu_pitch(cpu_planes: Sequence[torch.Tensor], max_pitch: int) -> int | None
         return None
     ptrs = [p.data_ptr() for p in cpu_planes]
     pitch = ptrs[1] - ptrs[0]
-    if pitch <= 0 or pitch > max_pitch or any(b - a != pitch for a, b in zip(ptrs, ptrs[1:], strict=False)):
+    if pitch <= 0 or pitch > max_pitch or any(b - a != pitch for a, b in itertools.pairwise(ptrs)):
         return None
     return pitch
 

@@ -67,6 +67,8 @@ class OffloadingConnector(RoleSplitConnector):
     metadata_type: ClassVar[type[KVConnectorMetadata]] = OffloadingConnectorMetadata
     supports_async_load: ClassVar[bool] = True
     has_sync_kv_loads: ClassVar[bool] = False
+    # Whole blocks of all layers move once per step: the per-layer hooks do nothing.
+    uses_layer_hooks: ClassVar[bool] = False
     # Hybrid models: keys carry the group, lookups and loads are window-aware. Read by
     # the vLLM adapter (KVConnectorAdapterHMA runs it under vLLM's hybrid KV cache manager).
     supports_multiple_kv_cache_groups: ClassVar[bool] = True

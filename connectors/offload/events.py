@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from connectors.offload.manager import OffloadingEvent, OffloadingManager
 from connectors.offload.policies import OffloadKey
+from kvconnector_core.kv_cache.hashing import BlockHash
 from kvconnector_core.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
@@ -63,8 +64,8 @@ class ChunkInfo:
         lora_name: LoRA adapter that is part of the hashes, if any.
     """
 
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
     token_ids: Sequence[int] | None
     lora_name: str | None = None
 

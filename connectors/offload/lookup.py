@@ -11,11 +11,12 @@ Primitives: :func:`needed_chunks`, :func:`longest_hit`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from connectors.offload.config import OffloadGroup
+    from connectors.offload.policies import OffloadKey
 
 __all__ = ["longest_hit", "needed_chunks"]
 
@@ -27,14 +28,16 @@ def needed_chunks(group: OffloadGroup, start_tokens: int, end_tokens: int, chunk
     return range(first // chunk_tokens, -(-end_tokens // chunk_tokens))
 
 
-def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[list[bytes]], int],
-                key: Callable[[int, int], bytes], *, num_computed_tokens: int, num_chunks: int,
+def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[Iterable[OffloadKey]], int],
+                key: Callable[[int, int], OffloadKey], *, num_computed_tokens: int, num_chunks: int,
                 last_loadable: int, chunk_tokens: int) -> int:
     """Tokens past ``num_computed_tokens`` that the tier can serve (0: no hit).
 
     Args:
         groups: the KV cache groups, in index order.
-        lookup: the tier's lookup: how many of the keys, from the first, are ready.
+        lookup: the tier's lookup: how many of the keys, from the first, are ready. It
+            gets a lazy iterable for full-attention groups, so keys past the first miss
+            are never built (the cost of a miss is O(1), not O(prompt chunks)).
         key: ``key(group, chunk)``, the offload key of a chunk of a group.
         num_computed_tokens: tokens already on the GPU (the local hit).
         num_chunks: whole chunks the request's block hashes cover.
@@ -48,7 +51,7 @@ def longest_hit(groups: Sequence[OffloadGroup], lookup: Callable[[list[bytes]], 
     best = num_chunks
     for g, group in enumerate(groups):
         if group.is_full:
-            best = min(best, start + lookup([key(g, c) for c in range(start, num_chunks)]))
+            best = min(best, start + lookup(key(g, c) for c in range(start, num_chunks)))
     # Windowed groups: the longest hit whose window is held. One lookup per chunk,
     # then O(1) per candidate end (counts of missing chunks before each chunk).
     windowed = []

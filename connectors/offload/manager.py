@@ -19,7 +19,7 @@ key never becomes visible. ``prepare_load`` pins ready blocks (ref > 0) until
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import msgspec
 
@@ -54,11 +54,14 @@ class PrepareStoreOutput(msgspec.Struct, frozen=True, kw_only=True):
         keys_to_store: the keys that must be written (not already held), in input order.
         store_spec: one slot per key of ``keys_to_store``, same order.
         evicted_keys: keys evicted to make room (already gone from the tier).
+        reused_keys: the keys offered that the tier already holds ready, in input
+            order (a reuse for recency, see :meth:`OffloadingManager.finish_request`).
     """
 
     keys_to_store: tuple[OffloadKey, ...]
     store_spec: LoadStoreSpec
     evicted_keys: tuple[OffloadKey, ...]
+    reused_keys: tuple[OffloadKey, ...] = ()
 
 
 class OffloadingEvent(msgspec.Struct, frozen=True):
@@ -83,7 +86,7 @@ class OffloadingManager(ABC):
     """
 
     @abstractmethod
-    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+    def lookup(self, keys: Iterable[OffloadKey]) -> int:
         """Return how many leading ``keys`` are held and ready to load."""
 
     @abstractmethod
@@ -99,6 +102,19 @@ class OffloadingManager(ABC):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """Record a use of ``keys`` (hits on any tier); absent keys are ignored."""
+
+    def record_access(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """A request uses held ``keys`` now (it loads them, or offered them for storing
+        while they were held), head of the prefix first; see :meth:`finish_request`."""
+
+    def finish_request(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:  # noqa: B027
+        """Commit a finished request's recency, the way vLLM 0.33's manager does.
+
+        Args:
+            keys: every key the request loaded, stored, or offered while it was held
+                ready, head of the prefix first.
+            reused: those of ``keys`` it loaded or found held.
+        """
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027
         """Unpin ``keys`` after their load finished (successfully or not)."""
@@ -189,7 +205,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Fraction of slots holding a block (ready or being written)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+    def lookup(self, keys: Iterable[OffloadKey]) -> int:
         """See :meth:`OffloadingManager.lookup`."""
         hits = 0
         for key in keys:
@@ -221,6 +237,14 @@ class CPUOffloadingManager(OffloadingManager):
         """See :meth:`OffloadingManager.touch`."""
         self.policy.touch(keys)
 
+    def record_access(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`OffloadingManager.record_access`."""
+        self.policy.on_access(keys)
+
+    def finish_request(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+        """See :meth:`OffloadingManager.finish_request`."""
+        self.policy.on_request_finished(keys, reused)
+
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`OffloadingManager.complete_load`.
 
@@ -239,7 +263,17 @@ class CPUOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         """See :meth:`OffloadingManager.prepare_store`."""
-        new_keys = list(dict.fromkeys(k for k in keys if self.policy.get(k) is None))
+        get = self.policy.get
+        new_keys: list[OffloadKey] = []
+        reused: list[OffloadKey] = []
+        for k in keys:
+            entry = get(k)
+            if entry is None:
+                new_keys.append(k)
+            elif entry.ref_cnt >= 0:  # held and ready (one still being written is no reuse)
+                reused.append(k)
+        if len(new_keys) > 1:
+            new_keys = list(dict.fromkeys(new_keys))
         self.num_stores_skipped += len(keys) - len(new_keys)
         # Before evicting, and also when the store is then refused (as vLLM 0.33 does):
         # an adaptive policy learns from the keys it no longer holds.
@@ -267,6 +301,7 @@ class CPUOffloadingManager(OffloadingManager):
             keys_to_store=tuple(new_keys),
             store_spec=LoadStoreSpec(block_ids=tuple(slot_ids), medium=self.medium),
             evicted_keys=tuple(evicted),
+            reused_keys=tuple(reused),
         )
 
     def _allocate_slot(self) -> int:

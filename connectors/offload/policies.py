@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NewType
 
 from kvconnector_core.errors import ConfigError
 
@@ -37,8 +38,9 @@ __all__ = [
     "register_cache_policy",
 ]
 
-OffloadKey = bytes
-"""Key of an offloaded block: the chained hash of the last GPU block it holds."""
+OffloadKey = NewType("OffloadKey", bytes)
+"""Key of an offloaded chunk: the chained hash of the last GPU block it holds, then its KV
+cache group as 4 big-endian bytes. A NewType: bytes at run time, its own type for mypy."""
 
 
 @dataclass(slots=True)
@@ -97,6 +99,23 @@ class CachePolicy(ABC):
         recent and the tail is evicted first.
         """
 
+    def on_access(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """A request uses held ``keys`` now (a load, or a store offer of keys already
+        held), in prefix order. Default: nothing (vLLM 0.33's ARC waits for the finish;
+        its LRU ranks them at once, see :meth:`LRUCachePolicy.on_access`)."""
+
+    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+        """Commit one finished request's recency, as vLLM 0.33's ``on_request_finished``.
+
+        Args:
+            keys: every key the request loaded, stored, or offered while it was held and
+                ready, head of the prefix first.
+            reused: those of ``keys`` it loaded or found held (the others it stored).
+
+        Default: :meth:`touch` of all ``keys``.
+        """
+        self.touch(keys)
+
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """Learn from ``keys`` being offered for storing while the tier does not hold them.
 
@@ -152,6 +171,11 @@ class LRUCachePolicy(CachePolicy):
         for key in reversed(keys):
             if key in self._entries:
                 self._entries.move_to_end(key)
+
+    def on_access(self, keys: Sequence[OffloadKey]) -> None:
+        """Most recent at once, head of the prefix last (vLLM 0.33 ranks them by the
+        request and their position): a request's loads are not evicted by its own stores."""
+        self.touch(keys)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
         """See :meth:`CachePolicy.evict`; scans from the least recent end."""
@@ -267,6 +291,24 @@ class ARCCachePolicy(CachePolicy):
                 self._t2.move_to_end(key)
             else:
                 self._ghost_hit(key)
+
+    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+        """See :meth:`CachePolicy.on_request_finished`; vLLM 0.33's rule, tail first: a
+        reused key is promoted (T1 -> T2, or to T2's end); a key the request only stored
+        moves to the end of its own list (a store is not a second use); ghosts are left
+        alone (the target adapts on store misses only)."""
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in reused:
+                entry = t1.pop(key, None)
+                if entry is not None:
+                    t2[key] = entry
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in t1:
+                t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`CachePolicy.on_store_miss`; adapts the target on ghost keys.

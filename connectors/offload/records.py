@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
+from connectors.offload.policies import OffloadKey
 from kvconnector_core.connector.metadata import KVConnectorMetadata
+from kvconnector_core.kv_cache.hashing import BlockHash
 
 __all__ = [
     "OffloadWorkerMetadata",
@@ -31,7 +33,7 @@ class TierRead(msgspec.Struct, frozen=True, array_like=True):
     """
 
     tier: int
-    key: bytes
+    key: OffloadKey
     cpu_block_ids: list[int]
 
 
@@ -45,10 +47,10 @@ class TierWrite(msgspec.Struct, frozen=True, array_like=True):
         parent_block_hash: hash of the GPU block before it, or None.
     """
 
-    key: bytes
+    key: OffloadKey
     cpu_block_ids: list[int]
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
 
 
 class TierWriteJob(msgspec.Struct, frozen=True):

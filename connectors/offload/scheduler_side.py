@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ from connectors.offload._fence import StoreFence
 from connectors.offload.events import ChunkInfo, GroupedEvents
 from connectors.offload.lookup import longest_hit, needed_chunks
 from connectors.offload.manager import CPUOffloadingManager
+from connectors.offload.policies import OffloadKey
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
     OffloadWorkerMetadata,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from connectors.offload.config import OffloadConfig
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
+    from kvconnector_core.kv_cache.hashing import BlockHash
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_events import KVCacheEvent
     from kvconnector_core.request import Request
@@ -76,15 +78,19 @@ class _ReqState:
     store_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     forgotten: bool = False  # the guard said forget it: no new loads or stores
-    hit_keys: list[bytes] = field(default_factory=list)  # touched when the request finishes
+    # Recency, committed when the request finishes (as vLLM 0.33 does): every key it
+    # loaded, stored or offered while held, with its (chunk, group) for prefix order, and
+    # which of them were reuses (loads and keys found held) rather than its own stores.
+    seen: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
+    reused: set[OffloadKey] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
 class _JobRecord:
     req_id: str
-    keys: tuple[bytes, ...]  # stores: keys written; loads and tier writes: keys pinned
+    keys: tuple[OffloadKey, ...]  # stores: keys written; loads and tier writes: keys pinned
     is_store: bool
-    promoted: tuple[bytes, ...] = ()  # loads: tier chunks read into reserved CPU slots
+    promoted: tuple[OffloadKey, ...] = ()  # loads: tier chunks read into reserved CPU slots
 
 
 # The pool's null block (vLLM's and kvconnector's): what a block table holds at positions
@@ -112,6 +118,10 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                                             enable_events=cfg.enable_events, medium=MEDIUM_CPU)
         self._groups = cfg.groups
         self._suffixes = [group_suffix(g.index) for g in cfg.groups]
+        # Read on every hook call: plain attributes, not the config's properties.
+        self._ct = cfg.chunk_tokens
+        self._gpu_bs = cfg.gpu_block_size
+        self._one_full_group = len(cfg.groups) == 1 and cfg.groups[0].is_full
         # Per group and stored key: what its wire events need. Only kept with events on
         # (nothing drains it otherwise). Manager events are translated as soon as they
         # happen, so the tables always match the tier (a key evicted and stored again
@@ -134,18 +144,18 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
     # ------------------------------------------------------------------ keys
     def _num_chunks(self, request: Request) -> int:
         """Whole chunks the request's block hashes cover."""
-        return len(request.block_hashes) * self._hash_block_size(request) // self.offload_config.chunk_tokens
+        return len(request.block_hashes) * self._hash_block_size(request) // self._ct
 
     def _hash_block_size(self, request: Request) -> int:
         """Tokens per entry of ``request.block_hashes``. vLLM's Request has no
         ``hash_block_size``: its hashes are per GPU block (one group under the adapter)."""
-        return getattr(request, "hash_block_size", None) or self.offload_config.gpu_block_size
+        return getattr(request, "hash_block_size", None) or self._gpu_bs
 
-    def _key(self, request: Request, group: int, chunk: int) -> bytes:
+    def _key(self, request: Request, group: int, chunk: int) -> OffloadKey:
         """Key of chunk ``chunk`` of ``group``: the chained hash of its last token's block,
         plus the group. O(1): no list of keys is built (planning is O(new chunks))."""
-        ct = self.offload_config.chunk_tokens
-        return request.block_hashes[(chunk + 1) * ct // self._hash_block_size(request) - 1] + self._suffixes[group]
+        hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
+        return OffloadKey(request.block_hashes[(chunk + 1) * self._ct // hbs - 1] + self._suffixes[group])
 
     # ------------------------------------------------------------------ loads
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -157,22 +167,34 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         group reads to go on from there: every chunk for full attention, the last
         window's chunks for a sliding-window group, the current attention chunk's for a
         chunked-local group. The longest such hit wins. No state is changed but a note
-        of the GPU hit, for recency.
+        of the GPU hit, for the load plan.
         """
         self._gpu_hit_tokens[request.request_id] = num_computed_tokens
         if not self.config.is_kv_consumer:  # role kv_producer: only stores
             return 0, False
-        cfg = self.offload_config
-        num_chunks = self._num_chunks(request)
-        if num_computed_tokens // cfg.chunk_tokens >= num_chunks:
+        ct = self._ct
+        hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
+        num_chunks = len(request.block_hashes) * hbs // ct
+        start = num_computed_tokens // ct
+        if start >= num_chunks:
             return 0, False
         if self.tiers is not None:
             return self._tiered_matched_tokens(request, num_computed_tokens, num_chunks)
+        last_loadable = (request.num_tokens - 1) // self._gpu_bs * self._gpu_bs
+        if self._one_full_group and ct % hbs == 0:
+            # The common case, without a key function per chunk: the leading ready chunks
+            # from the local hit on (what longest_hit computes for one full group). Keys
+            # are built lazily: a miss costs one key, a hit one key per chunk it covers.
+            step = ct // hbs
+            suffix = self._suffixes[0]
+            hits = self.manager.lookup(OffloadKey(h + suffix) for h in itertools.islice(
+                request.block_hashes, (start + 1) * step - 1, num_chunks * step, step))
+            hit = min((start + hits) * ct, last_loadable) - num_computed_tokens if hits else 0
+            return (hit, True) if hit > 0 else (0, False)
         hit = longest_hit(
             self._groups, self.manager.lookup, lambda g, c: self._key(request, g, c),
             num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
-            last_loadable=(request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size,
-            chunk_tokens=cfg.chunk_tokens)
+            last_loadable=last_loadable, chunk_tokens=ct)
         return hit, hit > 0
 
     def _tiered_matched_tokens(self, request: Request, num_computed_tokens: int, num_chunks: int
@@ -189,7 +211,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         ct, start = cfg.chunk_tokens, num_computed_tokens // cfg.chunk_tokens
         last = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
 
-        def hit(lookup: Callable[[list[bytes]], int], last_loadable: int) -> int:
+        def hit(lookup: Callable[[Iterable[OffloadKey]], int], last_loadable: int) -> int:
             return longest_hit(self._groups, lookup, lambda g, c: self._key(request, g, c),
                                num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
                                last_loadable=last_loadable, chunk_tokens=ct)
@@ -202,8 +224,14 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if promotable is None:
             return None, False
 
-        def available(ks: list[bytes]) -> int:
-            return next((i for i, k in enumerate(ks) if k not in promotable and not tiers.in_cpu(k)), len(ks))
+        def available(ks: Iterable[OffloadKey]) -> int:
+            # longest_hit may pass a lazy iterable: count, do not take len().
+            n = 0
+            for k in ks:
+                if k not in promotable and not tiers.in_cpu(k):
+                    break
+                n += 1
+            return n
 
         while (num := hit(available, last)) > cpu_hit:
             end = num_computed_tokens + num
@@ -246,20 +274,14 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             hashed = next((i for i, b in enumerate(group0) if b.block_hash is None), len(group0))
             hit_tokens = hashed * self._groups[0].block_size if num_external_tokens else 0
         end = hit_tokens + num_external_tokens
-        # Recency only for real reuse (the chunks this admission hits, on the GPU or in
-        # the tier), committed when the request finishes, after its stores, as vLLM 0.33
-        # does: +1 to +10 points of hit rate for LRU and ARC on the reference chat trace
-        # (benchmarks/bench_offload_hits.py).
-        state.hit_keys = [self._key(request, g, c) for g, group in enumerate(self._groups)
-                          for c in needed_chunks(group, 0, end // ct * ct, ct)]
         if num_external_tokens == 0 or any(j.req_id == rid for j in self._pending_loads):
             return
         if num_external_tokens % cfg.gpu_block_size:
             msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
                    f"number of {cfg.gpu_block_size}-token blocks")
             raise InvariantError(msg)
-        where: dict[bytes, tuple[int, int]] = {}  # load key -> (group, chunk), in order
-        pairs: list[tuple[int, bytes, int]] = []  # (GPU block id, chunk key, sub-block)
+        where: dict[OffloadKey, tuple[int, int]] = {}  # load key -> (group, chunk), in order
+        pairs: list[tuple[int, OffloadKey, int]] = []  # (GPU block id, chunk key, sub-block)
         for g, group in enumerate(self._groups):
             bs = group.block_size
             table = blocks.blocks[g]
@@ -286,6 +308,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             slot_of.update((r.key, r.cpu_block_ids[0] // sub) for r in reads)
             for key in promoted:
                 self._events.add(key, self._describe(request, *where[key]))
+        # Recency (vLLM 0.33): loaded chunks are a reuse, recorded now (LRU ranks them at
+        # once) and committed when the request finishes.
+        self.manager.record_access(cpu_keys)
+        state.reused.update(cpu_keys)
+        state.seen.update((k, where[k][::-1]) for k in cpu_keys)
         job = TransferJobSpec(next(self._job_ids), rid, [gpu for gpu, _, _ in pairs],
                               [slot_of[key] * sub + k for _, key, k in pairs], reads)
         self._jobs[job.job_id] = _JobRecord(rid, tuple(cpu_keys), is_store=False,
@@ -321,7 +348,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             job = self._plan_store(state, before, before + scheduler_output.num_scheduled_tokens.get(rid, 0))
             if job is not None:
                 stores.append(job)
-        preempted = sorted(r for r in scheduler_output.preempted_req_ids if r in self._reqs)
+        preempted = (sorted(r for r in scheduler_output.preempted_req_ids if r in self._reqs)
+                     if scheduler_output.preempted_req_ids else [])
         for rid in preempted:
             # Freed; a resumed request brings all its ids.
             self._reqs[rid].block_ids = [[] for _ in self._groups]
@@ -347,7 +375,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         fence (:mod:`._fence`) makes the worker wait before a block is rewritten.
         """
         group = self._groups[g]
-        ct = self.offload_config.chunk_tokens
+        ct = self._ct
         end = min(self._num_chunks(state.request), num_done_tokens // ct,
                   len(state.block_ids[g]) * group.block_size // ct)
         first = state.next_chunk[g]
@@ -365,9 +393,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if not self.config.is_kv_producer or state.forgotten:  # kv_consumer: only loads
             return None
         request = state.request
+        if len(state.next_chunk) == 1 and num_done_tokens // self._ct <= state.next_chunk[0]:
+            return None  # one group and no chunk completed since the last store (most steps)
         ranges = [self._store_range(state, g, num_computed_tokens, num_done_tokens)
                   for g in range(len(self._groups))]
-        wanted: list[tuple[int, int, bytes]] = [
+        wanted: list[tuple[int, int, OffloadKey]] = [
             (g, c, self._key(request, g, c)) for g, chunks in enumerate(ranges) for c in chunks]
         if not wanted:
             return None
@@ -379,9 +409,14 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             return None
         for g, chunks in enumerate(ranges):
             state.next_chunk[g] = max(state.next_chunk[g], chunks.stop)
+        where = {key: (g, c) for g, c, key in wanted}
+        if out.reused_keys:
+            self.manager.record_access(out.reused_keys)
+            state.reused.update(out.reused_keys)
+            state.seen.update((k, where[k][::-1]) for k in out.reused_keys)
+        state.seen.update((k, where[k][::-1]) for k in out.keys_to_store)
         if not out.keys_to_store:
             return None
-        where = {key: (g, c) for g, c, key in wanted}
         sub = self.offload_config.sub_blocks_per_chunk
         gpu_ids: list[int] = []
         cpu_ids: list[int] = []
@@ -407,7 +442,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         f, bs = group.factor, group.block_size
         hashes = request.block_hashes
 
-        def block_hash(j: int) -> bytes:
+        def block_hash(j: int) -> BlockHash:
             return hashes[(j + 1) * bs // hbs - 1]
 
         first = chunk * f
@@ -423,6 +458,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, OffloadWorkerMetadata):
+            if not (connector_output.failed_recving or connector_output.finished_sending):
+                self._events.translate(self.manager)  # most steps: nothing finished
+                return
             meta = OffloadWorkerMetadata()
         for job_id, success in itertools.chain(
                 ((j, True) for j in meta.done_job_ids),
@@ -478,8 +516,9 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if self.tiers is not None:
             self.tiers.lookups.forget(rid)
         state = self._reqs.get(rid)
-        if state is not None:
-            self.manager.touch(state.hit_keys)
+        if state is not None and state.seen:
+            seen = state.seen
+            self.manager.finish_request(sorted(seen, key=seen.__getitem__), state.reused)
         if state is None or not state.store_jobs:
             self._reqs.pop(rid, None)
             return False, None
@@ -495,6 +534,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         for job in dropped:
             self._release_load(job.job_id)
         for rid in request_ids:
+            self._gpu_hit_tokens.pop(rid, None)
             if self.tiers is not None:
                 self.tiers.lookups.forget(rid)
             state = self._reqs.get(rid)
@@ -504,10 +544,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self._drop_if_done(state)
 
     def _drop_if_done(self, state: _ReqState) -> None:
-        """Forget a forgotten request's state once no store of it is in flight (nothing
-        then needs a delayed free; a later request_finished finds no state)."""
+        """Drop a forgotten or finished request's state once no store of it is in flight
+        and its delayed free went out (a later request_finished finds no state; a
+        finished_sending may have come before its last job's completion)."""
         rid = state.request.request_id
-        if state.forgotten and not state.store_jobs and rid not in self._delayed_free:
+        if (state.forgotten or state.finished) and not state.store_jobs and rid not in self._delayed_free:
             self._reqs.pop(rid, None)
 
     def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
@@ -549,7 +590,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             if not success:
                 self._events.discard(record.promoted)
 
-    def _plan_tier_writes(self, keys: tuple[bytes, ...]) -> None:
+    def _plan_tier_writes(self, keys: tuple[OffloadKey, ...]) -> None:
         """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
         assert self.tiers is not None  # noqa: S101 - only called with tiers
         job_id = next(self._job_ids)
@@ -586,6 +627,10 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         every event not yet returned (the guard's resync after a failed ``take_events``).
         Nothing with events off."""
         return self._events.snapshot(self.manager)
+
+    def has_pending_work(self) -> bool:
+        """Jobs not completed yet, or loads, delayed frees or tier writes not sent yet."""
+        return bool(self._jobs or self._pending_loads or self._delayed_free or self._pending_tier_writes)
 
     def shutdown(self) -> None:
         """Close the tiers' connections (their lookups run on their own threads)."""

@@ -32,11 +32,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
+from connectors.offload.manager import OffloadingEvent
+from connectors.offload.policies import OffloadKey
 from connectors.offload.records import TierRead, TierWrite, TierWriteJob
 from connectors.tiers import SecondaryTier, TierKey, make_tier
 from kvconnector_core.errors import InvariantError
-from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
-from connectors.offload.manager import OffloadingEvent
+from kvconnector_core.kv_cache.hashing import BlockHash
 from kvconnector_core.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
@@ -77,14 +79,14 @@ def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: b
     return tiers
 
 
-def tier_key(key: bytes) -> TierKey:
+def tier_key(key: OffloadKey) -> TierKey:
     """The tier key of an offload key: its chained hash and its KV cache group (the key's
     last 4 bytes)."""
-    return TierKey(key[:-4], int.from_bytes(key[-4:], "big"))
+    return TierKey(BlockHash(key[:-4]), int.from_bytes(key[-4:], "big"))
 
 
-def _offload_key(key: TierKey) -> bytes:
-    return key.block_hash + key.group.to_bytes(4, "big")
+def _offload_key(key: TierKey) -> OffloadKey:
+    return OffloadKey(key.block_hash + key.group.to_bytes(4, "big"))
 
 
 class TierLookups:
@@ -98,9 +100,9 @@ class TierLookups:
     def __init__(self, tiers: Sequence[SecondaryTier]) -> None:
         self.tiers = list(tiers)
         # req id -> (keys asked, per tier its answer for the keys the tiers before it lack)
-        self._asked: dict[str, tuple[tuple[bytes, ...], list[list[bool]]]] = {}
+        self._asked: dict[str, tuple[tuple[OffloadKey, ...], list[list[bool]]]] = {}
 
-    def sources(self, req_id: str, keys: Sequence[bytes]) -> list[int | None] | None:
+    def sources(self, req_id: str, keys: Sequence[OffloadKey]) -> list[int | None] | None:
         """Per key, the index of the first tier that holds it (None: no tier does); None
         means ask again next step.
 
@@ -119,16 +121,17 @@ class TierLookups:
             if t < len(answers):
                 held = answers[t]
             else:
-                held = tier.lookup_each([tier_key(keys[i]) for i in todo], token=(req_id, t)) if todo else []
-                if held is None:
+                got = tier.lookup_each([tier_key(keys[i]) for i in todo], token=(req_id, t)) if todo else []
+                if got is None:
                     return None
+                held = got
                 answers.append(held)
             for i, h in zip(todo, held, strict=True):
                 if h:
                     source[i] = t
         return source
 
-    def answered(self, req_id: str) -> dict[bytes, int]:
+    def answered(self, req_id: str) -> dict[OffloadKey, int]:
         """The tier of each key held somewhere, from the request's complete answer (empty
         if it has none)."""
         asked = self._asked.get(req_id)
@@ -168,11 +171,11 @@ class SchedulerTiers:
     def _subs(self, slot: int) -> list[int]:
         return [slot * self.f + j for j in range(self.f)]
 
-    def in_cpu(self, key: bytes) -> bool:
+    def in_cpu(self, key: OffloadKey) -> bool:
         """True if the CPU tier holds ``key`` ready to load."""
         return self.manager.lookup((key,)) == 1
 
-    def promotable(self, req_id: str, keys: Sequence[bytes]) -> set[bytes] | None:
+    def promotable(self, req_id: str, keys: Sequence[OffloadKey]) -> set[OffloadKey] | None:
         """The ``keys`` a tier serves and the CPU tier could take by promotion; None: ask
         again next step.
 
@@ -191,7 +194,7 @@ class SchedulerTiers:
         """CPU slots promotions may take now, besides ``cpu_keys`` chunks a load will pin."""
         return self.manager.num_free_blocks + self.manager.num_evictable_blocks - cpu_keys
 
-    def plan_promotion(self, req_id: str, wanted: Sequence[bytes]) -> list[TierRead]:
+    def plan_promotion(self, req_id: str, wanted: Sequence[OffloadKey]) -> list[TierRead]:
         """Reserve CPU slots for the ``wanted`` chunks and say which tier serves each.
 
         The slots stay invisible to lookups until the load completes
@@ -216,9 +219,9 @@ class SchedulerTiers:
         return [TierRead(found[key], key, self._subs(slot))
                 for key, slot in zip(wanted, out.store_spec.block_ids, strict=True)]
 
-    def plan_writes(self, job_id: int, keys: Sequence[bytes],
-                    info_of: Callable[[bytes], ChunkInfo | None]
-                    ) -> tuple[TierWriteJob, tuple[bytes, ...]] | None:
+    def plan_writes(self, job_id: int, keys: Sequence[OffloadKey],
+                    info_of: Callable[[OffloadKey], ChunkInfo | None]
+                    ) -> tuple[TierWriteJob, tuple[OffloadKey, ...]] | None:
         """Pin the chunks the CPU tier just stored and describe their copy into the tiers.
 
         ``info_of`` gives each chunk's GPU block hashes for the tiers' events (None, and
@@ -233,7 +236,7 @@ class SchedulerTiers:
         writes = []
         for key, slot in zip(keys, spec.block_ids, strict=True):
             info = info_of(key)
-            hashes, parent = (info.block_hashes, info.parent_block_hash) if info else ((key,), None)
+            hashes, parent = (info.block_hashes, info.parent_block_hash) if info else ((BlockHash(key[:-4]),), None)
             writes.append(TierWrite(key, self._subs(slot), list(hashes), parent))
         return TierWriteJob(job_id, writes), keys
 
@@ -260,7 +263,7 @@ class WorkerTiers:
         self._tables: dict[tuple[int, int], ChunkInfoTable] = {}
         self._planes: tuple[torch.Tensor, ...] = ()
         self._jobs: dict[int, _ReadJob] = {}
-        self._described: collections.OrderedDict[bytes, tuple[list[bytes], bytes | None]] = (
+        self._described: collections.OrderedDict[OffloadKey, tuple[list[BlockHash], BlockHash | None]] = (
             collections.OrderedDict())
         self.writes_dropped = 0
         self._reported: dict[str, int] = {}
@@ -353,16 +356,16 @@ class WorkerTiers:
         out: list[KVCacheEvent] = []
         for t, tier in enumerate(self.tiers):
             for event in tier.take_events():
-                by_group: dict[int, list[bytes]] = {}
+                by_group: dict[int, list[OffloadKey]] = {}
                 for key in event.keys:
                     by_group.setdefault(key.group, []).append(_offload_key(key))
                 for g, keys in by_group.items():
                     table = self._tables.setdefault((t, g), ChunkInfoTable())
                     if not event.removed:
-                        for key in keys:
-                            described = self._described.get(key)
+                        for okey in keys:
+                            described = self._described.get(okey)
                             if described is not None:
-                                table.add(key, ChunkInfo(tuple(described[0]), described[1], None))
+                                table.add(okey, ChunkInfo(tuple(described[0]), described[1], None))
                     block_size = self.block_sizes[g] if g < len(self.block_sizes) else 0
                     out += to_wire_events([OffloadingEvent(tuple(keys), event.medium, event.removed)],
                                           table, block_size, group_idx=g)

@@ -67,18 +67,19 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from connectors.offload import _cudart
 from connectors.offload._copy_plan import CopyPlan, scan_runs
 from connectors.offload._issuer import IssueThread
-from connectors.offload._staged import GatherPlan, plan_gather, staged_copy
 from connectors.offload._layout import (
     BlockLayout,
     build_block_layout,
     cross_layer_planes,
 )
+from connectors.offload._staged import GatherPlan, plan_gather, staged_copy
 
 __all__ = [
     "BlockLayout",
@@ -135,7 +136,7 @@ def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[
     return runs
 
 
-def _id_array(ids: Sequence[int]) -> array.array:
+def _id_array(ids: Sequence[int]) -> array.array[int]:
     """A private int64 copy of the ids (the caller may reuse its list after submitting).
 
     ``array.array`` because building it from a list of Python ints is ~6x faster than
@@ -150,7 +151,7 @@ def _id_array(ids: Sequence[int]) -> array.array:
         raise ValueError(msg) from exc
 
 
-def _as_tensor(ids: array.array) -> torch.Tensor:
+def _as_tensor(ids: array.array[int]) -> torch.Tensor:
     """The ids as an int64 tensor sharing the array's memory."""
     if not ids:
         return torch.empty(0, dtype=torch.int64)
@@ -191,7 +192,7 @@ class _Job:
     end_event: torch.cuda.Event | None = None
     error: str | None = None
     issued: threading.Event | None = None  # set by the issue thread once the copies are queued
-    issue_args: tuple = ()  # what _issue needs, for whichever thread claims the job
+    issue_args: tuple[Any, ...] = ()  # what _issue needs, for whichever thread claims the job
     claimed: bool = False  # an issuing thread (the issue thread or a waiting caller) took it
     issue_seconds: float | None = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # staging, index tensors
@@ -369,8 +370,8 @@ class KVBlockMover:
             self._issue(job, *job.issue_args)
         job.issued.wait()
 
-    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g_ids: array.array,
-               c_ids: array.array) -> None:
+    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g_ids: array.array[int],
+               c_ids: array.array[int]) -> None:
         """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
         t0 = time.perf_counter()
         try:
@@ -403,7 +404,7 @@ class KVBlockMover:
                        "store" if job.is_store else "load", job.job_id, job.error)
 
     def _checked_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
-                     ) -> tuple[array.array, array.array]:
+                     ) -> tuple[array.array[int], array.array[int]]:
         """The ids as private int64 arrays, checked: equal lengths, every id in range."""
         if len(gpu_ids) != len(cpu_ids):
             msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
@@ -411,13 +412,13 @@ class KVBlockMover:
         g, c = _id_array(gpu_ids), _id_array(cpu_ids)
         for name, ids, bound in (("device", g, self.layout.num_blocks),
                                  ("CPU", c, self.num_cpu_blocks)):
-            if ids and not (0 <= min(ids) and max(ids) < bound):
+            if ids and not (min(ids) >= 0 and max(ids) < bound):
                 bad = [i for i in ids if not 0 <= i < bound][:8]
                 msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)
         return g, c
 
-    def _copy_cuda(self, job: _Job, g_ids: array.array, c_ids: array.array,
+    def _copy_cuda(self, job: _Job, g_ids: array.array[int], c_ids: array.array[int],
                    stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
         # Preference: one 2D copy per run (equally spaced planes), else one batch call for
         # the job, else the per-copy methods. A method names the most it may use.
@@ -464,8 +465,8 @@ class KVBlockMover:
                 msg = f"cudaMemcpy2DAsync returned CUDA error {rc} ({height} rows of {width} bytes)"
                 raise RuntimeError(msg)
 
-    def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g_ids: array.array,
-                      c_ids: array.array, stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
+    def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g_ids: array.array[int],
+                      c_ids: array.array[int], stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
         # Every plane and run of the job in one runtime call: thousands of DMA copies for
         # the per-layer layout cost one call's host time, and the copy engines see the
         # whole batch at once instead of a trickle of single copies.

@@ -149,7 +149,7 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
             if self.tiers is not None:
                 try:
                     self.tiers.write(job.writes)
-                except Exception:  # noqa: BLE001 - contained: a failed store, logged
+                except Exception:  # contained: a failed store, logged
                     logger.exception("copying %d chunks into the tiers failed", len(job.writes))
             self._done_jobs.append(job.job_id)
 
@@ -274,6 +274,12 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         meta = OffloadWorkerMetadata(done_job_ids=self._done_jobs, failed_job_ids=self._failed_jobs)
         self._done_jobs, self._failed_jobs = [], []
         return meta
+
+    def has_pending_work(self) -> bool:
+        """Stores not submitted yet (they go out a step late), jobs in flight, or results
+        not reported to the scheduler side yet."""
+        return bool(self._unsubmitted or self._worker_jobs or self._tier_waiting or self._results
+                    or self._done_jobs or self._failed_jobs)
 
     def shutdown(self) -> None:
         """Wait for in-flight transfers (safe to call twice)."""

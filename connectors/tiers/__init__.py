@@ -12,6 +12,7 @@ a file system.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,18 @@ _EXPORTS = {
 TIER_TYPES = {"disk": ("disk", "DiskTier"), "redis": ("redis_tier", "RedisTier")}
 """Tier ``type`` -> (module, class) accepted by :func:`make_tier`."""
 
-__all__ = sorted([*_EXPORTS, "TIER_TYPES", "make_tier"])
+__all__ = [
+    "TIER_TYPES",
+    "DiskTier",
+    "DiskTierConfig",
+    "RedisTier",
+    "RedisTierConfig",
+    "SecondaryTier",
+    "TierEvent",
+    "TierKey",
+    "TierLoad",
+    "make_tier",
+]
 
 
 def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryTier:
@@ -53,7 +65,7 @@ def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryT
         msg = f"tier type {kind!r} is not known; valid types: {', '.join(TIER_TYPES)}"
         raise ConfigError(msg)
     module, cls_name = TIER_TYPES[kind]
-    cls = getattr(import_module(f"{__name__}.{module}"), cls_name)
+    cls: Callable[..., SecondaryTier] = getattr(import_module(f"{__name__}.{module}"), cls_name)
     return cls(spec, enable_events=enable_events)
 
 

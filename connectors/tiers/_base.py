@@ -34,7 +34,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, Self, TypeVar
 
 import msgspec
 
@@ -49,6 +49,7 @@ from connectors.tiers._frame import (
     unframe_value,
 )
 from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_cache.hashing import BlockHash
 
 __all__ = ["SecondaryTier", "TierEvent", "TierKey", "TierLoad", "settings"]
 
@@ -80,7 +81,7 @@ class TierKey(NamedTuple):
         group: the KV cache group the block belongs to (hybrid models store per group).
     """
 
-    block_hash: bytes
+    block_hash: BlockHash
     group: int = 0
 
     @property
@@ -148,7 +149,7 @@ class SecondaryTier(ABC):
         self._lock = threading.Lock()  # guards everything below; I/O threads update it
         self._idle = threading.Condition(self._lock)  # notified when a store batch ends
         self._pending_stores = 0
-        self._lookups: dict[Hashable, Future[int]] = {}
+        self._lookups: dict[Hashable, Future[list[bool]]] = {}
         self._events: list[TierEvent] = []
         self._announced: dict[TierKey, None] = {}  # held keys whose stored event went out
         self._enable_events = enable_events
@@ -301,7 +302,7 @@ class SecondaryTier(ABC):
         self._pool.shutdown(wait=True)
         self._close()
 
-    def __enter__(self) -> SecondaryTier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

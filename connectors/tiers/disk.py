@@ -30,6 +30,7 @@ import msgspec
 from connectors.tiers._base import SecondaryTier, TierKey, settings
 from connectors.tiers._frame import ABSENT, DAMAGED, HEADER_BYTES, OTHER_SIZE, PLACED, header_matches, payload_length
 from kvconnector_core.errors import ConfigError
+from kvconnector_core.kv_cache.hashing import BlockHash
 
 __all__ = ["DiskTier", "DiskTierConfig"]
 
@@ -174,7 +175,7 @@ class DiskTier(SecondaryTier):
         for victim in victims:
             (self.root / victim[:2] / victim).unlink(missing_ok=True)
             block_hex, _, group = victim[: -len(_SUFFIX)].rpartition("-g")
-            removed.append(TierKey(bytes.fromhex(block_hex), int(group)))
+            removed.append(TierKey(BlockHash(bytes.fromhex(block_hex)), int(group)))
         self._record_event(removed, removed=True)
 
     def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:

@@ -26,7 +26,8 @@ _SUBCOMMANDS: dict[str, str] = {
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvconnector",
-        description="KV-cache connector framework: run a workload through the engine, list connectors, watch KV events.",
+        description=("KV-cache connector framework: run a workload through the engine, "
+                     "list connectors, watch KV events."),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_path in _SUBCOMMANDS.items():

@@ -140,6 +140,7 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     # The connector's own demo settings (e.g. a CPU tier sized against the GPU pool); the
     # default connector also takes --cpu-blocks and --tier (the CLI knows none of its keys).
     if DEFAULT_CONNECTOR in registry and cls is registry.get(DEFAULT_CONNECTOR):
+        # mypy: the default connector's demo_extra_config takes these extra keywords (the ignore)
         extra = cls.demo_extra_config(num_gpu_blocks, cpu_blocks=args.cpu_blocks,  # type: ignore[call-arg]
                                       tiers=args.tier)
     elif args.tier or args.cpu_blocks is not None:

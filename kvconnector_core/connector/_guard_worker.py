@@ -60,15 +60,34 @@ class GuardedWorker(GuardBase):
         self._has_plan = False
         # finished_req_ids a raising get_transfer_results did not take: passed again.
         self._unseen_finished: set[str] = set()
+        self._uncleared = False  # clear_connector_metadata raised: the plan is still bound
+
+    @property
+    def uses_layer_hooks(self) -> bool:
+        """False when the connector declares its per-layer hooks do nothing: the runner
+        then skips ``wait_for_layer_load`` / ``save_kv_layer`` (two calls per layer per
+        step); a hook that is never called cannot fail, so the contract is unchanged."""
+        return bool(getattr(self.connector, "uses_layer_hooks", True))
 
     @property
     def has_sync_kv_loads(self) -> bool:
         """The connector's capability (read on the instance)."""
         return bool(self.connector.has_sync_kv_loads)
 
+    def _own_pending(self) -> bool:
+        """Finished request ids a raising ``get_transfer_results`` did not take yet, or a
+        plan ``clear_connector_metadata`` could not unbind (the next bind replaces it)."""
+        return bool(self._unseen_finished) or self._uncleared
+
     def begin_step(self) -> None:
-        """Reset the per-step failure flags."""
-        self.loads_failed = self.stores_failed = self.load_errors_unknown = False
+        """Reset the per-step failure flags; a quarantined connector's loads and stores
+        fail every step (the scheduler recomputes and drops them)."""
+        self.loads_failed = self.stores_failed = self.quarantined
+        if self._streaks:  # a hook that did not raise in the last step ends its streak
+            for hook in [h for h in self._streaks if h not in self._raised_now]:
+                del self._streaks[hook]
+        self._raised_now.clear()
+        self.load_errors_unknown = False
         self._has_plan = False
 
     # ------------------------------------------------------------------ hooks
@@ -84,58 +103,76 @@ class GuardedWorker(GuardBase):
     def bind_connector_metadata(self, plan: KVConnectorMetadata) -> bool:
         """Bind the step's plan; False when it raised (the whole plan failed: the step's
         loads and stores are skipped and reported failed)."""
-        _, ok = self._contained("bind_connector_metadata", "the step's loads and stores fail",
-                                lambda: self.connector.bind_connector_metadata(plan), None)
-        self._has_plan = ok
-        if not ok:
+        try:
+            self.connector.bind_connector_metadata(plan)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("bind_connector_metadata", "the step's loads and stores fail")
+            self._has_plan = False
             self.loads_failed = self.stores_failed = True
-        return ok
+            return False
+        self._has_plan = True
+        return True
 
     def handle_preemptions(self, plan: KVConnectorMetadata) -> None:
         """Let the connector flush preempted requests' stores (called even when the bind
         failed: the plan is the argument). A raise fails the step's stores."""
-        _, ok = self._contained("handle_preemptions", _STORES_FAIL,
-                                lambda: self.connector.handle_preemptions(plan), None)
-        self.stores_failed |= not ok
+        try:
+            self.connector.handle_preemptions(plan)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("handle_preemptions", _STORES_FAIL)
+            self.stores_failed = True
 
     def start_load_kv(self, forward_context: Any = None) -> None:
         """Start the step's loads; skipped without a bound plan. A raise fails them."""
         if self._has_plan:
-            _, ok = self._contained("start_load_kv", _LOADS_FAIL,
-                                    lambda: self.connector.start_load_kv(forward_context), None)
-            self.loads_failed |= not ok
+            try:
+                self.connector.start_load_kv(forward_context)
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("start_load_kv", _LOADS_FAIL)
+                self.loads_failed = True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait for one layer's loads; a raise fails the step's loads (later layers skip it)."""
         if self._has_plan and not self.loads_failed:
-            _, ok = self._contained("wait_for_layer_load", _LOADS_FAIL,
-                                    lambda: self.connector.wait_for_layer_load(layer_name), None)
-            self.loads_failed |= not ok
+            try:
+                self.connector.wait_for_layer_load(layer_name)
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("wait_for_layer_load", _LOADS_FAIL)
+                self.loads_failed = True
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
         """Save one layer; a raise fails the step's stores (later layers are not saved)."""
         if self._has_plan and not self.stores_failed:
-            _, ok = self._contained("save_kv_layer", _STORES_FAIL,
-                                    lambda: self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata),
-                                    None)
-            self.stores_failed |= not ok
+            try:
+                self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata)
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("save_kv_layer", _STORES_FAIL)
+                self.stores_failed = True
 
     def wait_for_save(self) -> None:
         """End the step's saves (run even after a failed save_kv_layer: the connector may
         keep bookkeeping there); a raise fails the step's stores."""
         if self._has_plan:
-            _, ok = self._contained("wait_for_save", _STORES_FAIL, self.connector.wait_for_save, None)
-            self.stores_failed |= not ok
+            try:
+                self.connector.wait_for_save()
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("wait_for_save", _STORES_FAIL)
+                self.stores_failed = True
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished and failed transfers; empty on a raise (a connector keeps what it did
         not return and reports it next step; the guard passes the step's
         ``finished_req_ids`` again next time, so no delayed free is lost)."""
-        finished = self._unseen_finished | finished_req_ids
-        results, ok = self._contained("get_transfer_results", _NEXT_STEP,
-                                      lambda: self.connector.get_transfer_results(finished),
-                                      KVConnectorTransferResults())
-        self._unseen_finished = set() if ok else finished
+        finished = self._unseen_finished | finished_req_ids if self._unseen_finished else finished_req_ids
+        try:
+            results = self.connector.get_transfer_results(finished)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_transfer_results", _NEXT_STEP)
+            self._unseen_finished = set(finished)
+            return KVConnectorTransferResults()
+        self._unseen_finished = set()
+        if not (results.finished_sending or results.finished_recving or results.failed_recving):
+            return KVConnectorTransferResults()  # most steps: nothing to copy
         return KVConnectorTransferResults(
             finished_sending=set(results.finished_sending),
             finished_recving=set(results.finished_recving),
@@ -145,16 +182,20 @@ class GuardedWorker(GuardBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed. On a raise this is unknown: the step's loads fail and
         :attr:`load_errors_unknown` is set."""
-        errors, ok = self._contained("get_block_ids_with_load_errors", "this step's loads count as failed",
-                                     lambda: set(self.connector.get_block_ids_with_load_errors()), set())
-        if not ok:
+        try:
+            return set(self.connector.get_block_ids_with_load_errors())
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_block_ids_with_load_errors", "this step's loads count as failed")
             self.loads_failed = self.load_errors_unknown = True
-        return errors
+            return set()
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """The step's stats; None on a raise."""
-        stats, _ = self._contained("get_kv_connector_stats", "no stats this step",
-                                   self.connector.get_kv_connector_stats, None)
+        try:
+            stats = self.connector.get_kv_connector_stats()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_kv_connector_stats", "no stats this step")
+            return None
         return stats if isinstance(stats, dict) and stats else None
 
     def get_kv_connector_kv_cache_events(self) -> list[Any]:
@@ -169,14 +210,21 @@ class GuardedWorker(GuardBase):
     def build_connector_worker_meta(self) -> Any:
         """Records for the scheduler side; None on a raise (a connector keeps what it did
         not return and reports it next step)."""
-        meta, _ = self._contained("build_connector_worker_meta", _NEXT_STEP,
-                                  self.connector.build_connector_worker_meta, None)
-        return meta
+        try:
+            return self.connector.build_connector_worker_meta()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("build_connector_worker_meta", _NEXT_STEP)
+            return None
 
     def clear_connector_metadata(self) -> None:
         """Unbind the plan; a raise is counted (the next bind replaces the plan)."""
-        self._contained("clear_connector_metadata", "the next bind replaces the plan",
-                        self.connector.clear_connector_metadata, None)
+        try:
+            self.connector.clear_connector_metadata()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("clear_connector_metadata", "the next bind replaces the plan")
+            self._uncleared = True
+        else:
+            self._uncleared = False
         self._has_plan = False
 
     def shutdown(self) -> None:

@@ -21,8 +21,14 @@ from typing import TypeVar
 
 from kvconnector_core.errors import PluginDeniedError, PluginLoadError, RegistryError
 
-__all__ = ["ENV_PLUGINS_ALLOW", "ENV_PLUGINS_DENY", "BUILTIN_PACKAGES", "PluginPolicy", "normalize",
-           "run_contained"]
+__all__ = [
+    "BUILTIN_PACKAGES",
+    "ENV_PLUGINS_ALLOW",
+    "ENV_PLUGINS_DENY",
+    "PluginPolicy",
+    "normalize",
+    "run_contained",
+]
 
 ENV_PLUGINS_ALLOW = "KVCONNECTOR_PLUGINS_ALLOW"
 """Environment variable: comma-separated plugins allowed to load (third-party only)."""
@@ -130,5 +136,5 @@ def run_contained(call: Callable[[], T], describe: Callable[[BaseException], str
         return call()
     except (KeyboardInterrupt, RegistryError):
         raise
-    except BaseException as exc:  # noqa: BLE001 - see the docstring: plugins may raise anything
+    except BaseException as exc:  # see the docstring: plugins may raise anything
         raise PluginLoadError(describe(exc)) from exc

@@ -99,6 +99,6 @@ def plugin_record(ep: importlib.metadata.EntryPoint) -> PluginRecord:
         try:
             dist_name = dist.name
             version = dist.version
-        except Exception:  # a broken METADATA file must not stop the listing
+        except Exception:  # noqa: BLE001 - a broken METADATA file must not stop the listing
             dist_name = None
     return PluginRecord(ep.name, dist_name, version, ep.value)

@@ -204,6 +204,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             ``extra_config`` is converted to it on creation (unknown keys and bad
             values are ConfigErrors naming the connector and the key) and kept in
             :attr:`settings`. None: ``extra_config`` is passed through unchecked.
+        uses_layer_hooks: the worker side does something in ``wait_for_layer_load`` /
+            ``save_kv_layer``. False lets the engine skip the two calls per layer per
+            step (a connector that moves whole blocks once per step declares it).
     """
 
     name: ClassVar[str] = ""
@@ -215,6 +218,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
     required_kv_cache_layout: ClassVar[str | None] = None
     supports_multiple_kv_cache_groups: ClassVar[bool] = False
     settings_type: ClassVar[type[Any] | None] = None
+    uses_layer_hooks: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -301,11 +305,20 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """The engine's KV cache layout, as given to the constructor."""
         return self._kv_cache_config
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, buffers, pins). Both roles; default: nothing.
 
         Called once when the engine stops; must be safe to call again.
         """
+
+    def has_pending_work(self) -> bool:
+        """Whether the connector still has something to send or learn in a later step
+        (either role, optional): a message for the other side it could not deliver yet,
+        saves still being copied. While it is True the engine keeps stepping (empty
+        steps) after its last request finished, so nothing is left half-done when it
+        goes idle. Bounded by the guard. Default: False.
+        """
+        return False
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Return the statistics since the previous call, or None when there is nothing to report.
@@ -377,7 +390,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             raise InvariantError(msg)
         return self._connector_metadata
 
-    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027 - optional hook
         """Act on the step's preemptions before the forward (worker side, optional).
 
         Called right after ``bind_connector_metadata`` and before
@@ -407,7 +420,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
         return None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """Receive the paged KV tensors once they are allocated (worker side).
 
         Args:
@@ -504,7 +517,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
 
     # ----------------------------------------------------------- scheduler side
 
-    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027 - optional hook
         """Receive the GPU block pool (scheduler side, opt-in).
 
         The scheduler calls this exactly once, unconditionally, right after
@@ -601,7 +614,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             An instance of :attr:`metadata_type` that survives msgpack.
         """
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027 - optional hook
         """Learn what the worker side finished this step (scheduler side).
 
         Args:
@@ -623,7 +636,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
         return False, None
 
-    def forget_requests(self, request_ids: set[str]) -> None:
+    def forget_requests(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Stop planning for these requests (scheduler side, optional; called by the guard).
 
         The guard calls this after a hook raised in a way that may have left this
@@ -632,14 +645,16 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         ``request_finished``. A connector with per-request state must plan no new load
         or store for them, drop loads it planned but did not hand to the worker yet
         (releasing what they hold), and never make visible a store of theirs that has
-        not completed; it keeps tracking stores in flight so that ``request_finished``
-        can still delay the free. Default: does nothing.
+        not completed. It may keep a request's state only while a store of it is in
+        flight (so that ``request_finished`` can still delay the free) and must drop
+        the rest now: the guard also calls this after ``request_finished`` raised, and
+        then no other call about the request follows. Default: does nothing.
 
         Args:
             request_ids: the requests to forget.
         """
 
-    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,  # noqa: B027 - optional hook
                     stores_failed: bool) -> None:
         """The worker side could not carry out part of a plan (scheduler side, optional).
 
@@ -677,9 +692,12 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         already covers them), and the next :meth:`take_events` continues from the
         snapshot's state. A consumer that applies the snapshot is then exact again.
 
-        If this raises too, the engine retries it at every later event take and
-        publishes nothing from the connector meanwhile: a gap a consumer cannot see
-        until the snapshot comes.
+        The engine does not drain :meth:`take_events` before asking for a snapshot, so
+        the snapshot must supersede the queue itself. If it raises, the engine retries
+        it a few times at once; if none succeeds, it publishes an
+        ``AllBlocksCleared(medium=M)`` for every medium the connector's events named
+        (a consumer then holds nothing of the connector, never a stale block) and
+        retries the snapshot at every later event take until one succeeds.
 
         Default: no events (a connector that reports no events has nothing to resync).
         """

@@ -34,6 +34,11 @@ LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
 """Valid values of :attr:`KVConnectorConfig.load_failure_policy`."""
 
 
+DEFAULT_QUARANTINE_AFTER_RAISES = 8
+"""Default of :attr:`KVConnectorConfig.quarantine_after_raises`: at a 10% raise rate, eight
+raises in a row of one hook come once in 10^8 calls, so only a broken hook gets there."""
+
+
 class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Which connector to create, and its settings.
 
@@ -53,6 +58,10 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             report to the scheduler side; a transfer job is done only when all
             of them have reported it. 1 in kvconnector's own engine; the vLLM
             adapter sets it from vLLM's parallel config.
+        quarantine_after_raises: the failure contract's quarantine: once one hook
+            of this connector raised this many times in a row, the engine's guard
+            stops sending loads and stores through it (see
+            ``docs/failure-contract.md``). None never quarantines.
 
     Raises:
         ConfigError: on construction, when ``name`` is empty or ``role`` /
@@ -68,6 +77,7 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     engine_id: str | None = None
     load_failure_policy: str = "recompute"
     world_size: int = 1
+    quarantine_after_raises: int | None = DEFAULT_QUARANTINE_AFTER_RAISES
 
     def __post_init__(self) -> None:
         # msgspec runs __post_init__ on decode/convert too, so a bad file is
@@ -86,6 +96,10 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             raise ConfigError(msg)
         if self.world_size < 1:
             msg = f"KVConnectorConfig.world_size must be a number of workers >= 1, got {self.world_size!r}"
+            raise ConfigError(msg)
+        if self.quarantine_after_raises is not None and self.quarantine_after_raises < 1:
+            msg = ("KVConnectorConfig.quarantine_after_raises must be a number of raises >= 1 or None "
+                   f"(never), got {self.quarantine_after_raises!r}")
             raise ConfigError(msg)
         if self.module_path == "":
             msg = "KVConnectorConfig.module_path must be a module import path or None, got ''"
@@ -128,7 +142,8 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as a plain dict (the inverse of :meth:`from_dict`)."""
-        return msgspec.to_builtins(self)
+        as_dict: dict[str, Any] = msgspec.to_builtins(self)
+        return as_dict
 
 
 def load_connector_config(path: str | os.PathLike[str]) -> KVConnectorConfig:

@@ -28,15 +28,17 @@ Primitives: :class:`GuardedScheduler`, :class:`GuardedWorker` (in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from kvconnector_core.connector._guard_base import GuardBase
 from kvconnector_core.connector._guard_worker import GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
+from kvconnector_core.kv_events import AllBlocksCleared
 
 if TYPE_CHECKING:
     from kvconnector_core.connector.base import KVConnectorBase_V1
@@ -46,23 +48,30 @@ if TYPE_CHECKING:
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import SchedulerOutput
 
-__all__ = ["MAX_UNDELIVERED_OUTPUTS", "GuardedScheduler", "GuardedWorker"]
+__all__ = ["EVENT_SNAPSHOT_ATTEMPTS", "MAX_UNDELIVERED_OUTPUTS", "GuardedScheduler", "GuardedWorker"]
 
 logger = logging.getLogger(__name__)
+
+EVENT_SNAPSHOT_ATTEMPTS = 4
+"""Tries of ``get_event_snapshot`` per resync call before the stream carries a gap marker."""
+
+R = TypeVar("R")
 
 MAX_UNDELIVERED_OUTPUTS = 64
 """Worker reports kept for redelivery after ``update_connector_output`` raised; beyond
 this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
 
 
-def _replace(record: Any, **changes: Any) -> Any:
+def _replace(record: R, **changes: Any) -> R:
     """A copy of ``record`` with ``changes``: kvconnector's records are msgspec Structs;
     another engine's (vLLM's dataclasses, or a view with ``replace``) work too."""
     if isinstance(record, msgspec.Struct):
         return msgspec.structs.replace(record, **changes)
-    if dataclasses.is_dataclass(record):
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return dataclasses.replace(record, **changes)
-    return record.replace(**changes)
+    view: Any = record  # duck-typed: any record with a ``replace`` method
+    replaced: R = view.replace(**changes)
+    return replaced
 
 
 class GuardedScheduler(GuardBase):
@@ -82,6 +91,8 @@ class GuardedScheduler(GuardBase):
         self._undelivered: list[KVConnectorOutput] = []
         self._repairs: list[tuple[str, Callable[[], None]]] = []
         self._resync_events = False
+        self._gap_open = False  # the gap marker was published; no snapshot since
+        self._media: set[str] = set()  # media the connector's events named
 
     @property
     def supports_async_load(self) -> bool:
@@ -95,6 +106,10 @@ class GuardedScheduler(GuardBase):
             self.detached |= ids
             self._repairs.append(("forget_requests", lambda: self.connector.forget_requests(ids)))
             self._run_repairs()
+
+    def _own_pending(self) -> bool:
+        """A report to redeliver, a repair to retry or an event resync to finish."""
+        return bool(self._undelivered or self._repairs or self._resync_events)
 
     def _run_repairs(self) -> None:
         """Run the pending repair calls (``forget_requests``, ``plan_failed``) in order; one
@@ -124,10 +139,10 @@ class GuardedScheduler(GuardBase):
 
         Detached requests get a miss without asking.
         """
-        if request.request_id in self.detached:
+        if self.quarantined or request.request_id in self.detached:
             return 0, False
         hook = "get_num_new_matched_tokens"
-        answer, ok = self._contained(hook, "treated as a miss",
+        answer, _ = self._contained(hook, "treated as a miss",
                                      lambda: self.connector.get_num_new_matched_tokens(request, num_computed_tokens),
                                      (0, False))
         if not (isinstance(answer, tuple) and len(answer) == 2
@@ -149,7 +164,7 @@ class GuardedScheduler(GuardBase):
         caller must not count on the ``num_external_tokens`` it offered.
         """
         rid = request.request_id
-        if rid in self.detached:
+        if self.quarantined or rid in self.detached:
             return num_external_tokens == 0
         _, ok = self._contained(
             "update_state_after_alloc", "the request is forgotten; nothing is loaded",
@@ -166,11 +181,14 @@ class GuardedScheduler(GuardBase):
         could store wrong blocks under a hash. Detached requests are left out of the
         output the connector sees.
         """
+        so = scheduler_output
+        if self.quarantined:  # every request is forgotten; the connector only drains
+            self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
+                                  *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
         shown = self._visible(scheduler_output)
         plan, ok = self._contained("build_connector_meta", "no plan this step; the step's requests are forgotten",
                                    lambda: self.connector.build_connector_meta(shown), None)
         if not ok:
-            so = scheduler_output
             self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
                                   *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
         return plan
@@ -225,7 +243,7 @@ class GuardedScheduler(GuardBase):
         while self._undelivered:
             report = self._undelivered[0]
             _, ok = self._contained("update_connector_output", "the report is delivered again next step",
-                                    lambda: self.connector.update_connector_output(report), None)
+                                    functools.partial(self.connector.update_connector_output, report), None)
             if not ok:
                 break
             self._undelivered.pop(0)
@@ -257,38 +275,65 @@ class GuardedScheduler(GuardBase):
         """The connector's events; after a raise, a resync instead (see the docs).
 
         When ``take_events`` raises, its events may be lost, so a replica could stay
-        wrong. The guard then drains what is left (discarded) and returns the
-        connector's ``get_event_snapshot()``: per medium a clear and every block it
-        holds now. If that fails too, it returns nothing and tries again on every later
-        call until a resync succeeds (a documented gap).
+        wrong. The guard then returns the connector's ``get_event_snapshot()`` instead:
+        per medium a clear and every block it holds now. It does not drain the
+        connector first: a snapshot supersedes every event the connector has not
+        returned (the hook's contract). A snapshot that raises is retried up to
+        :data:`EVENT_SNAPSHOT_ATTEMPTS` times in the same call; if none succeeds, the
+        stream says so once (see :meth:`_resync`) and the resync is retried at every
+        later call until it succeeds, without asking ``take_events`` meanwhile.
         """
         if not self._resync_events:
             events, ok = self._contained("take_events", "events replaced by a snapshot",
                                          lambda: list(self.connector.take_events()), [])
             if ok:
+                self._note_media(events)
                 return events
             self._resync_events = True
-        # What is still queued is stale once the snapshot is taken: drained and dropped.
-        _, ok = self._contained("take_events", "no events until a resync succeeds",
-                                lambda: list(self.connector.take_events()), [])
-        if not ok:
-            return []
-        events = self._snapshot()
-        if events is None:
-            return []
-        self._resync_events = False
-        return events
+        return self._resync()
 
     def get_event_snapshot(self) -> list[KVCacheEvent]:
-        """The connector's snapshot (see :meth:`take_events`); [] on a raise."""
-        return self._snapshot() or []
+        """The connector's snapshot, retried like :meth:`take_events`'s resync; when it
+        cannot be had, the gap clears (see :meth:`_resync`) and a resync is left pending,
+        so the next :meth:`take_events` is a snapshot."""
+        self._resync_events = True
+        return self._resync()
+
+    def _resync(self) -> list[KVCacheEvent]:
+        """A snapshot in place of lost events, or (once per gap) the gap marker.
+
+        The gap marker is an ``AllBlocksCleared(medium=M)`` for every medium the
+        connector's events have named so far: a consumer then holds nothing for those
+        media (never a block the connector may no longer hold) until the snapshot
+        comes. Counted as ``event_gap``.
+        """
+        for _ in range(EVENT_SNAPSHOT_ATTEMPTS):
+            events = self._snapshot()
+            if events is not None:
+                self._resync_events = self._gap_open = False
+                self._note_media(events)
+                return events
+        if self._gap_open:
+            return []
+        self._gap_open = True
+        self._count("event_gap")
+        logger.error("connector %s: no event snapshot after %d attempts; media %s published as "
+                     "cleared until a snapshot succeeds", self.label, EVENT_SNAPSHOT_ATTEMPTS,
+                     sorted(self._media))
+        return [AllBlocksCleared(medium=m) for m in sorted(self._media)]
+
+    def _note_media(self, events: list[KVCacheEvent]) -> None:
+        for event in events:
+            medium = getattr(event, "medium", None)
+            if medium is not None:
+                self._media.add(medium)
 
     def _snapshot(self) -> list[KVCacheEvent] | None:
         # getattr: the hook is optional and connectors older than it may not define it.
         snapshot = getattr(self.connector, "get_event_snapshot", None)
         if snapshot is None:
             return []
-        events, ok = self._contained("get_event_snapshot", "no events until a resync succeeds",
+        events, ok = self._contained("get_event_snapshot", "retried",
                                      lambda: list(snapshot()), [])
         return events if ok else None
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from kvconnector_core._suggest import did_you_mean
 from kvconnector_core.connector import hookspecs
 from kvconnector_core.connector._plugin_policy import (
     ENV_PLUGINS_ALLOW,
@@ -69,7 +70,6 @@ from kvconnector_core.errors import (
     RegistryError,
     UnknownConnectorError,
 )
-from kvconnector_core._suggest import did_you_mean
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -158,7 +158,8 @@ class ConnectorRegistry:
         names = [name, *dict.fromkeys(a for a in (*getattr(cls, "aliases", ()), *extra_aliases) if a != name)]
         for alias in names:
             if not isinstance(alias, str) or not alias:
-                msg = f"{cls.__module__}.{cls.__qualname__} has an invalid alias {alias!r} (from {plugin.describe()}): aliases must be non-empty strings"
+                msg = (f"{cls.__module__}.{cls.__qualname__} has an invalid alias {alias!r} "
+                       f"(from {plugin.describe()}): aliases must be non-empty strings")
                 raise InvalidConnectorError(msg)
         for alias in names:
             holder = self._lookup.get(alias)
@@ -168,7 +169,9 @@ class ConnectorRegistry:
         existing = self._entries.get(name)
         if existing is not None and existing.cls is cls:
             merged = tuple(dict.fromkeys((*existing.aliases, *names[1:])))
-            self._entries[name] = ConnectorEntry(name, cls, merged, existing.distribution, existing.version, existing.source)
+            self._entries[name] = ConnectorEntry(
+                name, cls, merged, existing.distribution, existing.version, existing.source
+            )
         else:
             self._entries[name] = ConnectorEntry(
                 name, cls, tuple(names[1:]), plugin.distribution, plugin.version, plugin.entry_point
@@ -294,9 +297,9 @@ class ConnectorRegistry:
         except (pluggy.PluginValidationError, ValueError) as exc:
             if pm.is_registered(obj):
                 pm.unregister(obj)
-            err = PluginLoadError(f"{where} has invalid kvconnector hooks: {exc}")
-            err.__cause__ = exc
-            self._record(record, err)
+            load_err = PluginLoadError(f"{where} has invalid kvconnector hooks: {exc}")
+            load_err.__cause__ = exc
+            self._record(record, load_err)
             return
         impls = [i for i in pm.hook.kvconnector_register_connectors.get_hookimpls() if i.plugin is obj]
         if not impls:
@@ -430,18 +433,20 @@ def get_connector_class(
         DuplicateConnectorError: two classes claim the name.
         InvalidConnectorError: ``module_path``'s attribute is not a connector class.
     """
-    if config.module_path:
-        policy = registry._module_path_policy() if registry is not None else PluginPolicy.resolve()
-        policy.check_module_path(config.module_path)
+    module_path = config.module_path
+    if module_path:
+        policy = registry._module_path_policy() if registry is not None else PluginPolicy.resolve()  # noqa: SLF001
+        policy.check_module_path(module_path)
         module = run_contained(
-            lambda: importlib.import_module(config.module_path),
-            lambda exc: f"cannot import connector module_path {config.module_path!r}: {type(exc).__name__}: {exc}")
+            lambda: importlib.import_module(module_path),
+            lambda exc: f"cannot import connector module_path {module_path!r}: {type(exc).__name__}: {exc}")
         cls = getattr(module, config.name, None)
         if cls is None:
             found = sorted(
                 k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, KVConnectorBase_V1)
             )
-            msg = f"module {config.module_path!r} has no attribute {config.name!r}; connector classes in it: {found or 'none'}"
+            msg = (f"module {config.module_path!r} has no attribute {config.name!r}; "
+                   f"connector classes in it: {found or 'none'}")
             raise UnknownConnectorError(msg)
         if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)) or inspect.isabstract(cls):
             msg = (

@@ -93,6 +93,10 @@ class KVConnectorSchedulerSide(abc.ABC):
         """Scheduler-side statistics (deltas since the last call, gauges apart). Default: None."""
         return None
 
+    def has_pending_work(self) -> bool:
+        """Something to deliver in a later step (see the facade). Default: False."""
+        return False
+
     def reset_cache(self) -> bool | None:
         """Drop cached KV and release held GPU blocks before a prefix-cache reset. Default: None."""
         return None
@@ -152,6 +156,10 @@ class KVConnectorWorkerSide(abc.ABC):
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """The step's statistics. Default: None."""
         return None
+
+    def has_pending_work(self) -> bool:
+        """Something to deliver in a later step (see the facade). Default: False."""
+        return False
 
     def build_connector_worker_meta(self) -> Any:
         """Records for the scheduler side. Default: None."""
@@ -320,6 +328,11 @@ class RoleSplitConnector(KVConnectorBase_V1):
         side = self._scheduler_side or self._worker_side
         assert side is not None  # noqa: S101 - one of the two is always set
         return side.get_kv_connector_stats()
+
+    def has_pending_work(self) -> bool:
+        """Forwarded to the object of this instance's role."""
+        side = self._scheduler_side or self._worker_side
+        return bool(getattr(side, "has_pending_work", lambda: False)())
 
     def shutdown(self) -> None:
         """Forwarded to the object of this instance's role."""

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self, cast
 
 import msgspec
 
@@ -387,8 +387,11 @@ class Engine:
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is still waiting, running or holding blocks for the connector."""
-        return self.scheduler.has_unfinished_requests()
+        """Whether any request is still waiting, running or holding blocks for the connector,
+        or a connector side still has something to deliver (``has_pending_work``)."""
+        runner_connector = self.model_runner.connector
+        return self.scheduler.has_unfinished_requests() or (
+            runner_connector is not None and runner_connector.has_pending_work())
 
     # -------------------------------------------------------------------- step
 
@@ -411,9 +414,11 @@ class Engine:
         _fold_stats(self.scheduler_connector_stats, self._scheduler_connector_stats())
         events = self.scheduler.take_events()
         if self.event_publisher is not None and events:
-            from kvconnector_core.kv_events import KVEventBatch
+            from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-            self.event_publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+            # Every KVCacheEvent is one of the three concrete types the wire union names.
+            wire = cast("list[BlockStored | BlockRemoved | AllBlocksCleared]", list(events))
+            self.event_publisher.publish(KVEventBatch(ts=time.time(), events=wire))
         for event in events:
             kind = type(event).__name__
             self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
@@ -590,7 +595,7 @@ class Engine:
         if failures:
             raise ShutdownError(failures)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

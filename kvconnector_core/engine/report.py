@@ -147,8 +147,8 @@ def format_report(result: RunResult, baseline: RunResult | None = None) -> str:
     if baseline is not None:
         b = baseline.metrics
         rows += [("baseline (no connector)",
-                  f"{b.prefill_tokens_computed} prefill tokens computed, "
-                  f"hit rate {b.total_hit_rate:.1%}, {b.wall_seconds:.2f} s")]
+                  (f"{b.prefill_tokens_computed} prefill tokens computed, "
+                   f"hit rate {b.total_hit_rate:.1%}, {b.wall_seconds:.2f} s"))]
     width = max(len(k) for k, _ in rows)
     lines = [title, "-" * len(title)] + [f"{k:<{width}}  {v}" for k, v in rows]
     if baseline is not None:

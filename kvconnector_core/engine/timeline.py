@@ -94,10 +94,10 @@ def plot_timeline(result: RunResult, path: str) -> None:
         ImportError: matplotlib is not installed (the message gives the install command).
     """
     try:
-        import matplotlib  # type: ignore[import-not-found,unused-ignore]
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]  # the optional "plot" extra
 
         matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]  # optional extra
     except ImportError:
         msg = ("--plot needs matplotlib, an optional dependency: pip install 'kvconnector[plot]' "
                "(or pip install matplotlib)")

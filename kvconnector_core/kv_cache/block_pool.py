@@ -18,7 +18,7 @@ is not maintained.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvconnector_core.errors import ConfigError, InvariantError, NoFreeBlocksError
 from kvconnector_core.kv_cache.hashing import (
@@ -34,6 +34,7 @@ from kvconnector_core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    ExternalBlockHash,
     KVCacheEvent,
     to_external_hash,
 )
@@ -127,15 +128,18 @@ class FreeKVCacheBlockQueue:
         """Remove and return the first ``n`` blocks, front first."""
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(n, self.num_free_blocks)
-        out = []
+        # The sentinels make every link inside the queue non-None, which mypy cannot see:
+        # the "sentinel-linked" ignores below stand for that invariant (no None test on
+        # the hot path).
+        out: list[KVCacheBlock] = []
         cur = self._head.next_free_block
         for _ in range(n):
-            out.append(cur)
-            nxt = cur.next_free_block
-            cur.prev_free_block = cur.next_free_block = None
+            out.append(cur)  # type: ignore[arg-type]  # sentinel-linked
+            nxt = cur.next_free_block  # type: ignore[union-attr]  # sentinel-linked
+            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]  # sentinel-linked
             cur = nxt
         self._head.next_free_block = cur
-        cur.prev_free_block = self._head
+        cur.prev_free_block = self._head  # type: ignore[union-attr]  # sentinel-linked
         self.num_free_blocks -= n
         return out
 
@@ -155,7 +159,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the back (evicted last)."""
         last = self._tail.prev_free_block
-        last.next_free_block = block
+        last.next_free_block = block  # type: ignore[union-attr]  # sentinel-linked
         block.prev_free_block = last
         block.next_free_block = self._tail
         self._tail.prev_free_block = block
@@ -163,11 +167,11 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Append ``blocks`` in order (linked in one pass, no call per block)."""
-        self._link_run(self._tail.prev_free_block, blocks, self._tail)
+        self._link_run(self._tail.prev_free_block, blocks, self._tail)  # type: ignore[arg-type]  # sentinel-linked
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front, keeping their order (blocks[0] evicted first)."""
-        self._link_run(self._head, blocks, self._head.next_free_block)
+        self._link_run(self._head, blocks, self._head.next_free_block)  # type: ignore[arg-type]  # sentinel-linked
 
     def _link_run(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock],
                   nxt: KVCacheBlock) -> None:
@@ -202,7 +206,9 @@ class BlockHashToBlockMap:
     __slots__ = ("_cache",)
 
     def __init__(self) -> None:
-        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # Keyed by plain bytes: BlockPool's inlined lookups build keys by concatenation
+        # (the public methods take BlockHashWithGroupId, which is bytes at run time).
+        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
 
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         """The first block cached under ``key``, or None."""
@@ -338,13 +344,13 @@ class BlockPool:
         # BlockHashToBlockMap.get_one_block and make_block_hash_with_group_id, inlined:
         # this runs once per prompt block on every admission.
         cache = self.cached_block_hash_to_block._cache
-        cached = []
+        cached: list[KVCacheBlock] = []
         for gid in kv_cache_group_ids:
             entry = cache.get(block_hash + (_GROUP_SUFFIX[gid] if gid < _NUM_SUFFIXES
                                             else gid.to_bytes(4, "big")))
             if entry is None:
                 return None
-            cached.append(entry if entry.__class__ is KVCacheBlock else next(iter(entry.values())))
+            cached.append(entry if isinstance(entry, KVCacheBlock) else next(iter(entry.values())))
         return cached
 
     def iter_cached_blocks(self) -> Iterator[KVCacheBlock]:
@@ -383,10 +389,8 @@ class BlockPool:
                 f"request {request.request_id!r} has {len(hashes)} block hashes; "
                 f"caching {num_full_blocks} blocks of {block_size} tokens needs {num_full_blocks * scale}"
             )
-        new_hashes: list[int] | None = [] if self.enable_kv_cache_events else None
-        extra_keys: list = []
-        first_cached = -1
-        last_cached = -1
+        new_hashes: list[ExternalBlockHash] | None = [] if self.enable_kv_cache_events else None
+        extra_keys: list[tuple[Any, ...] | None] = []
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             # A block that already holds a hash is skipped: it is the null block, or
@@ -402,9 +406,6 @@ class BlockPool:
                 extra_keys.append(
                     generate_block_extra_keys(i * scale, request.lora_name, request.cache_salt)
                 )
-                if first_cached < 0:
-                    first_cached = i
-                last_cached = i
         if new_hashes:
             parent_idx = num_cached_blocks * scale - 1
             parent = to_external_hash(hashes[parent_idx]) if parent_idx >= 0 else None
@@ -480,20 +481,26 @@ class BlockPool:
         A block at ref count 0 leaves the free queue, so it cannot be evicted
         while referenced. The null block is skipped.
         """
-        revived = 0
+        # Counts the blocks that stay out of the free queue (already referenced, or the
+        # null block) instead of the revived ones: on a hit nearly every block is revived,
+        # so the counter is almost never touched (this runs once per prompt block).
+        kept = 0
         for b in blocks:
-            if b.ref_cnt == 0 and not b.is_null:
+            rc = b.ref_cnt  # read once
+            if rc == 0 and not b.is_null:
                 # FreeKVCacheBlockQueue.remove, inlined: one frame less per block.
                 prev, nxt = b.prev_free_block, b.next_free_block
                 if prev is None or nxt is None:
+                    revived = list(blocks).index(b) - kept
                     self.free_block_queue.num_free_blocks -= revived
                     raise InvariantError(f"{b!r} has ref count 0 but is not in the free queue")
                 prev.next_free_block = nxt
                 nxt.prev_free_block = prev
                 b.prev_free_block = b.next_free_block = None
-                revived += 1
-            b.ref_cnt += 1
-        self.free_block_queue.num_free_blocks -= revived  # once, not per block
+            else:
+                kept += 1
+            b.ref_cnt = rc + 1
+        self.free_block_queue.num_free_blocks -= len(blocks) - kept  # once, not per block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given (eviction) order.

@@ -10,7 +10,7 @@ with the scheduler).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvconnector_core.errors import BlockSizeError
 from kvconnector_core.kv_cache.block_pool import BlockPool, KVCacheBlock
@@ -164,7 +164,8 @@ class KVCacheCoordinator:
         """The request's block table in every group."""
         return tuple(m.get_blocks(request_id) for m in self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int) -> tuple[BlockLists, int]:
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[BlockLists, int]:
         """Longest usable cached prefix: ``(blocks per group, number of tokens)``."""
         raise NotImplementedError
 
@@ -172,7 +173,8 @@ class KVCacheCoordinator:
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Prefix caching off: every lookup misses."""
 
-    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[BlockLists, int]:
         return tuple([] for _ in self.single_type_managers), 0
 
 
@@ -184,7 +186,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     generator costs more than the work itself on the decode path.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._manager = self.single_type_managers[0]
 
@@ -209,7 +211,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         self._manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
-    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[BlockLists, int]:
         m = self.single_type_managers[0]
         hits = type(m).find_longest_cache_hit(
             block_hashes, max_cache_hit_length, [0], self.block_pool, m.kv_cache_spec, self.scheduler_block_size
@@ -227,7 +230,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     prefix-closed.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         by_spec: dict[KVCacheSpec, list[int]] = {}
         for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
@@ -237,7 +240,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             by_spec.items(), key=lambda kv: not isinstance(kv[0], FullAttentionSpec)
         )
 
-    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[BlockLists, int]:
         align = self.scheduler_block_size
         hit_length = max_cache_hit_length - max_cache_hit_length % align
         results: dict[int, list[KVCacheBlock]] = {}
@@ -282,16 +286,12 @@ def get_kv_cache_coordinator(
     enable_kv_cache_events: bool,
 ) -> KVCacheCoordinator:
     """Pick the coordinator for a config: no prefix cache, one group, or hybrid."""
-    kwargs = dict(
-        scheduler_block_size=scheduler_block_size,
-        hash_block_size=hash_block_size,
-        enable_caching=enable_caching,
-        enable_kv_cache_events=enable_kv_cache_events,
-    )
     if not enable_caching:
         cls: type[KVCacheCoordinator] = KVCacheCoordinatorNoPrefixCache
     elif len(kv_cache_config.kv_cache_groups) == 1:
         cls = UnitaryKVCacheCoordinator
     else:
         cls = HybridKVCacheCoordinator
-    return cls(kv_cache_config, max_model_len, max_num_batched_tokens, **kwargs)
+    return cls(kv_cache_config, max_model_len, max_num_batched_tokens,
+               scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
+               enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events)

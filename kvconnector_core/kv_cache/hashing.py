@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NewType
 
 import msgspec
 
@@ -38,16 +38,18 @@ __all__ = [
     "make_block_hash_with_group_id",
 ]
 
-BlockHash = bytes
+# NewTypes, as in vLLM: bytes at run time (no wrapper object, no copy), distinct types for
+# a type checker, so a group-keyed hash or an arbitrary ``bytes`` cannot pass as a BlockHash.
+BlockHash = NewType("BlockHash", bytes)
 """A 32-byte sha256 digest identifying a block and everything before it."""
 
-BlockHashWithGroupId = bytes
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 """A :data:`BlockHash` followed by the KV cache group id as 4 big-endian bytes."""
 
 _encode = msgspec.msgpack.Encoder().encode
 _sha256 = hashlib.sha256
 
-NONE_HASH: BlockHash = _sha256(b"kvconnector-none-hash").digest()
+NONE_HASH = BlockHash(_sha256(b"kvconnector-none-hash").digest())
 """The parent hash used for the first block of every sequence."""
 
 
@@ -68,7 +70,7 @@ def hash_block_tokens(
     """
     if parent_block_hash is None:
         parent_block_hash = NONE_HASH
-    return _sha256(_encode((parent_block_hash, token_ids, extra_keys))).digest()
+    return BlockHash(_sha256(_encode((parent_block_hash, token_ids, extra_keys))).digest())
 
 
 def generate_block_extra_keys(
@@ -124,12 +126,12 @@ def hash_request_tokens(
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     """Key a block hash by KV cache group, so groups never share cache entries."""
-    return block_hash + group_id.to_bytes(4, "big")
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big"))
 
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
     """Return the block hash part of a group-keyed hash."""
-    return key[:-4]
+    return BlockHash(key[:-4])
 
 
 def get_group_id(key: BlockHashWithGroupId) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.block_pool import BlockPool, KVCacheBlock
@@ -257,8 +257,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         """Nothing to do: full attention reads every block again."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, alignment_tokens: int
+                               ) -> tuple[list[KVCacheBlock], ...]:
         bs = kv_cache_spec.block_size
         scale = bs // block_pool.hash_block_size
         hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
@@ -287,19 +289,23 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     """
 
     spec_type = SlidingWindowSpec
+    kv_cache_spec: SlidingWindowSpec  # narrowed: get_manager_for_kv_cache_spec picks by spec_type
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before ``num_computed_tokens - sliding_window + 1``."""
-        return max(0, num_computed_tokens - self.kv_cache_spec.sliding_window + 1)  # type: ignore[attr-defined]
+        return max(0, num_computed_tokens - self.kv_cache_spec.sliding_window + 1)
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, alignment_tokens: int
+                               ) -> tuple[list[KVCacheBlock], ...]:
         bs = kv_cache_spec.block_size
         scale = bs // block_pool.hash_block_size
         null = block_pool.null_block
         max_blocks = min(max_length // bs, len(block_hashes) // scale)
-        need = cdiv(kv_cache_spec.sliding_window - 1, bs)
+        # The coordinator passes this class's own spec type (spec_type).
+        need = cdiv(cast(SlidingWindowSpec, kv_cache_spec).sliding_window - 1, bs)
         align_blocks = max(1, alignment_tokens // bs)
         hits = tuple([null] * max_blocks for _ in kv_cache_group_ids)
         get = block_pool.get_cached_block
@@ -347,19 +353,22 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """
 
     spec_type = ChunkedLocalAttentionSpec
+    kv_cache_spec: ChunkedLocalAttentionSpec  # narrowed: get_manager_for_kv_cache_spec picks by spec_type
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the start of the chunk that ``num_computed_tokens`` is in."""
-        chunk = self.kv_cache_spec.attention_chunk_size  # type: ignore[attr-defined]
+        chunk = self.kv_cache_spec.attention_chunk_size
         return (num_computed_tokens // chunk) * chunk
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, alignment_tokens: int
+                               ) -> tuple[list[KVCacheBlock], ...]:
         bs = kv_cache_spec.block_size
         scale = bs // block_pool.hash_block_size
         null = block_pool.null_block
-        chunk = kv_cache_spec.attention_chunk_size
+        chunk = cast(ChunkedLocalAttentionSpec, kv_cache_spec).attention_chunk_size  # this class's spec_type
         max_blocks = min(max_length // bs, len(block_hashes) // scale)
         local_start = (max_length // chunk) * chunk
         num_null = min(local_start // bs, max_blocks)

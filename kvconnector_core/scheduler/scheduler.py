@@ -230,10 +230,12 @@ class Scheduler:
 
         The last case makes the engine run one empty step after a finish (as vLLM
         does), so the worker learns ``finished_req_ids`` and connectors meet empty
-        steps in kvconnector's engine too.
+        steps in kvconnector's engine too. A connector with pending work (a report the
+        guard redelivers, a message for its worker side) also keeps the engine stepping.
         """
         return bool(self.waiting or self.running or self.delayed_free or self._aborted_while_loading
-                    or self.finished_req_ids)
+                    or self.finished_req_ids
+                    or (self.connector is not None and self.connector.has_pending_work()))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached GPU block; False while a request holds blocks.

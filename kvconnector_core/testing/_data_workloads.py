@@ -6,6 +6,8 @@ Primitives: :class:`DataCheckWorkload`, :func:`data_check_workloads`.
 
 from __future__ import annotations
 
+import functools
+import operator
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,7 +112,7 @@ def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
                    (20, odd, 2), (20, b16, 2), (30, b16, 2)])
     system = _tokens(rng, 10)
     turns = [[_tokens(rng, 7)] + [_tokens(rng, 3) for _ in range(2)] for _ in range(4)]
-    prefixes = _trace([(8 * r + i, system + sum(turns[i][:r + 1], []), 3)
+    prefixes = _trace([(8 * r + i, system + functools.reduce(operator.iadd, turns[i][:r + 1], []), 3)
                        for r in range(3) for i in range(4)])
     prompts = [_tokens(rng, 12 + 2 * i) for i in range(4)]
     evict = _trace([(6 * i, prompts[i % 4], 2) for i in range(12)])

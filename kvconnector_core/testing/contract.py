@@ -71,7 +71,8 @@ class ConnectorContract:
 
     def _pair(self) -> tuple[KVConnectorBase_V1, KVConnectorBase_V1, KVCacheConfig]:
         kvc = self.make_kv_cache_config()
-        return self.make_connector(KVConnectorRole.SCHEDULER, kvc), self.make_connector(KVConnectorRole.WORKER, kvc), kvc
+        return (self.make_connector(KVConnectorRole.SCHEDULER, kvc),
+                self.make_connector(KVConnectorRole.WORKER, kvc), kvc)
 
     @staticmethod
     def _step(sched: KVConnectorBase_V1, worker: KVConnectorBase_V1, so: SchedulerOutput) -> KVConnectorOutput:
@@ -194,7 +195,8 @@ class ConnectorContract:
             blocks = manager.allocate_slots(request, request.num_tokens - local)
             assert blocks is not None
             sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
-            out = factories.scheduler_output_for([(request, manager.get_block_ids(request.request_id), request.num_tokens)])
+            out = factories.scheduler_output_for(
+                [(request, manager.get_block_ids(request.request_id), request.num_tokens)])
             check_metadata_roundtrip(sched.build_connector_meta(out))
             sched.update_connector_output(KVConnectorOutput())
             result = sched.request_finished(request, manager.get_block_ids(request.request_id)[0])

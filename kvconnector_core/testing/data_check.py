@@ -195,7 +195,7 @@ class DataCheck:
     def check(self, workload_name: str) -> DataCheckReport:
         """Run one standard workload; fail the test with the report unless it is clean."""
         report = run_data_check(self.connector_config, workload_name, layer_types=self.layer_types)
-        assert report.ok, str(report)  # noqa: S101 - this is a test
+        assert report.ok, str(report)
         return report
 
     def test_block_aligned(self) -> None:
@@ -232,7 +232,7 @@ class DataCheck:
                 return engine.run(Trace(work.name, list(work.requests)))
 
         problems = lookup_side_effects(run)
-        assert not problems, "\n".join(problems)  # noqa: S101 - this is a test
+        assert not problems, "\n".join(problems)
 
     def test_hybrid(self) -> None:
         """A model with three KV cache groups: the same checks when the connector declares

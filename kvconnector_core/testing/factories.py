@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from kvconnector_core.kv_cache.block_pool import BlockPool
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheManager
-    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+    from kvconnector_core.kv_cache.kv_cache_spec import AttentionSpec, KVCacheConfig
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import SchedulerOutput
 
@@ -69,7 +69,8 @@ def make_kv_cache_config(
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[group])
 
 
-def make_block_pool(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, *, enable_kv_cache_events: bool = False) -> BlockPool:
+def make_block_pool(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, *,
+                    enable_kv_cache_events: bool = False) -> BlockPool:
     """Return a real GPU ``BlockPool`` with prefix caching on."""
     from kvconnector_core.kv_cache.block_pool import BlockPool
 
@@ -77,7 +78,8 @@ def make_block_pool(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, 
                      enable_kv_cache_events=enable_kv_cache_events)
 
 
-def make_kv_cache_manager(kv_cache_config: KVCacheConfig | None = None, *, max_model_len: int = MAX_MODEL_LEN) -> KVCacheManager:
+def make_kv_cache_manager(kv_cache_config: KVCacheConfig | None = None, *,
+                          max_model_len: int = MAX_MODEL_LEN) -> KVCacheManager:
     """Return a real ``KVCacheManager`` over ``kv_cache_config`` (default: :func:`make_kv_cache_config`)."""
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheManager
 
@@ -145,7 +147,7 @@ def make_kv_caches(kv_cache_config: KVCacheConfig | None = None, device: str = "
     config = kv_cache_config or make_kv_cache_config()
     caches: dict[str, torch.Tensor] = {}
     for group in config.kv_cache_groups:
-        spec = group.kv_cache_spec
+        spec = cast("AttentionSpec", group.kv_cache_spec)  # the worker allocates attention specs only
         dtype = getattr(torch, spec.dtype)
         base = torch.zeros((config.num_blocks, len(group.layer_names), 2, spec.block_size,
                             spec.num_kv_heads, spec.head_size), dtype=dtype, device=device)

@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 
-class InjectedFault(TransferError):
+class InjectedFault(TransferError):  # noqa: N818 - a public name; "fault" already says what it is
     """Raised by a :class:`FaultInjectingConnector` hook on purpose."""
 
 
@@ -154,9 +154,10 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._rng = random.Random(seed)
         self._raise_rng = random.Random(f"{seed}:raise")
         self._delay_rng = random.Random(f"{seed}:delay")
-        self.supports_async_load = inner.supports_async_load  # type: ignore[misc]
-        self.has_sync_kv_loads = inner.has_sync_kv_loads  # type: ignore[misc]
-        self.requires_block_pool = inner.requires_block_pool  # type: ignore[misc]
+        # The wrapper's capability ClassVars are per instance: it mirrors what it wraps.
+        self.supports_async_load = inner.supports_async_load  # type: ignore[misc]  # ClassVar set per instance
+        self.has_sync_kv_loads = inner.has_sync_kv_loads  # type: ignore[misc]  # ClassVar set per instance
+        self.requires_block_pool = inner.requires_block_pool  # type: ignore[misc]  # ClassVar set per instance
         self._step = 0
         self._raised_once: set[str] = set()
         # scheduler side
@@ -201,6 +202,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
 
     def _block_size(self) -> int | None:
         try:
+            # A missing config (None) is one of the cases the except below handles.
             return int(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)  # type: ignore[union-attr]
         except (AttributeError, IndexError, TypeError):
             return None
@@ -473,6 +475,11 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._maybe_raise("clear_connector_metadata")
         self.inner.clear_connector_metadata()
         super().clear_connector_metadata()
+
+    def has_pending_work(self) -> bool:
+        """Forward (no fault is injected: it only decides whether the engine idles)."""
+        hook = getattr(self.inner, "has_pending_work", None)
+        return bool(hook()) if hook is not None else False
 
     def shutdown(self) -> None:
         """Forward (or raise)."""

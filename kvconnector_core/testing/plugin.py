@@ -65,7 +65,8 @@ def make_request() -> Callable[..., Request]:
 
 
 @pytest.fixture
-def connector_pair(kv_cache_config: KVCacheConfig) -> Iterator[Callable[..., tuple[KVConnectorBase_V1, KVConnectorBase_V1]]]:
+def connector_pair(kv_cache_config: KVCacheConfig
+                   ) -> Iterator[Callable[..., tuple[KVConnectorBase_V1, KVConnectorBase_V1]]]:
     """Factory ``connector_pair(config, registry=None)`` -> ``(scheduler_side, worker_side)``."""
     from kvconnector_core.testing.factories import make_connector_pair
 
@@ -83,7 +84,7 @@ def connector_pair(kv_cache_config: KVCacheConfig) -> Iterator[Callable[..., tup
     for conn in created:
         try:
             conn.shutdown()
-        except Exception as exc:  # shut the others down first, then report every failure
+        except Exception as exc:  # noqa: BLE001 - shut the others down first, then report every failure
             failures.append((f"{type(conn).__name__} ({conn.role.name.lower()} side)", exc))
     if failures:
         raise ShutdownError(failures)

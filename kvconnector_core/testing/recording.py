@@ -58,7 +58,8 @@ class RecordingConnector(KVConnectorBase_V1):
     has_sync_kv_loads: ClassVar[bool] = True
     supports_multiple_kv_cache_groups: ClassVar[bool] = True  # it moves no KV data
 
-    def __init__(self, config: KVConnectorConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         """Create the connector (see :class:`KVConnectorBase_V1`)."""
         super().__init__(config, role, kv_cache_config)
         self.calls: list[tuple[str, tuple[Any, ...]]] = []

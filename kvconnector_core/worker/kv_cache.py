@@ -31,14 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+    from kvconnector_core.kv_cache.kv_cache_spec import AttentionSpec, KVCacheConfig
 
 __all__ = [
     "KVCacheTensors",
@@ -131,8 +131,9 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: str | torch.devic
             msg = (f"KV cache group {g} has spec {group.kv_cache_spec!r}; the worker allocates "
                    "attention specs only")
             raise ConfigError(msg)
-        torch_dtype(group.kv_cache_spec.dtype)  # an unsupported dtype fails before allocating
-    result = KVCacheTensors(group_tensors=[None] * len(groups),  # type: ignore[list-item]
+        # An unsupported dtype fails before allocating (an attention spec: checked just above).
+        torch_dtype(cast("AttentionSpec", group.kv_cache_spec).dtype)
+    result = KVCacheTensors(group_tensors=[None] * len(groups),  # type: ignore[list-item]  # each set below
                             pool_of_group=[0] * len(groups))
     for p, pool in enumerate(kv_cache_config.physical_pools):
         page = groups[pool[0]].kv_cache_spec.page_size_bytes
@@ -197,7 +198,7 @@ def group_layers_by_storage(kv_caches: Mapping[str, torch.Tensor]) -> list[dict[
             group = {}
             out.append(group)
         group[name] = t
-        current[key] = (group, t.storage_offset())
+        current[key] = (group, int(t.storage_offset()))
     return out
 
 

@@ -365,13 +365,15 @@ class PagedIntModel:
             weights = self._weights(scores, qpos, key_pos.unsqueeze(0), window, chunk)
             att = _mod(weights @ values.transpose(0, 1))  # (H, Tq, hs)
             out[q_start:q_end] = att.transpose(0, 1).reshape(q_end - q_start, -1)
-        if meta.decode_rows is not None and meta.decode_rows.numel():
+        decode_slots, key_positions = meta.decode_key_slots, meta.decode_key_positions
+        if (meta.decode_rows is not None and decode_slots is not None and key_positions is not None
+                and meta.decode_rows.numel()):
             rows = meta.decode_rows
-            keys, values = self._gather(kv_layer, meta.decode_key_slots, meta.block_size)
+            keys, values = self._gather(kv_layer, decode_slots, meta.block_size)
             # keys: (R, Lmax, H, hs); one query per request.
             scores = torch.einsum("rhd,rlhd->rhl", qh[rows], keys)
             qpos = positions[rows].view(-1, 1, 1)
-            kpos = meta.decode_key_positions.unsqueeze(1)
+            kpos = key_positions.unsqueeze(1)
             weights = self._weights(scores, qpos, kpos, window, chunk)  # (R, H, Lmax)
             att = _mod(torch.einsum("rhl,rlhd->rhd", weights, values))
             out[rows] = att.reshape(rows.numel(), -1)

@@ -219,7 +219,7 @@ class ModelRunner:
             old = self.requests.get(new.req_id)
             # A re-sent request keeps the tokens it sampled if they extend the prompt.
             keep = old is not None and old.token_ids[:len(new.prompt_token_ids)] == new.prompt_token_ids
-            tokens = old.token_ids if keep else list(new.prompt_token_ids)
+            tokens = old.token_ids if keep and old is not None else list(new.prompt_token_ids)
             self.requests[new.req_id] = _RequestState(
                 new.req_id, tokens, len(new.prompt_token_ids), [list(b) for b in new.block_ids])
         cached = so.scheduled_cached_reqs
@@ -336,7 +336,7 @@ class ModelRunner:
         batch, sample_req_ids = self._build_batch(work)
         connector = self.connector
         before = after = None
-        if connector is not None:
+        if connector is not None and connector.uses_layer_hooks:
             before = connector.wait_for_layer_load
 
             def after(name: str, kv_layer: torch.Tensor, meta: GroupAttentionMetadata) -> None:
@@ -366,7 +366,8 @@ class ModelRunner:
         # side's update_connector_output as KVConnectorOutput.kv_connector_worker_meta.
         worker_meta = connector.build_connector_worker_meta()
         connector.clear_connector_metadata()
-        if connector.loads_failed and self._sync_loads:
+        # No plan (build_connector_meta raised): the step's sync loads never ran.
+        if (connector.loads_failed or so.kv_connector_metadata is None) and self._sync_loads:
             # Without sync loads this step, no block the forward read was being loaded, so
             # failed loads invalidate nothing the batch used (async loads: the scheduler
             # fails the ones it planned this step).
@@ -400,8 +401,9 @@ class ModelRunner:
             (n.req_id, n.num_computed_tokens, n.block_ids) for n in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                admitted.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i]))
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                admitted.append((req_id, cached.num_computed_tokens[i], new_ids))
         # How many requests hold each block (the runner's state is already updated).
         holders: dict[int, int] = {}
         for state in self.requests.values():

@@ -45,6 +45,7 @@ from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView, KVCacheBlock
+    from kvconnector_core.kv_cache.hashing import BlockHash
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
     from kvconnector_core.request import Request
@@ -154,6 +155,7 @@ class TTLPinConnector(KVConnectorBase_V1):
     @property
     def _block_size(self) -> int:
         try:
+            # A missing config (None) is one of the cases the except below handles.
             return int(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)  # type: ignore[union-attr]
         except (AttributeError, IndexError):
             return 1
@@ -171,9 +173,9 @@ class TTLPinConnector(KVConnectorBase_V1):
         now = self.clock()
         self._expire(now)
         for block_hash in request.block_hashes[: num_hit // self._block_size]:
-            self._on_hit(self._pool, bytes(block_hash), now)
+            self._on_hit(self._pool, block_hash, now)
 
-    def _on_hit(self, pool: GPUBlockPoolView, block_hash: bytes, now: float) -> None:
+    def _on_hit(self, pool: GPUBlockPoolView, block_hash: BlockHash, now: float) -> None:
         count = self._hits.pop(block_hash, 0) + 1
         self._hits[block_hash] = count
         if len(self._hits) > 4 * pool.num_gpu_blocks:  # bound the hit memory (LRU)
@@ -241,6 +243,12 @@ class TTLPinConnector(KVConnectorBase_V1):
         """Forget the request; never delays the free."""
         self._lookups.pop(request.request_id, None)
         return False, None
+
+    def forget_requests(self, request_ids: set[str]) -> None:
+        """Drop the remembered lookups of these requests (the guard's repair after a hook
+        raised; pins belong to blocks, not requests, and stay)."""
+        for rid in request_ids:
+            self._lookups.pop(rid, None)
 
     @property
     def num_pinned_blocks(self) -> int:

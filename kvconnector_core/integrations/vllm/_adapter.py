@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1 as VllmConnectorBase,
@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from kvconnector_core.connector.base import KVConnectorBase_V1
+    from kvconnector_core.scheduler.output import SchedulerOutput
 
 __all__ = ["KVConnectorAdapter", "KVConnectorAdapterHMA"]
 
@@ -231,7 +232,9 @@ class KVConnectorAdapter(VllmConnectorBase):
 
     def build_connector_meta(self, scheduler_output: Any) -> AdapterMetadata:
         """The wrapped plan (None if building it raised), in a vLLM metadata record."""
-        plan = self._scheduler().build_connector_meta(SchedulerOutputView(scheduler_output))
+        # The view carries every SchedulerOutput field a connector reads (duck-typed).
+        view = cast("SchedulerOutput", SchedulerOutputView(scheduler_output))
+        plan = self._scheduler().build_connector_meta(view)
         self._last_plan = plan
         self._last_loads, self._step_loads = self._step_loads, {}
         if plan is None:  # the step's loads are never planned: they fail now
@@ -283,6 +286,7 @@ class KVConnectorAdapter(VllmConnectorBase):
     def get_kv_connector_stats(self) -> AdapterStats | None:
         """The wrapped stats under vLLM's stats protocol (None when empty)."""
         side = self._sched if self._sched is not None else self._worker
+        # mypy: exactly one of the two sides is set (hence the ignore)
         stats = AdapterStats.from_kvconnector(side.get_kv_connector_stats())  # type: ignore[union-attr]
         return None if stats.is_empty() else stats
 

@@ -28,7 +28,8 @@ __all__ = ["block_dense_views"]
 
 def _physical(t: torch.Tensor) -> torch.Tensor:
     """``t`` with dimensions sorted by stride (physical order), the block dim kept first on ties."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
     return t.permute(order)
 
 
@@ -55,7 +56,8 @@ def block_dense_views(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     if _dense_rows(t):
         return {name: t}
     # The block dimension is dim 0 of vLLM's logical view; track it through the permute.
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
     phys = t.permute(order)
     block_at = order.index(0)
     if block_at == 0 and _dense_rows(phys):
