@@ -68,7 +68,7 @@ def test_whole_block_loader_claiming_whole_prompt_is_safe() -> None:
     cfg = reference(claim_whole_prompt=True, bug="partial_last_block")
     report = run_data_check(cfg, WORKLOADS["full_prompt_hit"])
     assert report.ok, str(report)
-    assert report.checked is not None and report.checked.metrics.connector_hit_tokens > 0
+    assert report.checked is not None and report.checked.metrics.connector_hit_tokens == 76
 
 
 def test_workloads_exercise_the_connector() -> None:
@@ -221,3 +221,16 @@ def test_kit_catches_a_lookup_that_counts_hits() -> None:
         connector_config = reference()
 
     Clean().test_lookups_are_repeatable()
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_cpu_offload_serves_hits_on_the_hybrid_workload(blocks_per_chunk: int) -> None:
+    """Regression: the ``hybrid`` workload's 8-token window groups stored only the chunks
+    still in the window after each prefill step, so only r4 (which extends r0 past its
+    end) hit: 24 tokens. Every repeat now hits up to one block before its last token:
+    r2 (r0's 24 tokens again) 20, r3 (r1's 19 tokens + 9) 16, r4 24, r5 (r1 again) 16."""
+    cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64,
+                                                              "blocks_per_chunk": blocks_per_chunk})
+    report = run_data_check(cfg, "hybrid")
+    assert report.ok, str(report)
+    assert report.checked is not None and report.checked.metrics.connector_hit_tokens == 76

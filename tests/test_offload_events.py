@@ -260,9 +260,11 @@ def test_hybrid_snapshot_resyncs_every_group(model: str) -> None:
     the tier, group by group."""
     from kvconnector_core.engine.models import get_model
 
+    # 24 chunks: a 128-token step stores 8 chunks per group (windowed groups store every
+    # chunk they computed), so the tier takes a step's store and still evicts.
     eng = Engine(EngineConfig(model=get_model(model), num_gpu_blocks=64, block_size=16, max_model_len=256,
                               max_num_batched_tokens=128, max_num_seqs=2,
-                              connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 12}}))
+                              connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 24}}))
     conn = eng.scheduler_connector
     held: dict[int, set[int]] = {}
 

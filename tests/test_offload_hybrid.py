@@ -77,15 +77,35 @@ def test_hybrid_models_offload_with_identical_outputs(layer_types):
     eng.shutdown()
 
 
-def test_sliding_window_group_stores_only_chunks_in_its_window():
-    """With a 48-token window and 64-token prefill steps, the sliding group stores only
-    the chunks still in the window after each step, far fewer than the full group."""
-    eng, _, _ = _run(("full", "sliding:48"), OFFLOAD)
-    keys = [k for k, _ in eng.scheduler_connector.manager.policy]
-    full = sum(1 for k in keys if k[-4:] == bytes(4))
-    sliding = len(keys) - full
-    assert 0 < sliding < full / 2
-    eng.shutdown()
+def _prefill_once(layer_types: tuple[str, ...], prompt: list[int]) -> Engine:
+    """An engine that prefilled ``prompt`` in one step and completed its stores."""
+    model = ModelConfig(layer_types=layer_types, vocab_size=1000)
+    eng = Engine(EngineConfig(model=model, max_num_batched_tokens=128, max_model_len=1024,
+                              num_gpu_blocks=GPU_BLOCKS, connector=OFFLOAD))
+    eng.add_request(prompt, 1)
+    while eng.has_unfinished_requests():
+        eng.step()
+    for _ in range(3):  # stores complete and are reported
+        eng.step()
+    return eng
+
+
+@pytest.mark.parametrize("window", [3, 8, 16, 48])
+def test_windowed_groups_serve_a_hit_at_every_chunk_boundary(window):
+    """Regression: a windowed group stored only the chunks still in its window after the
+    prefill step, so only a hit ending where that step ended was served. A repeated prompt
+    (whose hit ends one block short) and a shared prefix got no hit with windows of 8 or
+    16 tokens (hybrid DataCheck: 0 hit tokens). Every chunk the step computed is stored."""
+    from kvconnector_core.request import Request
+
+    prompt = [(7 * i) % 997 + 1 for i in range(96)]
+    for kind in ("sliding", "chunked"):
+        eng = _prefill_once(("full", f"{kind}:{window}") * 2, prompt)
+        lookup = eng.scheduler_connector.get_num_new_matched_tokens
+        assert lookup(Request("again", prompt, 1, hash_block_size=16), 0) == (80, True), kind
+        shared = prompt[:48] + [999] * 22
+        assert lookup(Request("shared", shared, 1, hash_block_size=16), 0) == (48, True), kind
+        eng.shutdown()
 
 
 def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
@@ -164,3 +184,49 @@ def test_a_resent_prompt_hits_its_sliding_window_after_a_one_step_prefill():
     again = Request("again", prompt, 1, hash_block_size=16)
     assert eng.scheduler_connector.get_num_new_matched_tokens(again, 0) == (96, True)
     eng.shutdown()
+
+
+def test_a_chunk_with_a_block_freed_before_the_step_is_never_stored():
+    """Regression: with a window smaller than a chunk, a chunk that completes after its
+    first block left the window was stored from that block's old id (freed by this step's
+    allocation, possibly rewritten by another request). Window 4, 4-token blocks, 8-token
+    chunks: decoding token 15 frees blocks 0-2 (window of token 15: tokens 12-15), so
+    chunk 1 (blocks 2-3) of the sliding group is skipped; the full group stores it."""
+    from connectors.offload.connector import OffloadingConnector
+    from kvconnector_core.connector.base import KVConnectorRole
+    from kvconnector_core.connector.config import KVConnectorConfig
+    from kvconnector_core.kv_cache.block_pool import KVCacheBlock
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.kv_cache.kv_cache_spec import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    kv = KVCacheConfig(16, [KVCacheGroupSpec(["f"], FullAttentionSpec(block_size=4)),
+                            KVCacheGroupSpec(["s"], SlidingWindowSpec(block_size=4, sliding_window=4))])
+    conn = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={
+        "num_cpu_blocks": 16, "blocks_per_chunk": 2}), KVConnectorRole.SCHEDULER, kv)
+    prompt = list(range(1, 15))
+    req = Request("r", prompt, 8, hash_block_size=4)
+    full_ids, sliding_ids = [1, 2, 3, 4], [5, 6, 7, 8]
+
+    def step(new, cached, n):
+        return conn.build_connector_meta(SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens={"r": n},
+            total_num_scheduled_tokens=n, finished_req_ids=set(), preempted_req_ids=set()))
+
+    conn.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in full_ids],
+                                                      [KVCacheBlock(i) for i in sliding_ids])), 0)
+    first = step([NewRequestData("r", prompt, (full_ids, sliding_ids), 0)],
+                 CachedRequestData([], set(), [], [], []), 14)
+    assert [job.gpu_block_ids for job in first.stores] == [[1, 2, 5, 6]]  # chunk 0 of each group
+    stored = []
+    for token, computed in ((14, 14), (15, 15)):
+        req.append_output_token_ids(token)
+        meta = step([], CachedRequestData(["r"], set(), [[token]], [None], [computed]), 1)
+        stored += [job.gpu_block_ids for job in meta.stores]
+    assert stored == [[3, 4]]  # chunk 1 of the full group only: block 7 was freed

@@ -12,7 +12,7 @@ Hybrid models: every KV cache group is offloaded; a key is a chunk's chained has
 its group (4 bytes), as in vLLM 0.33. Lookups are window-aware (a sliding-window group
 needs only the chunks of its last window, a chunked-local group those of its current
 attention chunk), loads move only the blocks the engine allocated (in-window), and
-stores skip chunks that left a group's window.
+stores skip chunks whose blocks the engine freed (out of the window before the step).
 
 With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiering`):
 a hit may take each chunk the CPU tier lacks from a tier (window-aware as above; None =
@@ -344,8 +344,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             else:
                 for ids, added in zip(state.block_ids, new_ids, strict=False):
                     ids += added
-            done = computed.get(rid, 0) + scheduler_output.num_scheduled_tokens.get(rid, 0)
-            job = self._plan_store(state, done)
+            before = computed.get(rid, 0)
+            job = self._plan_store(state, before, before + scheduler_output.num_scheduled_tokens.get(rid, 0))
             if job is not None:
                 stores.append(job)
         preempted = (sorted(r for r in scheduler_output.preempted_req_ids if r in self._reqs)
@@ -361,14 +361,18 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
         return meta
 
-    def _store_range(self, state: _ReqState, g: int, num_done_tokens: int) -> range:
+    def _store_range(self, state: _ReqState, g: int, num_computed_tokens: int,
+                     num_done_tokens: int) -> range:
         """Chunks of group ``g`` to store now; advances the group's ``next_chunk``.
 
-        Windowed groups store the chunks the next token still reads, the one the window
-        starts in included (a lookup needs it: :func:`~connectors.offload.lookup.needed_chunks`);
-        chunks that already left are skipped for good. The engine may free a stored
-        block while its store is in flight: the store fence (:mod:`._fence`) makes the
-        worker wait before the block is rewritten.
+        Windowed groups store every new chunk whose blocks are still allocated: this
+        step's allocation freed only those before the window at ``num_computed_tokens``
+        (the tokens computed before the step), so chunks a one-step prefill computed and
+        already left behind are stored too, as vLLM 0.33 does. A hit that ends before
+        ``num_done_tokens`` (e.g. the repeated prompt's, one block short of its end)
+        needs them: :func:`~connectors.offload.lookup.needed_chunks`. The engine frees
+        such blocks at the next step while their store may be in flight: the store
+        fence (:mod:`._fence`) makes the worker wait before a block is rewritten.
         """
         group = self._groups[g]
         ct = self._ct
@@ -376,20 +380,23 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                   len(state.block_ids[g]) * group.block_size // ct)
         first = state.next_chunk[g]
         if not group.is_full:
-            first = max(first, group.first_needed_token(num_done_tokens) // ct)
             f = group.factor
-            if first < end and _NULL_BLOCK_ID in state.block_ids[g][first * f:(first + 1) * f]:
-                # Partly out of the window when the request was admitted: never computed.
+            freed_blocks = group.first_needed_token(num_computed_tokens) // group.block_size
+            first = max(first, -(-freed_blocks // f))
+            while first < end and _NULL_BLOCK_ID in state.block_ids[g][first * f:(first + 1) * f]:
+                # Out of the window when the request was admitted: never computed.
                 first += 1
         return range(first, end)
 
-    def _plan_store(self, state: _ReqState, num_done_tokens: int) -> TransferJobSpec | None:
+    def _plan_store(self, state: _ReqState, num_computed_tokens: int, num_done_tokens: int
+                    ) -> TransferJobSpec | None:
         if not self.config.is_kv_producer or state.forgotten:  # kv_consumer: only loads
             return None
         request = state.request
         if len(state.next_chunk) == 1 and num_done_tokens // self._ct <= state.next_chunk[0]:
             return None  # one group and no chunk completed since the last store (most steps)
-        ranges = [self._store_range(state, g, num_done_tokens) for g in range(len(self._groups))]
+        ranges = [self._store_range(state, g, num_computed_tokens, num_done_tokens)
+                  for g in range(len(self._groups))]
         wanted: list[tuple[int, int, OffloadKey]] = [
             (g, c, self._key(request, g, c)) for g, chunks in enumerate(ranges) for c in chunks]
         if not wanted:
