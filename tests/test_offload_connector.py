@@ -12,6 +12,7 @@ from connectors.offload.connector import OffloadingConnector, OffloadingConnecto
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import check_metadata_roundtrip, encode_metadata
+from kvconnector_core.connector.registry import create_connector
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.errors import ConfigError
@@ -104,7 +105,7 @@ def doc_trace(seed: int = 0, rounds: int = 3) -> list[TraceRequest]:
 def engine(device: str, connector: dict | None) -> Engine:
     return Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256,
                                max_num_batched_tokens=128, max_num_seqs=2, device=device,
-                               connector=connector))
+                               connector=connector, enable_kv_cache_events=True))
 
 
 OFFLOAD = {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "blocks_per_chunk": 2}}
@@ -241,11 +242,14 @@ def test_cli_run_with_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
                         reason="needs the engine's `kvconnector run` command")
     from kvconnector_core.cli import main
 
-    assert main(["run", "--connector", "cpu_offload", "--json"]) == 0
+    assert main(["run", "--connector", "cpu_offload", "--json", "--kv-events"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["comparison"]["identical"] is True
     assert report["metrics"]["connector_hit_tokens"] > 0
     assert report["metrics"]["events"].get("BlockStored[CPU]", 0) > 0
+    # Without --kv-events (or a publisher) nobody consumes events: none are built.
+    assert main(["run", "--connector", "cpu_offload", "--json", "--no-baseline"]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"]["events"] == {}
 
 
 # ------------------------------------------------------------------------------ review fixes
@@ -367,7 +371,8 @@ def test_event_replay_is_exact_when_chunks_share_blocks(policy: str, seed: int) 
     trace = _diverging_trace(seed)
     eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, connector={
         "name": "cpu_offload",
-        "extra_config": {"num_cpu_blocks": 5, "blocks_per_chunk": 2, "cache_policy": policy}}))
+        "extra_config": {"num_cpu_blocks": 5, "blocks_per_chunk": 2, "cache_policy": policy}},
+        enable_kv_cache_events=True))
     events = record_events(eng)
     result = eng.run(trace)
     held: set[int] = set()
@@ -400,6 +405,27 @@ def test_no_chunk_info_is_kept_without_events() -> None:
     assert result.metrics.bytes_stored > 0
     assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
     assert list(eng.scheduler_connector.take_events()) == []
+
+
+def test_no_chunk_info_is_kept_when_the_engine_consumes_no_events() -> None:
+    """The engine's default (no publisher): the connector config says nobody consumes KV
+    events, so the CPU tier builds none although extra_config leaves enable_events on;
+    MultiConnector's children inherit the setting."""
+    rng = random.Random(0)
+    trace = [TraceRequest(request_id=f"q{i}", arrival=i, max_new_tokens=2,
+                          prompt_token_ids=[rng.randrange(1000) for _ in range(64)]) for i in range(12)]
+    eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, max_num_batched_tokens=128,
+                              max_num_seqs=2, connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4}}))
+    assert eng.scheduler_connector.offload_config.enable_events is False
+    result = eng.run(trace)
+    assert result.metrics.bytes_stored > 0 and result.metrics.events == {}
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
+    eng.shutdown()
+    multi = KVConnectorConfig(name="MultiConnector", enable_kv_cache_events=False, extra_config={
+        "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4}}]})
+    conn = create_connector(multi, KVConnectorRole.SCHEDULER, kv_config())
+    assert conn.children[0].offload_config.enable_events is False
+    assert make({"num_cpu_blocks": 4}).offload_config.enable_events is True  # built alone: on
 
 
 def test_arc_does_not_promote_a_requests_own_chunks() -> None:

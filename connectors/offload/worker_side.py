@@ -90,8 +90,11 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
 
         cfg = self.offload_config
         try:
+            # copy_thread on a CPU cache: the mover's thread makes the (synchronous) copies
+            # off the engine thread (copy_ releases the GIL); a job is complete only once
+            # get_finished / wait saw it copied, so loads land before they are reported.
             self.mover = KVBlockMover(kv_caches, cfg.num_cpu_blocks * cfg.sub_blocks_per_chunk,
-                                      method=cfg.transfer_method)
+                                      method=cfg.transfer_method, issue_thread=cfg.copy_thread)
         except ValueError as exc:
             msg = f"OffloadingConnector cannot use this KV cache: {exc}"
             raise ConfigError(msg) from exc

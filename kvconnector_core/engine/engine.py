@@ -74,7 +74,9 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_model_len: longest sequence (prompt + output) a request may reach.
         enable_prefix_caching: reuse cached prefix blocks in the GPU pool.
-        enable_kv_cache_events: record KV events (counted in the metrics).
+        enable_kv_cache_events: record KV events (counted in the metrics); None (the
+            default): only when ``kv_events_publisher`` is set. Off, neither the block
+            pool nor the connector builds any (as vLLM 0.33 without ``kv_events_config``).
         device: ``"cpu"`` or ``"cuda"``.
         connector: the connector to create (both roles), or None.
         load_failure_policy: ``"recompute"`` or ``"fail"``; None takes the connector
@@ -93,7 +95,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
-    enable_kv_cache_events: bool = True
+    enable_kv_cache_events: bool | None = None
     device: str = "cpu"
     connector: KVConnectorConfig | None = None
     load_failure_policy: str | None = None
@@ -114,6 +116,17 @@ class EngineConfig:
             raise ConfigError(msg)
         if isinstance(self.connector, dict):
             object.__setattr__(self, "connector", KVConnectorConfig.from_dict(self.connector))
+        if self.enable_kv_cache_events is False and self.kv_events_publisher is not None:
+            msg = ("EngineConfig.kv_events_publisher is set but enable_kv_cache_events=False; "
+                   "valid: True or None (on with a publisher)")
+            raise ConfigError(msg)
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        """Whether KV events are built: ``enable_kv_cache_events``, or a publisher when None."""
+        if self.enable_kv_cache_events is None:
+            return self.kv_events_publisher is not None
+        return self.enable_kv_cache_events
 
     @property
     def effective_load_failure_policy(self) -> str:
@@ -308,10 +321,13 @@ class Engine:
         if config.connector is not None:
             from kvconnector_core.connector.registry import create_connector
 
+            # The connector builds KV events only if this engine consumes them.
+            connector = msgspec.structs.replace(config.connector,
+                                                enable_kv_cache_events=config.kv_events_enabled)
             self.scheduler_connector = create_connector(
-                config.connector, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+                connector, KVConnectorRole.SCHEDULER, self.kv_cache_config)
             self.worker_connector = create_connector(
-                config.connector, KVConnectorRole.WORKER, self.kv_cache_config)
+                connector, KVConnectorRole.WORKER, self.kv_cache_config)
         self.model_runner = ModelRunner(config.model, self.kv_cache_config, config.device,
                                         self.worker_connector)
         self.scheduler = Scheduler(
@@ -322,7 +338,7 @@ class Engine:
             scheduler_block_size=config.block_size,
             hash_block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            enable_kv_cache_events=config.enable_kv_cache_events,
+            enable_kv_cache_events=config.kv_events_enabled,
             connector=self.scheduler_connector,
             load_failure_policy=config.effective_load_failure_policy,
             reserve_full_output=config.reserve_full_output,
