@@ -51,7 +51,6 @@ from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 from kvconnector_core.errors import InvariantError
 from kvconnector_core.kv_events import MEDIUM_CPU
 from kvconnector_core.request import lora_name_of
-from kvconnector_core.scheduler.output import yield_req_data
 
 if TYPE_CHECKING:
     from connectors.offload.config import OffloadConfig
@@ -122,6 +121,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self._ct = cfg.chunk_tokens
         self._gpu_bs = cfg.gpu_block_size
         self._one_full_group = len(cfg.groups) == 1 and cfg.groups[0].is_full
+        self._loads = config.is_kv_consumer  # role kv_producer: never loads
+        self._stores = config.is_kv_producer  # role kv_consumer: never stores
         # Per group and stored key: what its wire events need. Only kept with events on
         # (nothing drains it otherwise). Manager events are translated as soon as they
         # happen, so the tables always match the tier (a key evicted and stored again
@@ -170,7 +171,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         of the GPU hit, for the load plan.
         """
         self._gpu_hit_tokens[request.request_id] = num_computed_tokens
-        if not self.config.is_kv_consumer:  # role kv_producer: only stores
+        if not self._loads:  # role kv_producer: only stores
             return 0, False
         ct = self._ct
         hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
@@ -328,28 +329,36 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         O(new blocks) per request: block ids are appended, keys are computed only for
         the chunks this step completes.
         """
-        computed: dict[str, int] = {r.req_id: r.num_computed_tokens
-                                    for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        so = scheduler_output
         stores: list[TransferJobSpec] = []
-        new_req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-        for rid, new_ids, resumed in yield_req_data(scheduler_output):
-            self._fence.allocated(b for ids in new_ids for b in ids)
-            state = self._reqs.get(rid)
+        fenced = len(self._fence) > 0  # most steps nothing is fenced: no allocation to check
+        reqs, scheduled = self._reqs, so.num_scheduled_tokens
+        for new in so.scheduled_new_reqs:  # these carry all of the request's blocks
+            if fenced:
+                self._fence.allocated(b for ids in new.block_ids for b in ids)
+            state = reqs.get(new.req_id)
+            if state is not None:
+                state.block_ids = [list(ids) for ids in new.block_ids] or [[] for _ in self._groups]
+                self._plan_and_add(stores, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for rid, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                        strict=False):
+            if new_ids is None:
+                new_ids = ()
+            if fenced:
+                self._fence.allocated(b for ids in new_ids for b in ids)
+            state = reqs.get(rid)
             if state is None:
                 continue
-            if resumed or rid in new_req_ids:  # these carry all of the request's blocks
+            if rid in resumed:  # resumed from preemption: all of its blocks
                 state.block_ids = [list(ids) for ids in new_ids] or [[] for _ in self._groups]
             else:
                 for ids, added in zip(state.block_ids, new_ids, strict=False):
                     ids += added
-            before = computed.get(rid, 0)
-            job = self._plan_store(state, before, before + scheduler_output.num_scheduled_tokens.get(rid, 0))
-            if job is not None:
-                stores.append(job)
-        preempted = (sorted(r for r in scheduler_output.preempted_req_ids if r in self._reqs)
-                     if scheduler_output.preempted_req_ids else [])
+            self._plan_and_add(stores, state, before, scheduled.get(rid, 0))
+        preempted = (sorted(r for r in so.preempted_req_ids if r in self._reqs)
+                     if so.preempted_req_ids else [])
         for rid in preempted:
             # Freed; a resumed request brings all its ids.
             self._reqs[rid].block_ids = [[] for _ in self._groups]
@@ -360,6 +369,13 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                                            flush_job_ids=self._fence.take())
         self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
         return meta
+
+    def _plan_and_add(self, stores: list[TransferJobSpec], state: _ReqState, num_computed_tokens: int,
+                      num_scheduled_tokens: int) -> None:
+        """Plan the request's store of this step, if any, into ``stores``."""
+        job = self._plan_store(state, num_computed_tokens, num_computed_tokens + num_scheduled_tokens)
+        if job is not None:
+            stores.append(job)
 
     def _store_range(self, state: _ReqState, g: int, num_computed_tokens: int,
                      num_done_tokens: int) -> range:
@@ -390,7 +406,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
 
     def _plan_store(self, state: _ReqState, num_computed_tokens: int, num_done_tokens: int
                     ) -> TransferJobSpec | None:
-        if not self.config.is_kv_producer or state.forgotten:  # kv_consumer: only loads
+        if not self._stores or state.forgotten:  # kv_consumer: only loads
             return None
         request = state.request
         if len(state.next_chunk) == 1 and num_done_tokens // self._ct <= state.next_chunk[0]:
