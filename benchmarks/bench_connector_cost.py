@@ -32,16 +32,20 @@ Nothing is asserted; the numbers go to RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from kvconnector_core.cli import run_cmd  # noqa: E402
@@ -135,16 +139,52 @@ def _sizing(trace: Trace) -> dict[str, Any]:
                 max_num_seqs=run_cmd.MAX_NUM_SEQS, device="cpu", max_model_len=max_model_len)
 
 
-def measure(trace: Trace, with_connector: bool, hooks: bool = False) -> dict[str, float]:
-    """Run ``trace`` once; return step count, request-steps and per-label CPU microseconds
-    (``hooks``: also time the scheduler-side hooks inside the scheduler's calls)."""
+@dataclass(frozen=True)
+class Variant:
+    """One side of the comparison: with or without the connector, and how it runs."""
+
+    label: str
+    connector: bool
+    copy_thread: bool = False  # the offload connector's copy_thread setting
+
+
+NO_CONNECTOR = Variant("no connector", connector=False)
+OFFLOAD = Variant("cpu_offload", connector=True)
+OFFLOAD_THREAD = Variant("cpu_offload, copy_thread", connector=True, copy_thread=True)
+
+
+def _mover_thread_ns() -> int:
+    """CPU nanoseconds of the live mover issue threads (named ``kv-transfer-issue-*``)."""
+    total = 0
+    for thread in threading.enumerate():
+        if thread.name.startswith("kv-transfer-issue-") and thread.ident is not None:
+            try:
+                total += time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+            except OSError:  # ended meanwhile
+                pass
+    return total
+
+
+def measure(trace: Trace, variant: Variant = OFFLOAD, hooks: bool = False,
+            events: bool | None = None) -> dict[str, Any]:
+    """Run ``trace`` once; return step count, request-steps, per-label CPU microseconds,
+    the mover thread's CPU microseconds, the run's wall seconds and what the run did
+    (outputs digest, hit and byte counts: the sides must agree).
+
+    ``hooks``: also time the scheduler-side hooks inside the scheduler's calls;
+    ``events``: ``EngineConfig.enable_kv_cache_events`` (None: the default, off without
+    a publisher); both sides of a comparison get the same.
+    """
     base = _sizing(trace)
     connector = None
-    if with_connector:
+    if variant.connector:
         args = argparse.Namespace(config=None, connector=None, tier=[], cpu_blocks=None)
         connector = run_cmd._connector_config(args, base["num_gpu_blocks"])  # noqa: SLF001
+        if variant.copy_thread:
+            connector = msgspec.structs.replace(
+                connector, extra_config={**connector.extra_config, "copy_thread": True})
     clock = _Clock()
-    with Engine(EngineConfig(**base, connector=connector)) as engine:
+    with Engine(EngineConfig(**base, connector=connector, enable_kv_cache_events=events)) as engine:
         clock.wrap(engine.scheduler, "schedule", "scheduler")
         clock.wrap(engine.scheduler, "update_from_output", "scheduler")
         clock.wrap(engine.scheduler, "take_events", "scheduler")  # the engine calls it per step
@@ -165,52 +205,85 @@ def measure(trace: Trace, with_connector: bool, hooks: bool = False) -> dict[str
             return out
 
         engine.scheduler.schedule = counting_schedule
+        mover0 = _mover_thread_ns()
+        t0 = time.perf_counter()
         result = engine.run(trace)
+        wall = time.perf_counter() - t0
+        mover = _mover_thread_ns() - mover0  # before the engine closes: the thread ends there
         steps = engine.num_steps
     nested = {"scheduler": ("scheduler hooks",)}
-    out = {label: clock.corrected_us(label, nested.get(label, ())) for label in clock.calls}  # us
-    out.update(steps=steps, request_steps=request_steps, requests=len(trace),
-               hit_rate=getattr(result.metrics, "prefix_hit_rate", float("nan")))
+    out: dict[str, Any] = {label: clock.corrected_us(label, nested.get(label, ())) for label in clock.calls}
+    m = result.metrics
+    out.update(steps=steps, request_steps=request_steps, requests=len(trace), wall_s=wall,
+               mover_thread_us=mover / 1e3, connector_hit_tokens=m.connector_hit_tokens,
+               bytes_stored=m.bytes_stored, bytes_loaded=m.bytes_loaded,
+               outputs=hashlib.sha256(json.dumps(result.outputs, sort_keys=True).encode()).hexdigest()[:16])
     return out
 
 
-def _alternating(trace: Trace, repeats: int) -> dict[bool, list[dict[str, float]]]:
-    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-    measure(trace, True)  # warm-up: imports, registry, allocator
-    measure(trace, False)
+def _alternating(trace: Trace, variants: list[Variant], repeats: int, events: bool | None
+                 ) -> dict[str, list[dict[str, Any]]]:
+    """``repeats`` runs of each variant, in rotated order per repeat, after a warm-up."""
+    runs: dict[str, list[dict[str, Any]]] = {v.label: [] for v in variants}
+    for v in variants:  # warm-up: imports, registry, allocator, the mover's thread
+        measure(trace, v, events=events)
     for r in range(repeats):
-        for conn in ((False, True) if r % 2 == 0 else (True, False)):
-            runs[conn].append(measure(trace, conn))
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            runs[v.label].append(measure(trace, v, events=events))
+    _check_same_work(runs, variants)
     return runs
 
 
-def _med(runs: list[dict[str, float]], key: str, per: Callable[[dict[str, float]], float]) -> float:
+def _check_same_work(runs: dict[str, list[dict[str, Any]]], variants: list[Variant]) -> None:
+    """Every run produced the same outputs, and every connector run the same hits and
+    bytes (the harness compares equal work, or refuses)."""
+    digests = {r["outputs"] for v in variants for r in runs[v.label]}
+    work = {(r["connector_hit_tokens"], r["bytes_stored"], r["bytes_loaded"])
+            for v in variants if v.connector for r in runs[v.label]}
+    if len(digests) != 1 or len(work) > 1:
+        msg = f"the compared runs did different work: outputs {sorted(digests)}, (hits, stored, loaded) {sorted(work)}"
+        raise SystemExit(msg)
+
+
+def _med(runs: list[dict[str, Any]], key: str, per: Callable[[dict[str, Any]], float]) -> float:
     return statistics.median(r.get(key, 0.0) / per(r) for r in runs)
 
 
-def step_table(repeats: int) -> tuple[str, dict[str, Any]]:
-    """Per-step cost on the default workload, with and without the connector."""
+def step_table(repeats: int, events: bool | None = None, copy_thread: bool = True
+               ) -> tuple[str, dict[str, Any]]:
+    """Per-step cost on the default workload, without the connector and with it (and
+    with its copy thread), alternating."""
     trace = get_workload(run_cmd.DEFAULT_WORKLOAD, 0)
-    runs = _alternating(trace, repeats)
+    variants = [NO_CONNECTOR, OFFLOAD] + ([OFFLOAD_THREAD] if copy_thread else [])
+    runs = _alternating(trace, variants, repeats, events)
     per_step = lambda r: r["steps"]  # noqa: E731
-    base = _med(runs[False], "scheduler", per_step)
-    sched = _med(runs[True], "scheduler", per_step)
-    worker = _med(runs[True], "worker hooks", per_step)
-    # The scheduler-side split comes from separate runs: timing hooks inside the
-    # scheduler's calls would add the timers' cost to the ratio's numerator.
-    split = [measure(trace, True, hooks=True) for _ in range(max(1, repeats // 2))]
-    hooks = _med(split, "scheduler hooks", per_step)
-    totals = [(r["scheduler"] + r.get("worker hooks", 0.0)) / r["steps"] for r in runs[True]]
-    bases = [r["scheduler"] / r["steps"] for r in runs[False]]
-    total = statistics.median(totals)
-    pairs = sorted(t / b for t, b in zip(totals, bases))
+    base_runs = runs[NO_CONNECTOR.label]
+    base = _med(base_runs, "scheduler", per_step)
+    base_wall = statistics.median(r["wall_s"] for r in base_runs)
     lines = ["| run | steps | scheduler us/step | of which scheduler hooks | worker hooks us/step "
-             "| scheduler + worker hooks us/step | x no connector | spread (paired runs) |",
-             "|---|---|---|---|---|---|---|---|",
-             f"| no connector | {runs[False][0]['steps']} | {base:.1f} | - | - | {base:.1f} | 1.00 | - |",
-             f"| cpu_offload | {runs[True][0]['steps']} | {sched:.1f} | {hooks:.1f} | {worker:.1f} "
-             f"| {total:.1f} | {total / base:.2f} | {pairs[0]:.2f}-{pairs[-1]:.2f} |"]
-    return "\n".join(lines), {"trace": trace.name, "runs": runs, "split": split,
+             "| scheduler + worker hooks us/step | x no connector | spread (paired runs) "
+             "| mover thread CPU us/step | run wall ms | wall x no connector |",
+             "|---|---|---|---|---|---|---|---|---|---|---|",
+             f"| no connector | {base_runs[0]['steps']} | {base:.1f} | - | - | {base:.1f} | 1.00 | - "
+             f"| - | {base_wall * 1e3:.0f} | 1.00 |"]
+    split: dict[str, list[dict[str, Any]]] = {}
+    for v in variants[1:]:
+        vr = runs[v.label]
+        sched = _med(vr, "scheduler", per_step)
+        worker = _med(vr, "worker hooks", per_step)
+        # The scheduler-side split comes from separate runs: timing hooks inside the
+        # scheduler's calls would add the timers' cost to the ratio's numerator.
+        split[v.label] = [measure(trace, v, hooks=True, events=events) for _ in range(max(1, repeats // 2))]
+        hooks = _med(split[v.label], "scheduler hooks", per_step)
+        totals = [(r["scheduler"] + r.get("worker hooks", 0.0)) / r["steps"] for r in vr]
+        pairs = sorted(t / (b["scheduler"] / b["steps"]) for t, b in zip(totals, base_runs))
+        total = statistics.median(totals)
+        wall = statistics.median(r["wall_s"] for r in vr)
+        mover = _med(vr, "mover_thread_us", per_step)
+        lines.append(f"| {v.label} | {vr[0]['steps']} | {sched:.1f} | {hooks:.1f} | {worker:.1f} "
+                     f"| {total:.1f} | {total / base:.2f} | {pairs[0]:.2f}-{pairs[-1]:.2f} "
+                     f"| {mover:.1f} | {wall * 1e3:.0f} | {wall / base_wall:.2f} |")
+    return "\n".join(lines), {"trace": trace.name, "runs": runs, "split": split, "events": events,
                               "timer_ns": {"inner": _Clock.inner, "outer": _Clock.outer}}
 
 
@@ -227,7 +300,7 @@ def length_table(repeats: int, lengths: list[int], num_requests: int) -> tuple[s
         reqs = [TraceRequest(arrival=float(i), prompt_token_ids=p, max_new_tokens=4)
                 for i, p in enumerate(prompts + prompts)]
         trace = Trace(name=f"unique_{length}_twice", requests=reqs)
-        runs = [measure(trace, True, hooks=True) for _ in range(repeats)]
+        runs = [measure(trace, OFFLOAD, hooks=True) for _ in range(repeats)]
         hooks = [r.get("scheduler hooks", 0.0) + r.get("worker hooks", 0.0) for r in runs]
         blocks = 2 * num_requests * length / EngineConfig().block_size
         med = statistics.median
@@ -246,12 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--json", default=None)
+    p.add_argument("--kv-events", action="store_true",
+                   help="both sides build KV events (EngineConfig.enable_kv_cache_events=True); "
+                        "default: the engine's default, off without a publisher")
+    p.add_argument("--no-copy-thread", action="store_true",
+                   help="leave out the cpu_offload run with copy_thread")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as `kvconnector run` does on CPU
     t0 = time.perf_counter()
     _Clock.calibrate()
     print(f"timer cost per timed call: {_Clock.inner:.0f} ns own, {_Clock.outer:.0f} ns to an enclosing call")
-    steps, step_data = step_table(args.repeats)
+    steps, step_data = step_table(args.repeats, events=True if args.kv_events else None,
+                                  copy_thread=not args.no_copy_thread)
     print(steps, flush=True)
     lengths, length_data = length_table(max(1, args.repeats // 2), args.lengths, args.requests)
     print(lengths)
