@@ -207,10 +207,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
         """See :meth:`OffloadingManager.lookup`."""
+        # One call per chunk of a hit (it walks the whole hit): the bound method once, and
+        # ``ref_cnt`` read directly (``is_ready`` is ``ref_cnt >= 0``).
+        get = self.policy.get
         hits = 0
         for key in keys:
-            entry = self.policy.get(key)
-            if entry is None or not entry.is_ready:
+            entry = get(key)
+            if entry is None or entry.ref_cnt < 0:
                 break
             hits += 1
         return hits
