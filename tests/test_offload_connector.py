@@ -200,6 +200,37 @@ def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(entry.ref_cnt == 0 for _, entry in manager.policy)
 
 
+def test_copy_thread_on_a_cpu_cache_gives_identical_outputs() -> None:
+    """copy_thread on CPU: the mover's thread makes the copies, so a load must have landed
+    before it is reported and a store must have read its blocks before they are reused
+    (preemptions included); outputs equal the baseline's, the thread really copied."""
+    import threading
+
+    threaded = dict(OFFLOAD, extra_config=dict(OFFLOAD["extra_config"], copy_thread=True))
+    trace = doc_trace()
+    baseline = engine("cpu", None).run(trace)
+    eng = engine("cpu", threaded)
+    assert eng.worker_connector.offload_config.copy_thread is True
+    assert any(t.name.startswith("kv-transfer-issue-") for t in threading.enumerate())
+    result = eng.run(trace)
+    eng.shutdown()
+    assert result.outputs == baseline.outputs
+    m = result.metrics
+    assert m.connector_hit_tokens > 0 and m.bytes_loaded > 0 and m.bytes_stored > 0
+    assert m.connector_errors == {}
+    # Preemptions: their stores are waited for before the blocks are handed out again.
+    rng = random.Random(3)
+    trace = [TraceRequest(request_id=f"q{i}", arrival=0, max_new_tokens=40,
+                          prompt_token_ids=[rng.randrange(1000) for _ in range(70)]) for i in range(4)]
+
+    def small(connector: dict | None) -> Engine:
+        return Engine(EngineConfig(num_gpu_blocks=14, block_size=16, max_model_len=128,
+                                   max_num_batched_tokens=64, max_num_seqs=4, connector=connector))
+    result = small(threaded).run(trace)
+    assert result.metrics.num_preemptions > 0 and result.metrics.bytes_stored > 0
+    assert result.outputs == small(None).run(trace).outputs
+
+
 def test_preemption_flushes_stores_and_outputs_match() -> None:
     rng = random.Random(3)
     trace = [TraceRequest(request_id=f"q{i}", arrival=0, max_new_tokens=40,
