@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from connectors.offload._sched_state import JobRecord, ReqState, SchedulerSideState
 from connectors.offload.lookup import longest_hit, needed_chunks
@@ -59,8 +59,10 @@ class LoadPlanning(SchedulerSideState):
             # are built lazily: a miss costs one key, a hit one key per chunk it covers.
             step = ct // hbs
             suffix = self._suffixes[0]
-            hits = self.manager.lookup(OffloadKey(h + suffix) for h in itertools.islice(
+            # h + suffix is the OffloadKey (a NewType of bytes: calling it per key costs a call).
+            keys = (h + suffix for h in itertools.islice(
                 request.block_hashes, (start + 1) * step - 1, num_chunks * step, step))
+            hits = self.manager.lookup(cast("Iterable[OffloadKey]", keys))
             hit = min((start + hits) * ct, last_loadable) - num_computed_tokens if hits else 0
             return (hit, True) if hit > 0 else (0, False)
         hit = longest_hit(

@@ -38,13 +38,21 @@ class StorePlanning(SchedulerSideState):
         stores: list[TransferJobSpec] = []
         fenced = len(self._fence) > 0  # most steps nothing is fenced: no allocation to check
         reqs, scheduled = self._reqs, so.num_scheduled_tokens
+        # With one group, a request that completed no chunk this step (most decode steps)
+        # is skipped here, without a call (what _plan_store would return at once).
+        ct, one_group = self._ct, len(self._groups) == 1
         for new in so.scheduled_new_reqs:  # these carry all of the request's blocks
             if fenced:
                 self._fence.allocated(b for ids in new.block_ids for b in ids)
             state = reqs.get(new.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in new.block_ids] or [[] for _ in self._groups]
-                self._plan_and_add(stores, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+                before = new.num_computed_tokens
+                done = before + scheduled.get(new.req_id, 0)
+                if not (one_group and done // ct <= state.next_chunk[0]):
+                    job = self._plan_store(state, before, done)
+                    if job is not None:
+                        stores.append(job)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for rid, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
@@ -61,7 +69,12 @@ class StorePlanning(SchedulerSideState):
             else:
                 for ids, added in zip(state.block_ids, new_ids, strict=False):
                     ids += added
-            self._plan_and_add(stores, state, before, scheduled.get(rid, 0))
+            done = before + scheduled.get(rid, 0)
+            if one_group and done // ct <= state.next_chunk[0]:
+                continue
+            job = self._plan_store(state, before, done)
+            if job is not None:
+                stores.append(job)
         preempted = (sorted(r for r in so.preempted_req_ids if r in self._reqs)
                      if so.preempted_req_ids else [])
         for rid in preempted:
@@ -74,13 +87,6 @@ class StorePlanning(SchedulerSideState):
                                            flush_job_ids=self._fence.take())
         self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
         return meta
-
-    def _plan_and_add(self, stores: list[TransferJobSpec], state: ReqState, num_computed_tokens: int,
-                      num_scheduled_tokens: int) -> None:
-        """Plan the request's store of this step, if any, into ``stores``."""
-        job = self._plan_store(state, num_computed_tokens, num_computed_tokens + num_scheduled_tokens)
-        if job is not None:
-            stores.append(job)
 
     def _store_range(self, state: ReqState, g: int, num_computed_tokens: int,
                      num_done_tokens: int) -> range:
