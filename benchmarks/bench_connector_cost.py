@@ -1,8 +1,13 @@
 """Benchmark: what a connector costs the engine per step, on CPU.
 
 Runs the engine the way ``kvconnector run`` does (default workload ``mixed``, its GPU pool
-sizing, the tiny model on CPU with one thread) twice per repeat, alternating: without a
-connector and with the default ``cpu_offload`` connector. Timers wrap, without changing
+sizing, the tiny model on CPU with one thread) once per variant and repeat, in rotated
+order: without a connector, with the default ``cpu_offload`` connector, and with it and its
+``copy_thread`` setting (the copies on the mover's thread; the thread's CPU time is
+reported beside). Both sides get the same ``EngineConfig.enable_kv_cache_events`` (the
+default, off without a publisher, or ``--kv-events``). The run is refused unless every
+variant produced the same outputs and the connector variants the same hits and bytes.
+Timers wrap, without changing
 them, the scheduler's ``schedule`` and ``update_from_output`` (which call the
 scheduler-side hooks through the guard) and every worker-side hook of the guard the model
 runner calls (so the guard's own cost counts). Times are the engine thread's CPU time
@@ -10,13 +15,15 @@ runner calls (so the guard's own cost counts). Times are the engine thread's CPU
 the neighbours (the same run read 380-540 us/step wall, 142-155 us/step CPU). On CPU the
 connector copies blocks on this thread, so the copies count too. Reading the thread clock
 costs about a microsecond here, so the timers' own cost, calibrated in the same process on
-a no-op, is subtracted per timed call. Reported per engine step:
+a no-op, is subtracted per timed call. Each run starts from a collected, frozen heap (as
+vLLM's engine core freezes its start-up heap). Reported per engine step:
 
 * ``scheduler`` - ``schedule + update_from_output``, connector hooks included;
 * ``scheduler hooks`` - the part of it spent inside the connector's scheduler-side hooks;
 * ``worker hooks`` - the worker-side hooks (the model runner calls them);
 * the ratio *(scheduler + worker hooks) with the connector / scheduler without*
-  (target <= 1.1; the forward is left out on both sides).
+  (target <= 1.1; the forward is left out on both sides);
+* the mover thread's CPU time (``copy_thread``) and each run's wall time (forward included).
 
 Second table: connector cost per request against prompt length. Each row runs N requests
 with unique prompts of L tokens, then the same N prompts again (so the second half loads
@@ -24,7 +31,7 @@ from the CPU tier); the connector's hook time is divided by requests, by request
 (each step a request is scheduled in) and by prompt blocks. Flat per request-step and per
 block means no hook rescans a request's whole history each step.
 
-    python benchmarks/bench_connector_cost.py [--repeats 5] [--json out.json]
+    python benchmarks/bench_connector_cost.py [--repeats 5] [--json out.json] [--kv-events]
 
 Nothing is asserted; the numbers go to RESULTS.md.
 """
@@ -32,6 +39,7 @@ Nothing is asserted; the numbers go to RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import statistics
@@ -205,11 +213,20 @@ def measure(trace: Trace, variant: Variant = OFFLOAD, hooks: bool = False,
             return out
 
         engine.scheduler.schedule = counting_schedule
+        # As vLLM's engine core does after start-up (freeze_gc_heap): the heap built so
+        # far is frozen, so a full collection scans only what the run allocates. Without
+        # it a full collection of the whole process (~40 ms here) lands in a random timed
+        # hook now and then. Young collections caused by the run still count.
+        gc.collect()
+        gc.freeze()
         mover0 = _mover_thread_ns()
         t0 = time.perf_counter()
-        result = engine.run(trace)
-        wall = time.perf_counter() - t0
-        mover = _mover_thread_ns() - mover0  # before the engine closes: the thread ends there
+        try:
+            result = engine.run(trace)
+        finally:
+            wall = time.perf_counter() - t0
+            mover = _mover_thread_ns() - mover0  # before the engine closes: the thread ends there
+            gc.unfreeze()
         steps = engine.num_steps
     nested = {"scheduler": ("scheduler hooks",)}
     out: dict[str, Any] = {label: clock.corrected_us(label, nested.get(label, ())) for label in clock.calls}
@@ -273,7 +290,7 @@ def step_table(repeats: int, events: bool | None = None, copy_thread: bool = Tru
         worker = _med(vr, "worker hooks", per_step)
         # The scheduler-side split comes from separate runs: timing hooks inside the
         # scheduler's calls would add the timers' cost to the ratio's numerator.
-        split[v.label] = [measure(trace, v, hooks=True, events=events) for _ in range(max(1, repeats // 2))]
+        split[v.label] = [measure(trace, v, hooks=True, events=events) for _ in range(max(3, repeats // 2))]
         hooks = _med(split[v.label], "scheduler hooks", per_step)
         totals = [(r["scheduler"] + r.get("worker hooks", 0.0)) / r["steps"] for r in vr]
         pairs = sorted(t / (b["scheduler"] / b["steps"]) for t, b in zip(totals, base_runs))
