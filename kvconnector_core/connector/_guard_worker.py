@@ -172,7 +172,8 @@ class GuardedWorker(GuardBase):
             self._raised("get_transfer_results", _NEXT_STEP)
             self._unseen_finished = set(finished)
             return KVConnectorTransferResults()
-        self._unseen_finished = set()
+        if self._unseen_finished:
+            self._unseen_finished = set()
         if not (results.finished_sending or results.finished_recving or results.failed_recving):
             return KVConnectorTransferResults()  # most steps: nothing to copy
         return KVConnectorTransferResults(
