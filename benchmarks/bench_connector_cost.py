@@ -27,7 +27,7 @@ vLLM's engine core freezes its start-up heap). Reported per engine step:
 
 Second table: connector cost per request against prompt length. Each row runs N requests
 with unique prompts of L tokens, then the same N prompts again (so the second half loads
-from the CPU tier); the connector's hook time is divided by requests, by request-steps
+from the CPU tier, sized to hold every prompt twice over); the connector's hook time is divided by requests, by request-steps
 (each step a request is scheduled in) and by prompt blocks. Flat per request-step and per
 block means no hook rescans a request's whole history each step.
 
@@ -174,19 +174,20 @@ def _mover_thread_ns() -> int:
 
 
 def measure(trace: Trace, variant: Variant = OFFLOAD, hooks: bool = False,
-            events: bool | None = None) -> dict[str, Any]:
+            events: bool | None = None, cpu_blocks: int | None = None) -> dict[str, Any]:
     """Run ``trace`` once; return step count, request-steps, per-label CPU microseconds,
     the mover thread's CPU microseconds, the run's wall seconds and what the run did
     (outputs digest, hit and byte counts: the sides must agree).
 
     ``hooks``: also time the scheduler-side hooks inside the scheduler's calls;
     ``events``: ``EngineConfig.enable_kv_cache_events`` (None: the default, off without
-    a publisher); both sides of a comparison get the same.
+    a publisher); both sides of a comparison get the same. ``cpu_blocks``: the CPU tier's
+    size in chunks (default: ``kvconnector run``'s, four times the GPU pool).
     """
     base = _sizing(trace)
     connector = None
     if variant.connector:
-        args = argparse.Namespace(config=None, connector=None, tier=[], cpu_blocks=None)
+        args = argparse.Namespace(config=None, connector=None, tier=[], cpu_blocks=cpu_blocks)
         connector = run_cmd._connector_config(args, base["num_gpu_blocks"])  # noqa: SLF001
         if variant.copy_thread:
             connector = msgspec.structs.replace(
@@ -304,10 +305,11 @@ def step_table(repeats: int, events: bool | None = None, copy_thread: bool = Tru
                               "timer_ns": {"inner": _Clock.inner, "outer": _Clock.outer}}
 
 
-def length_table(repeats: int, lengths: list[int], num_requests: int) -> tuple[str, dict[str, Any]]:
+def length_table(repeats: int, lengths: list[int], num_requests: int, events: bool | None = None
+                 ) -> tuple[str, dict[str, Any]]:
     """Connector hook time per request, request-step and prompt block, by prompt length."""
-    lines = ["| prompt tokens | requests | steps | hook us / request | hook us / request-step "
-             "| hook us / prompt block |", "|---|---|---|---|---|---|"]
+    lines = [("| prompt tokens | requests | steps | tokens served by the connector | hook us / request "
+              "| hook us / request-step | hook us / prompt block |"), "|---|---|---|---|---|---|---|"]
     data: dict[str, Any] = {}
     gen = torch.Generator().manual_seed(0)
     vocab = EngineConfig().model.vocab_size
@@ -317,11 +319,14 @@ def length_table(repeats: int, lengths: list[int], num_requests: int) -> tuple[s
         reqs = [TraceRequest(arrival=float(i), prompt_token_ids=p, max_new_tokens=4)
                 for i, p in enumerate(prompts + prompts)]
         trace = Trace(name=f"unique_{length}_twice", requests=reqs)
-        runs = [measure(trace, OFFLOAD, hooks=True) for _ in range(repeats)]
+        # A CPU tier that holds every prompt (the default, four times the GPU pool, holds
+        # fewer than 8 long prompts: LRU would evict each before its repeat came).
+        runs = [measure(trace, OFFLOAD, hooks=True, events=events, cpu_blocks=4 * num_requests * length // 16)
+                for _ in range(repeats)]
         hooks = [r.get("scheduler hooks", 0.0) + r.get("worker hooks", 0.0) for r in runs]
         blocks = 2 * num_requests * length / EngineConfig().block_size
         med = statistics.median
-        lines.append(f"| {length} | {2 * num_requests} | {runs[0]['steps']} | "
+        lines.append(f"| {length} | {2 * num_requests} | {runs[0]['steps']} | {runs[0]['connector_hit_tokens']} | "
                      f"{med(h / r['requests'] for h, r in zip(hooks, runs)):.0f} | "
                      f"{med(h / r['request_steps'] for h, r in zip(hooks, runs)):.1f} | "
                      f"{med(h / blocks for h in hooks):.2f} |")
@@ -339,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-events", action="store_true",
                    help="both sides build KV events (EngineConfig.enable_kv_cache_events=True); "
                         "default: the engine's default, off without a publisher")
+    p.add_argument("--lengths-only", action="store_true", help="only the table by prompt length")
     p.add_argument("--no-copy-thread", action="store_true",
                    help="leave out the cpu_offload run with copy_thread")
     args = p.parse_args(argv)
@@ -346,10 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     _Clock.calibrate()
     print(f"timer cost per timed call: {_Clock.inner:.0f} ns own, {_Clock.outer:.0f} ns to an enclosing call")
-    steps, step_data = step_table(args.repeats, events=True if args.kv_events else None,
-                                  copy_thread=not args.no_copy_thread)
-    print(steps, flush=True)
-    lengths, length_data = length_table(max(1, args.repeats // 2), args.lengths, args.requests)
+    step_data: dict[str, Any] = {}
+    if not args.lengths_only:
+        steps, step_data = step_table(args.repeats, events=True if args.kv_events else None,
+                                      copy_thread=not args.no_copy_thread)
+        print(steps, flush=True)
+    lengths, length_data = length_table(max(1, args.repeats // 2), args.lengths, args.requests,
+                                        events=True if args.kv_events else None)
     print(lengths)
     print(f"(median of {args.repeats} alternating repeats after a warm-up; {time.perf_counter() - t0:.0f} s)")
     if args.json:
