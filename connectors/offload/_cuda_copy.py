@@ -16,7 +16,7 @@ from connectors.offload import _cudart
 from connectors.offload._copy_plan import CopyPlan, scan_runs
 from connectors.offload._jobs import Job, as_tensor, coalesce_runs
 from connectors.offload._layout import BlockLayout
-from connectors.offload._staged import GatherPlan, staged_copy
+from connectors.offload._staged import GatherPlan, StagingBuffers, staged_copy
 
 __all__ = ["DMA_LANES", "CopyMethods"]
 
@@ -34,8 +34,10 @@ class CopyMethods:
     _block_bytes: int
     _plan: CopyPlan
     _gather_plan: GatherPlan | None
+    _staging: dict[bool, StagingBuffers] | None
     _kernel_streams: dict[bool, torch.cuda.Stream]
     _lanes: dict[bool, list[torch.cuda.Stream]]
+    _lane_events: dict[torch.cuda.Stream, torch.cuda.Event]
     _memcpy: _cudart.Memcpy | None
     _memcpy_2d: _cudart.Memcpy2D | None
     _stage_2d: _cudart.Memcpy2D | None
@@ -56,9 +58,15 @@ class CopyMethods:
             method = "gather"
         g, c = as_tensor(g_ids), as_tensor(c_ids)
         if method == "gather" and self._gather_plan is not None and scan is not None:
-            staged_copy(self._gather_plan, job.is_store, g, scan[1], stream,
-                        self._kernel_streams[job.is_store], self._memcpy,
-                        self._stage_2d if self._memcpy is not None else None, job.keep_alive)
+            buffers = self._staging[job.is_store] if self._staging is not None else None
+            args = (self._gather_plan, job.is_store, g, scan[1], stream,
+                    self._kernel_streams[job.is_store], self._memcpy,
+                    self._stage_2d if self._memcpy is not None else None, job.keep_alive)
+            if buffers is None:
+                staged_copy(*args)
+            else:
+                with buffers.lock:  # one job of a direction at a time on its buffers
+                    staged_copy(*args, buffers)
         elif self._memcpy_2d is not None and method in ("auto", "pitched"):
             self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
         elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
@@ -118,7 +126,11 @@ class CopyMethods:
                 msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {part} copies"
                 raise RuntimeError(msg)
         for lane in lanes[1:]:
-            done = torch.cuda.Event()
+            # One event per lane, recorded again every job: a wait orders the stream after
+            # the record made before it (another thread's later record only adds waiting).
+            done = self._lane_events.get(lane)
+            if done is None:
+                done = self._lane_events[lane] = torch.cuda.Event()
             done.record(lane)
             stream.wait_event(done)
 

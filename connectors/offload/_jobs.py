@@ -115,3 +115,30 @@ class Job:
     claimed: bool = False  # an issuing thread (the issue thread or a waiting caller) took it
     issue_seconds: float | None = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # staging, index tensors
+
+
+class EventPool:
+    """CUDA events kept for reuse instead of one new ``torch.cuda.Event`` per use.
+
+    Why: a job used three new events (ready, start, end), each a Python object and a
+    ``cudaEventCreate`` at its first record, on the engine's step or the issue thread.
+    An event may be recorded again once nothing will wait on or query its last record:
+    the mover returns the ready event after the job's stream has been told to wait for
+    it, and the start / end events once the job's result is built.
+    ``list.pop`` / ``append`` are atomic, so the caller and the issue thread may share it.
+    """
+
+    def __init__(self, *, timing: bool) -> None:
+        self._timing = timing
+        self._free: list[torch.cuda.Event] = []
+
+    def get(self) -> torch.cuda.Event:
+        """A free event (a new one when none is free)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            return torch.cuda.Event(enable_timing=self._timing)
+
+    def put(self, event: torch.cuda.Event) -> None:
+        """Hand an event back; the caller no longer waits on or queries it."""
+        self._free.append(event)

@@ -21,7 +21,10 @@ module reached 0.85x:
   plane (with the changes below, the issue thread's time per 64-block job fell from 1.4-2.2
   to 0.6-0.8 ms);
 * the pipeline has one stage per ~16 MiB moved (up to 16), so the first gather and the
-  last scatter, which nothing overlaps, stay short.
+  last scatter, which nothing overlaps, stay short;
+* nothing is allocated per job (:class:`StagingBuffers`): the staging memory, the pinned
+  index buffer, the device index and the events that order the two streams are kept per
+  direction and reused, since every allocation before the first DMA delays it.
 
 The span view aliases device memory by address (``__cuda_array_interface__``); only the
 rows of the registered planes are ever indexed, so memory between allocations is never
@@ -31,6 +34,7 @@ read or written.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,11 +42,12 @@ import torch
 
 from connectors.offload import _cudart
 
-__all__ = ["GatherPlan", "group_planes", "plan_gather", "span_layout", "staged_copy",
-           "staging_copies"]
+__all__ = ["GatherPlan", "StagingBuffers", "group_planes", "plan_gather", "span_layout",
+           "staged_copy", "staging_copies"]
 
 _STAGE_BYTES = 16 << 20  # bytes moved per pipeline stage (one group of planes)
 _MAX_GROUPS = 16  # H100: 16 stages 0.98x, 8 stages 0.98x, 4 stages 0.97x for 512 MiB
+_HOST_SLOTS = 4  # pinned index buffers per direction, used in turn
 
 
 def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_blocks: int
@@ -99,11 +104,96 @@ class GatherPlan:
     cpu_pitch: int | None
     cpu_planes: tuple[torch.Tensor, ...]
 
-    def gather_index(self, gpu_ids: torch.Tensor) -> torch.Tensor:
-        """Rows to gather, plane-major: ``planes * n`` int64 (span rows, or block ids)."""
+    def gather_index(self, gpu_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows to gather, plane-major: ``planes * n`` int64 (span rows), or the block ids.
+
+        Args:
+            out: where to write it (``index_length(n)`` int64), instead of a new tensor.
+        """
         if self.source is None or self.first_row is None or self.rows_per_block is None:
-            return gpu_ids
-        return (self.first_row + gpu_ids.view(1, -1) * self.rows_per_block).view(-1)
+            if out is None:
+                return gpu_ids
+            return out.copy_(gpu_ids)
+        if out is None:
+            return (self.first_row + gpu_ids.view(1, -1) * self.rows_per_block).view(-1)
+        torch.addcmul(self.first_row, gpu_ids.view(1, -1), self.rows_per_block,
+                      out=out.view(len(self.planes), -1))
+        return out
+
+    def index_length(self, n: int) -> int:
+        """Entries of :meth:`gather_index` for a job of ``n`` blocks."""
+        return n * len(self.planes) if self.source is not None else n
+
+
+class StagingBuffers:
+    """One direction's staging memory, index buffers and stream-ordering events, reused.
+
+    Why: allocating a pinned index, a device index and the staging memory per job, and a
+    CUDA event per stage, cost host time before the job's first DMA (the transfer's
+    latency) and on the issue thread (which the engine's step competes with for the GIL).
+
+    Safety without extra waits: a direction's jobs run on its two streams only, each job
+    begins with the kernel stream waiting for the DMA stream and ends with the DMA stream
+    waiting for the kernel stream, so the next job's first write into staging (a gather
+    kernel, or a load's DMA) is ordered after the previous job's last read of it, and
+    likewise for the device index. A pinned index buffer is rewritten only after its last
+    upload has completed (an event).
+    Jobs of one direction must be issued one at a time: :attr:`lock`.
+
+    Args:
+        device: the CUDA device of the KV cache.
+        plan: the direction's gather plan (row size and word type of the staging memory).
+    """
+
+    def __init__(self, device: torch.device, plan: GatherPlan) -> None:
+        self.device = device
+        self.lock = threading.Lock()
+        self.fence = torch.cuda.Event()  # every record/wait pair between the two streams
+        self._words, self._word = plan.planes[0].shape[1], plan.word
+        self._staging: torch.Tensor | None = None
+        self._device_index: torch.Tensor | None = None
+        # Pinned index buffers in turn, each with the event of its last upload: a job
+        # waits only for the upload of _HOST_SLOTS jobs ago (long done), never for the
+        # previous job, whose upload may still sit behind the model's work.
+        self._host: list[tuple[torch.Tensor | None, torch.cuda.Event, bool]] = [
+            (None, torch.cuda.Event(), False) for _ in range(_HOST_SLOTS)]
+        self._turn = 0
+
+    def staging(self, rows: int, keep_alive: list[torch.Tensor]) -> torch.Tensor:
+        """``rows`` staging rows; grown (never shrunk) when a job needs more.
+
+        A replaced buffer goes to ``keep_alive``: jobs still in flight may use it.
+        """
+        if self._staging is None or self._staging.shape[0] < rows:
+            if self._staging is not None:
+                keep_alive.append(self._staging)
+            self._staging = torch.empty((rows, self._words), dtype=self._word, device=self.device)
+        return self._staging[:rows]
+
+    def upload_index(self, plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,
+                     keep_alive: list[torch.Tensor]) -> torch.Tensor:
+        """The job's gather index on the device, copied on ``stream`` from a pinned buffer."""
+        length = plan.index_length(gpu_ids.numel())
+        slot = self._turn % _HOST_SLOTS
+        self._turn += 1
+        host, uploaded, used = self._host[slot]
+        if host is None or host.numel() < length:
+            if host is not None:
+                keep_alive.append(host)
+            host = torch.empty(length, dtype=torch.int64, pin_memory=True)
+        elif used:
+            uploaded.synchronize()  # its last upload has read it
+        device_index = self._device_index
+        if device_index is None or device_index.numel() < length:
+            if device_index is not None:
+                keep_alive.append(device_index)
+            device_index = self._device_index = torch.empty(length, dtype=torch.int64,
+                                                            device=self.device)
+        index = device_index[:length]
+        index.copy_(plan.gather_index(gpu_ids, out=host[:length]), non_blocking=True)
+        uploaded.record(stream)
+        self._host[slot] = (host, uploaded, True)
+        return index
 
 
 class _Span:
@@ -182,7 +272,8 @@ def staging_copies(plan: GatherPlan, group: range, n: int, cpu_runs: Sequence[tu
 def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
                 cpu_runs: Sequence[tuple[int, int, int]], dma_stream: torch.cuda.Stream,
                 kernel_stream: torch.cuda.Stream, memcpy: _cudart.Memcpy | None,
-                memcpy_2d: _cudart.Memcpy2D | None, keep_alive: list[torch.Tensor]) -> None:
+                memcpy_2d: _cudart.Memcpy2D | None, keep_alive: list[torch.Tensor],
+                buffers: StagingBuffers | None = None) -> None:
     """Queue a staged transfer; on return the DMA stream is ordered after all of it.
 
     Args:
@@ -193,33 +284,40 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
         dma_stream: the job's stream (already ordered after the model's work).
         kernel_stream: a second stream for the gather / scatter kernels.
         memcpy, memcpy_2d: the runtime's copies by ctypes (None: ``Tensor.copy_``).
-        keep_alive: receives the index and staging tensors, which must outlive the job.
+        keep_alive: receives tensors that must outlive the job (the index and staging
+            tensors where ``buffers`` is None, else buffers that a job outgrew).
+        buffers: the direction's reusable buffers (the caller holds ``buffers.lock``);
+            None: allocate them for this job (the first versions' way, kept to measure).
     """
     n, device = gpu_ids.numel(), plan.planes[0].device
     groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes))
-    kernel_stream.wait_event(_record(dma_stream))
+    fence = buffers.fence if buffers is not None else None
+    kernel_stream.wait_event(_record(dma_stream, fence))
     # The kernel stream is this thread's current stream for the whole job: switching it per
     # group with ``torch.cuda.stream(...)`` cost more host time than the kernels' launches.
     previous = torch.cuda.current_stream(device.index)
     torch.cuda.set_stream(kernel_stream)
     try:
-        # Allocated on the kernel stream, released only after the job completes.
-        idx = plan.gather_index(gpu_ids).pin_memory().to(device, non_blocking=True)
-        staging = torch.empty((len(plan.planes) * n, plan.planes[0].shape[1]), dtype=plan.word,
-                              device=device)
-        keep_alive += [idx, staging]
+        rows = len(plan.planes) * n
+        if buffers is not None:
+            idx = buffers.upload_index(plan, gpu_ids, kernel_stream, keep_alive)
+            staging = buffers.staging(rows, keep_alive)
+        else:  # allocated on the kernel stream, released only after the job completes
+            idx = plan.gather_index(gpu_ids).pin_memory().to(device, non_blocking=True)
+            staging = torch.empty((rows, plan.planes[0].shape[1]), dtype=plan.word, device=device)
+            keep_alive += [idx, staging]
         for group in groups:
             if is_store:
                 _move(plan, group, n, idx, staging, gather=True)
-                dma_stream.wait_event(_record(kernel_stream))
+                dma_stream.wait_event(_record(kernel_stream, fence))
                 _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
             else:
                 _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
-                kernel_stream.wait_event(_record(dma_stream))
+                kernel_stream.wait_event(_record(dma_stream, fence))
                 _move(plan, group, n, idx, staging, gather=False)
     finally:
         torch.cuda.set_stream(previous)
-    dma_stream.wait_event(_record(kernel_stream))  # the job ends after its last kernel
+    dma_stream.wait_event(_record(kernel_stream, fence))  # the job ends after its last kernel
 
 
 def _move(plan: GatherPlan, group: range, n: int, idx: torch.Tensor, staging: torch.Tensor,
@@ -240,8 +338,14 @@ def _move(plan: GatherPlan, group: range, n: int, idx: torch.Tensor, staging: to
             plan.planes[p].index_copy_(0, idx, part)
 
 
-def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
+def _record(stream: torch.cuda.Stream, event: torch.cuda.Event | None = None) -> torch.cuda.Event:
+    """Record ``event`` (a new one if None) on ``stream``.
+
+    One event serves every record / wait pair: ``wait_event`` orders the waiting stream
+    after the record made before it, and a later record does not change that.
+    """
+    if event is None:
+        event = torch.cuda.Event()
     event.record(stream)
     return event
 

@@ -78,6 +78,7 @@ from connectors.offload._copy_plan import CopyPlan
 from connectors.offload._cuda_copy import DMA_LANES, CopyMethods
 from connectors.offload._issuer import IssueThread
 from connectors.offload._jobs import (
+    EventPool,
     Job,
     TransferResult,
     as_tensor,
@@ -90,7 +91,7 @@ from connectors.offload._layout import (
     build_block_layout,
     cross_layer_planes,
 )
-from connectors.offload._staged import GatherPlan, plan_gather
+from connectors.offload._staged import GatherPlan, StagingBuffers, plan_gather
 
 __all__ = [
     "BlockLayout",
@@ -206,6 +207,14 @@ class KVBlockMover(CopyMethods):
         self._gather_plan: GatherPlan | None = (
             plan_gather(self.layout.planes, self.cpu_planes, limit if self._stage_2d else 0)
             if self.is_cuda else None)
+        # Per direction: staging memory, index buffers and fence events of staged copies,
+        # made at the first staged job and reused (None: allocate per job, to measure).
+        self._staging: dict[bool, StagingBuffers] | None = (
+            {d: StagingBuffers(self.device, self._gather_plan) for d in (True, False)}
+            if self._gather_plan is not None else None)
+        self._ready_events = EventPool(timing=False)
+        self._lane_events = {}
+        self._timing_events = EventPool(timing=True)
         self._block_bytes = self.layout.block_bytes
         self._issuer: IssueThread | None = None
         self._claim_lock = threading.Lock()
@@ -232,18 +241,22 @@ class KVBlockMover(CopyMethods):
 
     def _submit(self, job_id: int, is_store: bool, src_ids: Sequence[int],
                 dst_ids: Sequence[int]) -> None:
-        # The engine pays every microsecond here before its forward: keep it lean.
+        # The engine pays every microsecond here before its forward: keep it lean (the
+        # range check and everything else runs where the job is issued).
         job = Job(job_id, is_store, len(src_ids) * self._block_bytes, time.perf_counter())
         self._jobs.append(job)
         try:
             gpu_ids, cpu_ids = (src_ids, dst_ids) if is_store else (dst_ids, src_ids)
-            g, c = self._checked_ids(gpu_ids, cpu_ids)
+            if len(gpu_ids) != len(cpu_ids):
+                msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
+                raise ValueError(msg)
+            g, c = id_array(gpu_ids), id_array(cpu_ids)
             ready = None
             if self.is_cuda:
                 # Fixes the copies' place in stream order now, whichever thread issues
                 # them: a store reads what the model queued so far; a load overwrites
                 # blocks that earlier kernels may still read.
-                ready = torch.cuda.Event()
+                ready = self._ready_events.get()
                 ready.record(torch.cuda.current_stream(self._device_index))
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
             self._fail(job, exc)
@@ -286,24 +299,27 @@ class KVBlockMover(CopyMethods):
         """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
         t0 = time.perf_counter()
         try:
-            g, c = as_tensor(g_ids), as_tensor(c_ids)
+            self._check_range(g_ids, c_ids)
             if ready is None:  # CPU cache: plain synchronous copies
-                if g.numel():
-                    self._copy(job, job.is_store, g.tolist(), c.tolist())
+                if g_ids:
+                    self._copy(job, job.is_store, g_ids.tolist(), c_ids.tolist())
                 job.host_seconds = time.perf_counter() - job.submitted_at
                 return
             stream = self._streams[job.is_store]
             stream.wait_event(ready)
-            start = torch.cuda.Event(enable_timing=True)
+            start = self._timing_events.get()
             start.record(stream)
-            if g.numel():
+            job.start_event = start
+            if g_ids:
                 self._copy_cuda(job, g_ids, c_ids, stream, start)
-            end = torch.cuda.Event(enable_timing=True)
+            end = self._timing_events.get()
             end.record(stream)
-            job.start_event, job.end_event = start, end
+            job.end_event = end
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
             self._fail(job, exc)
         finally:
+            if ready is not None:  # waited for above (or never will be): free to record again
+                self._ready_events.put(ready)
             job.issue_seconds = time.perf_counter() - t0
             if job.issued is not None:
                 job.issued.set()  # last: the fields above are complete when it is seen
@@ -314,20 +330,17 @@ class KVBlockMover(CopyMethods):
         logger.warning("KV %s job %d failed at submission: %s",
                        "store" if job.is_store else "load", job.job_id, job.error)
 
-    def _checked_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
-                     ) -> tuple[array.array[int], array.array[int]]:
-        """The ids as private int64 arrays, checked: equal lengths, every id in range."""
-        if len(gpu_ids) != len(cpu_ids):
-            msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
-            raise ValueError(msg)
-        g, c = id_array(gpu_ids), id_array(cpu_ids)
-        for name, ids, bound in (("device", g, self.layout.num_blocks),
-                                 ("CPU", c, self.num_cpu_blocks)):
-            if ids and not (min(ids) >= 0 and max(ids) < bound):
+    def _check_range(self, g_ids: array.array[int], c_ids: array.array[int]) -> None:
+        """Every id in range, else IndexError naming the bad ones (one C-speed pass each)."""
+        for name, ids, bound in (("device", g_ids, self.layout.num_blocks),
+                                 ("CPU", c_ids, self.num_cpu_blocks)):
+            if not ids:
+                continue
+            low, high = torch.aminmax(as_tensor(ids))
+            if int(low) < 0 or int(high) >= bound:
                 bad = [i for i in ids if not 0 <= i < bound][:8]
                 msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)
-        return g, c
 
     # ------------------------------------------------------------------ completion
     def get_finished(self) -> list[TransferResult]:
@@ -384,14 +397,16 @@ class KVBlockMover(CopyMethods):
         """Jobs submitted and not yet reported by :meth:`get_finished`."""
         return len(self._jobs)
 
-    @staticmethod
-    def _result(job: Job) -> TransferResult:
+    def _result(self, job: Job) -> TransferResult:
         seconds = job.host_seconds or (time.perf_counter() - job.submitted_at)
         if job.error is None and job.start_event is not None and job.end_event is not None:
             try:  # device time of the copies themselves, not of the polling
                 seconds = job.start_event.elapsed_time(job.end_event) / 1e3
             except RuntimeError:
                 pass
+        for event in (job.start_event, job.end_event):
+            if event is not None:  # the job is done and reported: nothing queries them again
+                self._timing_events.put(event)
         return TransferResult(job.job_id, job.error is None, job.is_store, job.num_bytes,
                               seconds, job.issue_seconds)
 
