@@ -6,9 +6,11 @@ A variant is a label: a :class:`KVBlockMover` method name, optionally followed b
 which is how ``auto`` issued copies before the runtime calls existed), ``, per-plane
 kernels`` (staged copies gather each plane with its own kernel, as before one span view
 covered all planes) or ``, one lane`` (batched jobs on the direction's stream alone, as
-before they were split over several streams) or ``, per-job buffers`` (staged copies
+before they were split over several streams), ``, per-job buffers`` (staged copies
 allocate their index and staging memory and their events per job, as before
-:class:`~connectors.offload._staged.StagingBuffers`).
+:class:`~connectors.offload._staged.StagingBuffers`), ``, 16 MiB stages`` (staged copies
+in stages of 16 MiB, up to 16, as before) or ``, no head`` (a batched job's first blocks
+are not queued ahead of the rest).
 
 :func:`baseline_mover_class` loads the mover of another checkout (main) beside this one's,
 so that a benchmark measures both in one process, interleaved.
@@ -26,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from connectors.offload import _staged
 from connectors.offload.transfer import METHODS, KVBlockMover
 
 __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "apply_variant",
@@ -33,7 +36,9 @@ __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "appl
 
 LAYOUTS = ["cross-layer", "per-layer", "per-layer, one allocation"]
 
-OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane", "per-job buffers")
+OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane", "per-job buffers",
+           "16 MiB stages", "no head")
+_STAGES = (_staged._STAGE_BYTES, _staged._MAX_GROUPS)  # this checkout's, for "16 MiB stages"
 
 DEFAULT_VARIANTS = ["per_block", "coalesced", "gather", "batched", "pitched", "auto",
                     "auto, inline issue", "auto, Tensor.copy_"]
@@ -51,8 +56,8 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
     saved = mover.__dict__.setdefault("_bench_saved", (
         mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer,
         getattr(mover, "_gather_plan", None), getattr(mover, "_lanes", None),
-        getattr(mover, "_staging", None)))
-    memcpy, batch, memcpy_2d, issuer, gather_plan, lanes, staging = saved
+        getattr(mover, "_staging", None), getattr(mover, "_head_blocks", None)))
+    memcpy, batch, memcpy_2d, issuer, gather_plan, lanes, staging, head = saved
     mover.method = method
     fallback = option == "Tensor.copy_"
     mover._memcpy, mover._batch_memcpy, mover._memcpy_2d = (
@@ -65,6 +70,10 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
         mover._lanes = {True: [], False: []} if option == "one lane" else lanes
     if staging is not None:
         mover._staging = None if option == "per-job buffers" else staging
+    if head is not None:
+        mover._head_blocks = 0 if option == "no head" else head
+    # Module-wide (this checkout's staged copies): the stage size before this branch.
+    _staged._STAGE_BYTES, _staged._MAX_GROUPS = (16 << 20, 16) if option == "16 MiB stages" else _STAGES
 
 
 def restore(mover: KVBlockMover) -> None:

@@ -13,8 +13,9 @@ import threading
 import pytest
 import torch
 
+from connectors.offload import _staged
 from connectors.offload.transfer import KVBlockMover
-from test_offload_staged import carved_planes, cpu_plan, per_layer_caches
+from test_offload_staged import carved_planes, cpu_plan, per_layer_caches, store_then_load
 from test_offload_transfer import CUDA_ONLY, cross_layer_cache
 
 LAYOUTS = ["cross-layer", "per-layer"]
@@ -144,3 +145,52 @@ def test_events_are_reused_across_jobs() -> None:
     assert len(mover._ready_events._free) == 1
     mover.shutdown()
 
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batched_job_with_a_head_is_byte_exact(layout: str) -> None:
+    """A batched job long enough for its first blocks to go out ahead of the rest."""
+    base, views = cross_layer_cache("cuda", num_blocks=80)
+    if layout == "per-layer":
+        views = {k: v.contiguous() for k, v in views.items()}
+    mover = KVBlockMover(views, num_cpu_blocks=40, method="batched")
+    if not mover.batched_available:
+        pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
+    assert mover._head_blocks and 40 >= 4 * mover._head_blocks
+    original = {k: v.clone() for k, v in views.items()}
+    src = torch.randperm(80, generator=torch.Generator().manual_seed(3))[:40].tolist()
+    src[3:6] = [70, 71, 72]  # a run across the head's end (blocks 0-7 of the job)
+    src[6:9] = [73, 74, 75]
+    cpu = list(range(40))
+    mover.submit_store(1, src, cpu)
+    mover.wait()
+    for v in views.values():
+        v.fill_(-7.0)
+    dst = list(range(40, 80))
+    mover.submit_load(2, cpu, dst)
+    mover.wait()
+    assert [r.success for r in mover.get_finished()] == [True, True]
+    for k, v in views.items():
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(v[d].view(torch.int16), original[k][s].view(torch.int16))
+        assert bool((v[:40] == -7.0).all())
+
+
+@CUDA_ONLY
+def test_staged_job_in_many_stages_reuses_stage_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small stages (so a small job has several): byte-exact, and the views made once."""
+    monkeypatch.setattr(_staged, "_STAGE_BYTES", 1024)
+    views = per_layer_caches("cuda", num_layers=6)
+    mover = KVBlockMover(views, num_cpu_blocks=8, method="gather")
+    if mover._gather_plan is None or mover._gather_plan.source is None:
+        pytest.skip("the allocator placed these layers at no common row multiple")
+    assert len(_staged.group_planes(6, 5 * mover.layout.block_bytes)) > 1
+    buffers = mover._staging[True]
+    store_then_load(mover, views, [7, 2, 9, 4, 11], [1, 2, 5, 6, 7], [0, 3, 5, 6, 10])
+    ((key, views_of_job),) = buffers._views.items()
+    mover.submit_store(3, [1, 3, 5, 8, 10], [0, 1, 2, 3, 4])
+    mover.wait()
+    assert [r.success for r in mover.get_finished()] == [True]
+    assert buffers._views.get(key) is views_of_job  # same job size: the same views, not new ones
+    mover.shutdown()

@@ -18,10 +18,11 @@ from connectors.offload._jobs import Job, as_tensor, coalesce_runs
 from connectors.offload._layout import BlockLayout
 from connectors.offload._staged import GatherPlan, StagingBuffers, staged_copy
 
-__all__ = ["DMA_LANES", "CopyMethods"]
+__all__ = ["DMA_LANES", "HEAD_BLOCKS", "CopyMethods"]
 
 SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
 DMA_LANES = 4  # streams per direction that a batched job is split over
+HEAD_BLOCKS = 8  # blocks of a batched job queued first, before the rest's descriptors
 
 
 class CopyMethods:
@@ -38,6 +39,7 @@ class CopyMethods:
     _kernel_streams: dict[bool, torch.cuda.Stream]
     _lanes: dict[bool, list[torch.cuda.Stream]]
     _lane_events: dict[torch.cuda.Stream, torch.cuda.Event]
+    _head_blocks: int  # blocks of a batched job issued before the rest (0: none)
     _memcpy: _cudart.Memcpy | None
     _memcpy_2d: _cudart.Memcpy2D | None
     _stage_2d: _cudart.Memcpy2D | None
@@ -101,6 +103,22 @@ class CopyMethods:
         # Every plane and run of the job in one runtime call: thousands of DMA copies for
         # the per-layer layout cost one call's host time, and the copy engines see the
         # whole batch at once instead of a trickle of single copies.
+        head = self._head_blocks if len(g_ids) >= 4 * self._head_blocks else 0
+        if head:
+            # The first blocks go out before the descriptors of the rest are built: the
+            # copy engines start a few hundred microseconds sooner (H100 machines: 0.4-0.6
+            # ms from submission to the first DMA of a 256-block job), which a transfer of
+            # ~10 ms otherwise pays in full. A run split here costs one extra copy.
+            self._batch_on_lanes(batch_memcpy, is_store, g_ids[:head], c_ids[:head], stream,
+                                 [], start)
+            g_ids, c_ids = g_ids[head:], c_ids[head:]
+        self._batch_on_lanes(batch_memcpy, is_store, g_ids, c_ids, stream, self._lanes[is_store],
+                             start)
+
+    def _batch_on_lanes(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool,
+                        g_ids: array.array[int], c_ids: array.array[int],
+                        stream: torch.cuda.Stream, extra: list[torch.cuda.Stream],
+                        start: torch.cuda.Event) -> None:
         arrays = self._plan.single_plane_descriptors(g_ids, c_ids, is_store)
         if arrays is not None:
             count = len(arrays[0])
@@ -111,8 +129,8 @@ class CopyMethods:
             dst, src, size = (t.data_ptr() for t in tensors)
         # Split over the direction's DMA lanes (H100, 256 scattered 2 MiB blocks: 0.989x of
         # the contiguous copy on one stream, 0.995x on four). Every lane starts where the
-        # job's stream stands now, and the job's stream waits for every lane at the end.
-        lanes = [stream, *self._lanes[is_store]] if count >= 2 * DMA_LANES else [stream]
+        # job's stream stood at its start, and the job's stream waits for every lane at the end.
+        lanes = [stream, *extra] if count >= 2 * DMA_LANES else [stream]
         per = -(-count // len(lanes))
         lanes = lanes[:-(-count // per)]  # no empty part (9 copies on 4 lanes: 3+3+3)
         for i, lane in enumerate(lanes):

@@ -45,8 +45,12 @@ from connectors.offload import _cudart
 __all__ = ["GatherPlan", "StagingBuffers", "group_planes", "plan_gather", "span_layout",
            "staged_copy", "staging_copies"]
 
-_STAGE_BYTES = 16 << 20  # bytes moved per pipeline stage (one group of planes)
-_MAX_GROUPS = 16  # H100: 16 stages 0.98x, 8 stages 0.98x, 4 stages 0.97x for 512 MiB
+# Bytes moved per pipeline stage (one group of planes), and the most stages of a job.
+# H100, bare mechanism, 512 MiB: 16 stages 0.975-0.98x, 8 stages 0.979-0.98x, 4 stages
+# 0.97x of the contiguous copy; each stage costs the issuing thread a handful of calls
+# (GIL time the engine's step competes for), so 8 stages of >= 32 MiB.
+_STAGE_BYTES = 32 << 20
+_MAX_GROUPS = 8
 _HOST_SLOTS = 4  # pinned index buffers per direction, used in turn
 
 
@@ -74,7 +78,7 @@ def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_block
 
 
 def group_planes(num_planes: int, job_bytes: int) -> list[range]:
-    """Split the planes into pipeline stages of about ``_STAGE_BYTES`` each (1 to 16)."""
+    """Split the planes into pipeline stages of about ``_STAGE_BYTES`` each (1 to 8)."""
     groups = max(1, min(_MAX_GROUPS, num_planes, job_bytes // _STAGE_BYTES))
     per = -(-num_planes // groups)
     return [range(i, min(i + per, num_planes)) for i in range(0, num_planes, per)]
@@ -158,6 +162,21 @@ class StagingBuffers:
         self._host: list[tuple[torch.Tensor | None, torch.cuda.Event, bool]] = [
             (None, torch.cuda.Event(), False) for _ in range(_HOST_SLOTS)]
         self._turn = 0
+        # Per job size: each stage's (index rows, staging rows) views, made once (two
+        # slicing calls per stage and job otherwise); dropped when a buffer is replaced.
+        self._views: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def stage_views(self, groups: Sequence[range], n: int, index: torch.Tensor,
+                    staging: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per stage, its rows of the span index and of staging (plane-major, ``n`` per plane)."""
+        key = (index.data_ptr(), staging.data_ptr(), n)
+        views = self._views.get(key)
+        if views is None or len(views) != len(groups):
+            views = [(index[g.start * n:g.stop * n], staging[g.start * n:g.stop * n]) for g in groups]
+            if len(self._views) > 64:  # many job sizes: start over rather than grow
+                self._views.clear()
+            self._views[key] = views
+        return views
 
     def staging(self, rows: int, keep_alive: list[torch.Tensor]) -> torch.Tensor:
         """``rows`` staging rows; grown (never shrunk) when a job needs more.
@@ -168,6 +187,7 @@ class StagingBuffers:
             if self._staging is not None:
                 keep_alive.append(self._staging)
             self._staging = torch.empty((rows, self._words), dtype=self._word, device=self.device)
+            self._views.clear()
         return self._staging[:rows]
 
     def upload_index(self, plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,
@@ -189,6 +209,7 @@ class StagingBuffers:
                 keep_alive.append(device_index)
             device_index = self._device_index = torch.empty(length, dtype=torch.int64,
                                                             device=self.device)
+            self._views.clear()
         index = device_index[:length]
         index.copy_(plan.gather_index(gpu_ids, out=host[:length]), non_blocking=True)
         uploaded.record(stream)
@@ -306,29 +327,38 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
             idx = plan.gather_index(gpu_ids).pin_memory().to(device, non_blocking=True)
             staging = torch.empty((rows, plan.planes[0].shape[1]), dtype=plan.word, device=device)
             keep_alive += [idx, staging]
-        for group in groups:
+        views = (buffers.stage_views(groups, n, idx, staging)
+                 if buffers is not None and plan.source is not None else None)
+        for k, group in enumerate(groups):
+            rows_of = views[k] if views is not None else None
             if is_store:
-                _move(plan, group, n, idx, staging, gather=True)
+                _move(plan, group, n, idx, staging, rows_of, gather=True)
                 dma_stream.wait_event(_record(kernel_stream, fence))
                 _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
             else:
                 _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
                 kernel_stream.wait_event(_record(dma_stream, fence))
-                _move(plan, group, n, idx, staging, gather=False)
+                _move(plan, group, n, idx, staging, rows_of, gather=False)
     finally:
         torch.cuda.set_stream(previous)
     dma_stream.wait_event(_record(kernel_stream, fence))  # the job ends after its last kernel
 
 
 def _move(plan: GatherPlan, group: range, n: int, idx: torch.Tensor, staging: torch.Tensor,
-          *, gather: bool) -> None:
-    """Gather a group's rows into staging (or scatter them back): one kernel over the span."""
+          rows_of: tuple[torch.Tensor, torch.Tensor] | None, *, gather: bool) -> None:
+    """Gather a group's rows into staging (or scatter them back): one kernel over the span.
+
+    ``rows_of``: the group's index and staging rows, where already sliced.
+    """
     if plan.source is not None:
-        rows = slice(group.start * n, group.stop * n)
+        if rows_of is None:
+            rows = slice(group.start * n, group.stop * n)
+            rows_of = (idx[rows], staging[rows])
+        index, part = rows_of
         if gather:
-            torch.index_select(plan.source, 0, idx[rows], out=staging[rows])
+            torch.index_select(plan.source, 0, index, out=part)
         else:
-            plan.source.index_copy_(0, idx[rows], staging[rows])
+            plan.source.index_copy_(0, index, part)
         return
     for p in group:
         part = staging[p * n:(p + 1) * n]

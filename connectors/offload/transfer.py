@@ -75,7 +75,7 @@ import torch
 
 from connectors.offload import _cudart
 from connectors.offload._copy_plan import CopyPlan
-from connectors.offload._cuda_copy import DMA_LANES, CopyMethods
+from connectors.offload._cuda_copy import DMA_LANES, HEAD_BLOCKS, CopyMethods
 from connectors.offload._issuer import IssueThread
 from connectors.offload._jobs import (
     EventPool,
@@ -214,6 +214,7 @@ class KVBlockMover(CopyMethods):
             if self._gather_plan is not None else None)
         self._ready_events = EventPool(timing=False)
         self._lane_events = {}
+        self._head_blocks = HEAD_BLOCKS
         self._timing_events = EventPool(timing=True)
         self._block_bytes = self.layout.block_bytes
         self._issuer: IssueThread | None = None
