@@ -5,15 +5,19 @@
 # Run from this checkout's root on the GPU machine, with main's checkout at $BASE
 # (default ../base) and the wheels of pytest (and its needs), msgspec and hypothesis in
 # $WHEELS (default ../.whl; the machine has torch but not these). Stages, as arguments
-# (default: all): tests transfer limits interference. Writes to $OUT.
+# (default: all): tests transfer issue limits interference. $METHODS (transfer variants)
+# and $VARIANTS (interference variants besides branch and main) override the defaults.
+# Writes to $OUT.
 set -u
 OUT=${OUT:-/tmp/kvc-gpu-out}
 BASE=${BASE:-../base}
 WHEELS=${WHEELS:-../.whl}
-STAGES=${*:-tests transfer limits interference}
+STAGES=${*:-tests transfer issue limits interference}
 REPS=${REPS:-15}
 STEPS=${STEPS:-160}
 TRIALS=${TRIALS:-8}
+IFS=';' read -r -a METHODS_LIST <<< "${METHODS:-auto;auto, per-job buffers;gather;batched}"
+IFS=';' read -r -a VARIANTS_LIST <<< "${VARIANTS:-per-job buffers}"
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl || exit 1
@@ -30,14 +34,17 @@ for stage in $STAGES; do
             2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
     transfer)
         timeout 300 python3 benchmarks/bench_transfer.py --reps "$REPS" --baseline-root "$BASE" \
-            --methods auto "auto, per-job buffers" gather batched > "$OUT/transfer.log" 2>&1
+            --methods "${METHODS_LIST[@]}" > "$OUT/transfer.log" 2>&1
         grep -v '^{' "$OUT/transfer.log" ;;
+    issue)
+        timeout 200 python3 benchmarks/probe_issue_path.py > "$OUT/issue.log" 2>&1
+        tail -9 "$OUT/issue.log" ;;
     limits)
         timeout 200 python3 benchmarks/probe_transfer_limits.py --bisect > "$OUT/limits.log" 2>&1
         grep -v '^{' "$OUT/limits.log" | tail -20 ;;
     interference)
         timeout 400 python3 benchmarks/probe_interference_ab.py --baseline-root "$BASE" \
-            --variants "per-job buffers" --steps "$STEPS" --trials "$TRIALS" > "$OUT/interference.log" 2>&1
+            --variants "${VARIANTS_LIST[@]}" --steps "$STEPS" --trials "$TRIALS" > "$OUT/interference.log" 2>&1
         grep -v '^{' "$OUT/interference.log" | tail -12 ;;
     esac
 done
