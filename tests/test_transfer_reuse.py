@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from connectors.offload import _staged
+from connectors.offload._copy_plan import cpu_runs, estimate_joint_runs, scan_runs
 from connectors.offload.transfer import KVBlockMover
 from test_offload_staged import carved_planes, cpu_plan, per_layer_caches, store_then_load
 from test_offload_transfer import CUDA_ONLY, cross_layer_cache
@@ -27,6 +28,30 @@ def caches(layout: str, device: str) -> dict:
 
 def issue_thread_name(mover: KVBlockMover) -> str:
     return f"kv-transfer-issue-{id(mover):x}"
+
+
+# ------------------------------------------------------------------ id scans
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_runs_and_the_joint_estimate_agree_with_the_full_scan(seed: int) -> None:
+    """The CPU runs alone equal the full scan's; the estimate is exact up to 16 blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 1 + seed * 3
+    gpu = torch.randperm(40, generator=gen)[:n].tolist()
+    cpu = sorted(torch.randperm(30, generator=gen)[:n].tolist())
+    gpu[: n // 2] = range(5, 5 + n // 2)  # a joint run where the CPU ids run too
+    joint, runs = scan_runs(gpu, cpu)
+    assert cpu_runs(cpu) == runs
+    assert estimate_joint_runs(gpu, cpu) == joint
+
+
+def test_joint_estimate_of_long_jobs_tells_runs_from_scattered_ids() -> None:
+    scattered = torch.randperm(4096, generator=torch.Generator().manual_seed(1))[:256].tolist()
+    consecutive = list(range(256))
+    assert estimate_joint_runs(scattered, consecutive) == 256
+    assert estimate_joint_runs(list(range(100, 356)), consecutive) == 1
+    # one break in the first 16 pairs: about 256 / 16 runs
+    ids = [*range(8), *range(50, 298)]
+    assert 16 <= estimate_joint_runs(ids, consecutive) <= 20
 
 
 # ------------------------------------------------------------------ gather index

@@ -9,11 +9,12 @@ here at registration.
 from __future__ import annotations
 
 import array
+import functools
 
 import torch
 
 from connectors.offload import _cudart
-from connectors.offload._copy_plan import CopyPlan, scan_runs
+from connectors.offload._copy_plan import CopyPlan, cpu_runs, estimate_joint_runs, scan_runs
 from connectors.offload._jobs import Job, as_tensor, coalesce_runs
 from connectors.offload._layout import BlockLayout
 from connectors.offload._staged import GatherPlan, StagingBuffers, staged_copy
@@ -52,17 +53,18 @@ class CopyMethods:
         # ``start`` marks where the job begins on ``stream`` (extra streams wait for it).
         method = self.method
         planes = self.layout.planes
-        scan = None
-        if method == "gather" or (method == "auto" and (
-                len(planes) > 1 or planes[0].shape[1] < SMALL_ROW_BYTES)):
-            scan = scan_runs(g_ids, c_ids)
-        if method == "auto" and scan is not None and self._small_rows(len(g_ids), scan[0]):
+        n = len(g_ids)
+        # Gather where the DMAs would be small: judged from a sample of the ids, and from
+        # the full scan only where the sample shows runs (then it matters).
+        if method == "auto" and self._gather_plan is not None and (
+                len(planes) > 1 or planes[0].shape[1] < SMALL_ROW_BYTES) and (
+                self._small_rows(n, estimate_joint_runs(g_ids, c_ids))
+                or self._small_rows(n, scan_runs(g_ids, c_ids)[0])):
             method = "gather"
-        g, c = as_tensor(g_ids), as_tensor(c_ids)
-        if method == "gather" and self._gather_plan is not None and scan is not None:
+        if method == "gather" and self._gather_plan is not None:
             buffers = self._staging[job.is_store] if self._staging is not None else None
-            args = (self._gather_plan, job.is_store, g, scan[1], stream,
-                    self._kernel_streams[job.is_store], self._memcpy,
+            args = (self._gather_plan, job.is_store, as_tensor(g_ids), functools.partial(cpu_runs, c_ids),
+                    stream, self._kernel_streams[job.is_store], self._memcpy,
                     self._stage_2d if self._memcpy is not None else None, job.keep_alive)
             if buffers is None:
                 staged_copy(*args)
@@ -70,12 +72,12 @@ class CopyMethods:
                 with buffers.lock:  # one job of a direction at a time on its buffers
                     staged_copy(*args, buffers)
         elif self._memcpy_2d is not None and method in ("auto", "pitched"):
-            self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
+            self._copy_pitched(self._memcpy_2d, job.is_store, as_tensor(g_ids), as_tensor(c_ids), stream)
         elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
             self._copy_batched(self._batch_memcpy, job.is_store, g_ids, c_ids, stream, start)
         else:
             with torch.cuda.stream(stream):
-                self._copy(job, job.is_store, g.tolist(), c.tolist())
+                self._copy(job, job.is_store, g_ids.tolist(), c_ids.tolist())
 
     def _small_rows(self, num_blocks: int, joint_runs: int) -> bool:
         """True when the job's DMAs would average under 256 KiB (scattered per-layer rows).

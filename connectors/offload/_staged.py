@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -290,8 +290,11 @@ def staging_copies(plan: GatherPlan, group: range, n: int, cpu_runs: Sequence[tu
     return out
 
 
+Runs = Sequence[tuple[int, int, int]]
+
+
 def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
-                cpu_runs: Sequence[tuple[int, int, int]], dma_stream: torch.cuda.Stream,
+                cpu_runs: Runs | Callable[[], Runs], dma_stream: torch.cuda.Stream,
                 kernel_stream: torch.cuda.Stream, memcpy: _cudart.Memcpy | None,
                 memcpy_2d: _cudart.Memcpy2D | None, keep_alive: list[torch.Tensor],
                 buffers: StagingBuffers | None = None) -> None:
@@ -301,7 +304,9 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
         plan: from :func:`plan_gather`.
         is_store: device -> CPU when True.
         gpu_ids: int64 CPU tensor of device block ids, one per staging row.
-        cpu_runs: ``(staging_row, cpu_id, length)`` runs of consecutive CPU ids.
+        cpu_runs: ``(staging_row, cpu_id, length)`` runs of consecutive CPU ids, or a
+            function returning them (called once, where they are first needed: a store
+            computes them while its first gather kernel runs).
         dma_stream: the job's stream (already ordered after the model's work).
         kernel_stream: a second stream for the gather / scatter kernels.
         memcpy, memcpy_2d: the runtime's copies by ctypes (None: ``Tensor.copy_``).
@@ -329,14 +334,19 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
             keep_alive += [idx, staging]
         views = (buffers.stage_views(groups, n, idx, staging)
                  if buffers is not None and plan.source is not None else None)
+        runs: Runs = () if callable(cpu_runs) else cpu_runs
         for k, group in enumerate(groups):
             rows_of = views[k] if views is not None else None
             if is_store:
                 _move(plan, group, n, idx, staging, rows_of, gather=True)
+                if k == 0 and callable(cpu_runs):
+                    runs = cpu_runs()
                 dma_stream.wait_event(_record(kernel_stream, fence))
-                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+                _dma(plan, group, n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
             else:
-                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
+                if k == 0 and callable(cpu_runs):
+                    runs = cpu_runs()
+                _dma(plan, group, n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
                 kernel_stream.wait_event(_record(dma_stream, fence))
                 _move(plan, group, n, idx, staging, rows_of, gather=False)
     finally:
