@@ -11,6 +11,9 @@ with the step alone), for the cross-layer and per-layer layouts:
 * ``tensor descriptors``: one-plane descriptors built with tensor operations;
 * ``all three off``;
 * ``per-job buffers``: staged copies allocate their buffers and events per job;
+* ``delay <ms> ms``: the issue thread sleeps that long when woken from idle;
+* ``main-like <option>``: the branch with a ``_transfer_variants`` option (e.g. ``16 MiB
+  stages``);
 * ``baseline``: with ``--baseline-root``, the mover of another checkout (main), measured in
   the same round robin.
 
@@ -31,6 +34,12 @@ from connectors.offload.transfer import KVBlockMover
 
 
 def _patch(mover: KVBlockMover, name: str) -> None:
+    if name.startswith("delay "):  # "delay 0.3 ms": the issue thread's start delay
+        mover._issuer.delay = float(name.split()[1]) / 1e3
+        return
+    if name.startswith("main-like "):  # this branch with one of main's settings back
+        apply_variant(mover, "auto, " + name.removeprefix("main-like "))
+        return
     if name == "per-job buffers":
         apply_variant(mover, "auto, per-job buffers")
         return

@@ -117,6 +117,28 @@ def test_issue_thread_on_cpu_wait_for_some_jobs_and_shutdown() -> None:
     assert torch.equal(base[0], base[6])
 
 
+def test_a_waiter_issues_a_job_the_delayed_thread_has_not_begun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue thread's start delay never delays a job that a caller waits for."""
+    _, views = cross_layer_cache("cpu")
+    mover = KVBlockMover(views, num_cpu_blocks=4, issue_thread=True)
+    assert mover._issuer is not None
+    mover._issuer.delay = 2.0  # longer than the test: the thread sleeps through it
+    issuers: list[str] = []
+    real_copy = mover._copy
+
+    def recording_copy(*args: object) -> None:
+        issuers.append(threading.current_thread().name)
+        real_copy(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mover, "_copy", recording_copy)
+    mover.submit_store(1, [3], [0])
+    mover.wait()  # returns at once: this thread issued the job
+    assert issuers == [threading.current_thread().name]
+    assert [(r.job_id, r.success) for r in mover.get_finished()] == [(1, True)]
+    assert torch.equal(mover.cpu_planes[0][0], mover.layout.planes[0][3])
+    mover._issuer.close(join=False)  # the sleeping thread finds the job claimed, then stops
+
+
 # ------------------------------------------------------------------ CUDA: reused staging
 @CUDA_ONLY
 def test_staged_jobs_reuse_buffers_and_stay_byte_exact_with_many_in_flight() -> None:

@@ -155,6 +155,7 @@ class StagingBuffers:
         self.fence = torch.cuda.Event()  # every record/wait pair between the two streams
         self._words, self._word = plan.planes[0].shape[1], plan.word
         self._staging: torch.Tensor | None = None
+        self._staging_rows: torch.Tensor | None = None
         self._device_index: torch.Tensor | None = None
         # Pinned index buffers in turn, each with the event of its last upload: a job
         # waits only for the upload of _HOST_SLOTS jobs ago (long done), never for the
@@ -165,6 +166,7 @@ class StagingBuffers:
         # Per job size: each stage's (index rows, staging rows) views, made once (two
         # slicing calls per stage and job otherwise); dropped when a buffer is replaced.
         self._views: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._index_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def stage_views(self, groups: Sequence[range], n: int, index: torch.Tensor,
                     staging: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -174,9 +176,14 @@ class StagingBuffers:
         if views is None or len(views) != len(groups):
             views = [(index[g.start * n:g.stop * n], staging[g.start * n:g.stop * n]) for g in groups]
             if len(self._views) > 64:  # many job sizes: start over rather than grow
-                self._views.clear()
+                self.clear_views()
             self._views[key] = views
         return views
+
+    def clear_views(self) -> None:
+        """Forget the cached views (a buffer was replaced, or too many job sizes)."""
+        self._views.clear()
+        self._index_views.clear()
 
     def staging(self, rows: int, keep_alive: list[torch.Tensor]) -> torch.Tensor:
         """``rows`` staging rows; grown (never shrunk) when a job needs more.
@@ -187,8 +194,11 @@ class StagingBuffers:
             if self._staging is not None:
                 keep_alive.append(self._staging)
             self._staging = torch.empty((rows, self._words), dtype=self._word, device=self.device)
-            self._views.clear()
-        return self._staging[:rows]
+            self.clear_views()
+            self._staging_rows = None
+        if self._staging_rows is None or self._staging_rows.shape[0] != rows:
+            self._staging_rows = self._staging[:rows]  # the same job size: the same view
+        return self._staging_rows
 
     def upload_index(self, plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,
                      keep_alive: list[torch.Tensor]) -> torch.Tensor:
@@ -201,6 +211,7 @@ class StagingBuffers:
             if host is not None:
                 keep_alive.append(host)
             host = torch.empty(length, dtype=torch.int64, pin_memory=True)
+            self.clear_views()
         elif used:
             uploaded.synchronize()  # its last upload has read it
         device_index = self._device_index
@@ -209,11 +220,15 @@ class StagingBuffers:
                 keep_alive.append(device_index)
             device_index = self._device_index = torch.empty(length, dtype=torch.int64,
                                                             device=self.device)
-            self._views.clear()
-        index = device_index[:length]
-        index.copy_(plan.gather_index(gpu_ids, out=host[:length]), non_blocking=True)
-        uploaded.record(stream)
+            self.clear_views()
         self._host[slot] = (host, uploaded, True)
+        key = (slot, length)
+        views = self._index_views.get(key)
+        if views is None:  # the two slices, made once per buffer and length
+            views = self._index_views[key] = (host[:length], device_index[:length])
+        host_part, index = views
+        index.copy_(plan.gather_index(gpu_ids, out=host_part), non_blocking=True)
+        uploaded.record(stream)
         return index
 
 

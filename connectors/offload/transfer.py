@@ -108,6 +108,9 @@ logger = logging.getLogger(__name__)
 METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 
 _Job = Job  # the name tests and probes know
+# The issue thread's start delay on CUDA (see _issuer): measured with
+# benchmarks/probe_interference_ab.py (RESULTS.md, "Issue 14, third stage").
+_ISSUE_DELAY_S = 0.0
 
 
 class KVBlockMover(CopyMethods):
@@ -220,7 +223,8 @@ class KVBlockMover(CopyMethods):
         self._issuer: IssueThread | None = None
         self._claim_lock = threading.Lock()
         if issue_thread or (self.is_cuda and issue_thread is None):
-            self._issuer = IssueThread(self.device, name=f"kv-transfer-issue-{id(self):x}")
+            self._issuer = IssueThread(self.device, name=f"kv-transfer-issue-{id(self):x}",
+                                       delay=_ISSUE_DELAY_S if self.is_cuda else 0.0)
             # A mover dropped without shutdown() still stops its thread.
             weakref.finalize(self, self._issuer.close, join=False)
 
