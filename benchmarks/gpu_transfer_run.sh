@@ -5,14 +5,14 @@
 # Run from this checkout's root on the GPU machine, with main's checkout at $BASE
 # (default ../base) and the wheels of pytest (and its needs), msgspec and hypothesis in
 # $WHEELS (default ../.whl; the machine has torch but not these). Stages, as arguments
-# (default: all): tests transfer issue limits interference. $METHODS (transfer variants)
+# (default: all): tests transfer issue limits interference methods. $METHODS (transfer variants)
 # and $VARIANTS (interference variants besides branch and main) override the defaults.
 # Writes to $OUT.
 set -u
 OUT=${OUT:-/tmp/kvc-gpu-out}
 BASE=${BASE:-../base}
 WHEELS=${WHEELS:-../.whl}
-STAGES=${*:-tests transfer issue limits interference}
+STAGES=${*:-tests transfer issue limits interference methods}
 REPS=${REPS:-15}
 STEPS=${STEPS:-160}
 TRIALS=${TRIALS:-8}
@@ -32,10 +32,14 @@ for stage in $STAGES; do
         timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_offload_transfer.py \
             tests/test_offload_staged.py tests/test_transfer_reuse.py tests/test_transfer_stats.py \
             2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
-    transfer)
+    transfer|transfer2)
         timeout 300 python3 benchmarks/bench_transfer.py --reps "$REPS" --baseline-root "$BASE" \
-            --methods "${METHODS_LIST[@]}" > "$OUT/transfer.log" 2>&1
-        grep -v '^{' "$OUT/transfer.log" ;;
+            --methods "${METHODS_LIST[@]}" --json "$OUT/$stage.json" > "$OUT/$stage.log" 2>&1
+        grep -v '^{' "$OUT/$stage.log" ;;
+    methods)
+        timeout 300 python3 benchmarks/bench_interference.py --steps 96 --trials 3 \
+            --methods auto batched gather "auto, inline issue" > "$OUT/methods.log" 2>&1
+        grep -v '^{' "$OUT/methods.log" | tail -16 ;;
     issue)
         timeout 200 python3 benchmarks/probe_issue_path.py > "$OUT/issue.log" 2>&1
         tail -9 "$OUT/issue.log" ;;
