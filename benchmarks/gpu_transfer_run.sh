@@ -35,11 +35,11 @@ for stage in $STAGES; do
             2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
     transfer|transfer2)
         timeout 300 python3 benchmarks/bench_transfer.py --reps "$REPS" --baseline-root "$BASE" \
-            --methods "${METHODS_LIST[@]}" --json "$OUT/$stage.json" > "$OUT/$stage.log" 2>&1
+            --methods "${METHODS_LIST[@]}" --json "/tmp/$stage.json" > "$OUT/$stage.log" 2>&1
         grep -v '^{' "$OUT/$stage.log" ;;
     methods)
         timeout 300 python3 benchmarks/bench_interference.py --steps 96 --trials 3 \
-            --methods auto batched gather "auto, inline issue" > "$OUT/methods.log" 2>&1
+            --methods auto batched gather "auto, inline issue" --json /tmp/methods.json > "$OUT/methods.log" 2>&1
         grep -v '^{' "$OUT/methods.log" | tail -16 ;;
     issue)
         timeout 200 python3 benchmarks/probe_issue_path.py > "$OUT/issue.log" 2>&1
