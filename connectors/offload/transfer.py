@@ -73,12 +73,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from connectors.offload import _cudart
-from connectors.offload._copy_plan import CopyPlan
-from connectors.offload._cuda_copy import DMA_LANES, HEAD_BLOCKS, CopyMethods
+from connectors.offload._cuda_copy import CopyMethods
 from connectors.offload._issuer import IssueThread
 from connectors.offload._jobs import (
-    EventPool,
     Job,
     TransferResult,
     as_tensor,
@@ -91,7 +88,6 @@ from connectors.offload._layout import (
     build_block_layout,
     cross_layer_planes,
 )
-from connectors.offload._staged import GatherPlan, StagingBuffers, plan_gather
 
 __all__ = [
     "BlockLayout",
@@ -176,51 +172,8 @@ class KVBlockMover(CopyMethods):
                 planes.append(self.cpu_buffer[offset:offset + size].view(num_cpu_blocks, -1))
                 offset += size
             self.cpu_planes = tuple(planes)
-        self._streams: dict[bool, torch.cuda.Stream] = {}
-        self._kernel_streams: dict[bool, torch.cuda.Stream] = {}
-        self._lanes: dict[bool, list[torch.cuda.Stream]] = {True: [], False: []}
-        if self.is_cuda:
-            self._streams = {True: torch.cuda.Stream(self.device),
-                             False: torch.cuda.Stream(self.device)}
-            # Gather / scatter kernels of the staged method, beside each direction's DMAs.
-            self._kernel_streams = {True: torch.cuda.Stream(self.device),
-                                    False: torch.cuda.Stream(self.device)}
-            # Extra streams a batched job is split over, beside the direction's own.
-            self._lanes = {d: [torch.cuda.Stream(self.device) for _ in range(DMA_LANES - 1)]
-                           for d in (True, False)}
         self._jobs: list[Job] = []
-        # Issue DMA copies through the CUDA runtime directly (None: when available).
-        use_runtime = self.is_cuda and raw_memcpy is not False
-        memcpy = _cudart.memcpy_async() if use_runtime else None
-        if raw_memcpy and memcpy is None:
-            msg = ("raw_memcpy=True needs a CUDA KV cache" if not self.is_cuda
-                   else "raw_memcpy=True but no CUDA runtime library could be loaded")
-            raise ValueError(msg)
-        self._memcpy = memcpy
-        self._batch_memcpy = _cudart.batch_memcpy_async() if use_runtime else None
-        # Addresses and strides of every plane on both sides, computed once here so that
-        # a job only adds block offsets (see _copy_plan).
-        self._plan = CopyPlan(self.layout.planes, self.cpu_planes)
-        self._memcpy_2d = None  # set where the pitched method applies
-        self._stage_2d = _cudart.memcpy_2d_async() if use_runtime else None
-        limit = 0
-        if use_runtime:
-            limit = _cudart.max_pitch(self._device_index)
-            if self._plan.pitch is not None and max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
-                self._memcpy_2d = self._stage_2d
-        # Staged copies (method gather): prepared here, used on CUDA only.
-        self._gather_plan: GatherPlan | None = (
-            plan_gather(self.layout.planes, self.cpu_planes, limit if self._stage_2d else 0)
-            if self.is_cuda else None)
-        # Per direction: staging memory, index buffers and fence events of staged copies,
-        # made at the first staged job and reused (None: allocate per job, to measure).
-        self._staging: dict[bool, StagingBuffers] | None = (
-            {d: StagingBuffers(self.device, self._gather_plan) for d in (True, False)}
-            if self._gather_plan is not None else None)
-        self._ready_events = EventPool(timing=False)
-        self._lane_events = {}
-        self._head_blocks = HEAD_BLOCKS
-        self._timing_events = EventPool(timing=True)
+        self._setup_copies(raw_memcpy)  # streams, runtime calls, copy plans (_cuda_copy)
         self._block_bytes = self.layout.block_bytes
         self._issuer: IssueThread | None = None
         self._claim_lock = threading.Lock()
