@@ -15,24 +15,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Self, cast
 
-import msgspec
-
-from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.engine.timeline import StepRecord, Timeline
+from kvconnector_core.engine._config import DEVICES, EngineConfig
+from kvconnector_core.engine._records import (
+    RequestOutput,
+    RunMetrics,
+    RunResult,
+    _fold_stats,
+    _gbps,
+    _numeric_leaves,
+)
+from kvconnector_core.engine.timeline import Timeline
 from kvconnector_core.engine.workloads import Trace, TraceRequest
 from kvconnector_core.errors import ConfigError, InvariantError
-from kvconnector_core.event_publisher import EventPublisherConfig
-from kvconnector_core.kv_cache.kv_cache_spec import (
-    KVCacheConfig,
-    get_kv_cache_config,
-    kv_cache_bytes_per_block,
-)
 from kvconnector_core.request import Request
-from kvconnector_core.worker.model import ModelConfig
 
 __all__ = [
     "DEVICES",
@@ -46,14 +44,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEVICES = ("cpu", "cuda")
-"""Valid values of :attr:`EngineConfig.device`."""
-
 STANDARD_STATS_KEYS = ("bytes_loaded", "bytes_stored", "load_seconds", "store_seconds")
 """Connector stats keys the engine turns into bytes moved and GB/s per direction."""
 
-# Exactness of the integer model needs fewer than 2**21 keys per attention (see model.py).
-_MAX_MODEL_LEN_LIMIT = 2**20
 # Steps in a row with requests pending but nothing scheduled before the engine gives up.
 _MAX_IDLE_STEPS = 10_000
 # Pause after such a step: the engine is waiting on connector I/O (async loads, tier
@@ -61,224 +54,7 @@ _MAX_IDLE_STEPS = 10_000
 # It also makes the give-up above take at least 10 s, longer than any sane I/O.
 _IDLE_SLEEP_S = 0.001
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything an :class:`Engine` needs.
-
-    Attributes:
-        model: the model (layers, sizes, seed).
-        num_gpu_blocks: blocks in the GPU pool (block 0 is the null block).
-        block_size: tokens per block (also the hash and scheduler block size).
-        max_num_batched_tokens: token budget of one step (prefills are chunked to fit).
-        max_num_seqs: most requests running at once.
-        max_model_len: longest sequence (prompt + output) a request may reach.
-        enable_prefix_caching: reuse cached prefix blocks in the GPU pool.
-        enable_kv_cache_events: record KV events (counted in the metrics).
-        device: ``"cpu"`` or ``"cuda"``.
-        connector: the connector to create (both roles), or None.
-        load_failure_policy: ``"recompute"`` or ``"fail"``; None takes the connector
-            config's policy (``"recompute"`` without a connector).
-        kv_events_publisher: publish each step's KV events over ZeroMQ in vLLM's wire
-            format (see :mod:`kvconnector_core.event_publisher`); None publishes nothing.
-        reserve_full_output: admit a request only when its whole output fits (fewer
-            preemptions, fewer requests at once); default False counts the tokens a
-            request has now, as vLLM 0.33 does (``docs/admission.md``).
-    """
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    num_gpu_blocks: int = 256
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    enable_kv_cache_events: bool = True
-    device: str = "cpu"
-    connector: KVConnectorConfig | None = None
-    load_failure_policy: str | None = None
-    kv_events_publisher: EventPublisherConfig | None = None
-    reserve_full_output: bool = False
-
-    def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            msg = f"EngineConfig.device={self.device!r}; valid devices: {', '.join(DEVICES)}"
-            raise ConfigError(msg)
-        for name in ("num_gpu_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                msg = f"EngineConfig.{name} must be >= 1, got {getattr(self, name)!r}"
-                raise ConfigError(msg)
-        if not 2 <= self.max_model_len <= _MAX_MODEL_LEN_LIMIT:
-            msg = (f"EngineConfig.max_model_len={self.max_model_len}; must be in "
-                   f"[2, {_MAX_MODEL_LEN_LIMIT}] (the integer model is exact up to that length)")
-            raise ConfigError(msg)
-        if isinstance(self.connector, dict):
-            object.__setattr__(self, "connector", KVConnectorConfig.from_dict(self.connector))
-
-    @property
-    def effective_load_failure_policy(self) -> str:
-        """The policy the scheduler gets."""
-        if self.load_failure_policy is not None:
-            return self.load_failure_policy
-        return self.connector.load_failure_policy if self.connector is not None else "recompute"
-
-    @property
-    def min_num_gpu_blocks(self) -> int:
-        """The smallest ``num_gpu_blocks`` that holds one request of ``max_model_len`` tokens
-        (the null block included), as :meth:`kv_cache_config` checks it."""
-        specs = set(self.model.kv_cache_specs(self.block_size).values())
-        return 1 + sum(s.max_admission_blocks_per_request(self.max_num_batched_tokens,
-                                                          self.max_model_len) for s in specs)
-
-    def kv_cache_config(self) -> KVCacheConfig:
-        """The KV cache layout: the model's specs grouped, ``num_gpu_blocks`` blocks.
-
-        Raises:
-            ConfigError: the pool cannot hold one request of ``max_model_len`` tokens.
-        """
-        specs = self.model.kv_cache_specs(self.block_size)
-        bytes_per_block = kv_cache_bytes_per_block(specs)
-        try:
-            return get_kv_cache_config(specs, self.num_gpu_blocks * bytes_per_block,
-                                       self.max_model_len, self.max_num_batched_tokens)
-        except ConfigError as exc:
-            msg = (f"num_gpu_blocks={self.num_gpu_blocks} is too small for max_model_len="
-                   f"{self.max_model_len} with block_size={self.block_size}; it must be at "
-                   f"least {self.min_num_gpu_blocks} ({exc})")
-            raise ConfigError(msg) from None
-
-
-class RequestOutput(msgspec.Struct):
-    """A finished request.
-
-    Attributes:
-        request_id: the request.
-        output_token_ids: the generated tokens.
-        status: final status name (``FINISHED_LENGTH_CAPPED``, ``FINISHED_ERROR``, ...).
-        num_prompt_tokens: prompt length.
-        kv_transfer_params: what the connector's ``request_finished`` returned, if anything.
-    """
-
-    request_id: str
-    output_token_ids: list[int]
-    status: str
-    num_prompt_tokens: int
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class RunMetrics(msgspec.Struct):
-    """What a run did. Token counts are prompt tokens unless named otherwise.
-
-    Attributes:
-        num_requests: requests in the trace.
-        num_finished: requests finished normally (length-capped or stopped).
-        num_failed: requests finished with an error (or aborted).
-        num_prompt_tokens: prompt tokens of the requests the scheduler admitted (the
-            trace's, less any rejected request's); the denominator of every rate.
-        num_output_tokens: tokens generated.
-        prefill_tokens_computed: prompt tokens the model computed the first time they were
-            needed.
-        gpu_prefix_hit_tokens: prompt tokens first served from the GPU prefix cache.
-        connector_hit_tokens: prompt tokens first loaded by the connector.
-        recomputed_tokens: prompt tokens computed or loaded again after a preemption or a
-            failed load (not in the three counters above, which add up to
-            ``num_prompt_tokens`` once every request finished).
-        gpu_hit_rate: ``gpu_prefix_hit_tokens / num_prompt_tokens``.
-        connector_hit_rate: ``connector_hit_tokens / num_prompt_tokens``.
-        total_hit_rate: the sum of both rates (at most 1).
-        num_preemptions: requests preempted (recomputed later).
-        num_failed_loads_recovered: requests rolled back after a failed load.
-        bytes_loaded: bytes the connector loaded into the GPU pool.
-        bytes_stored: bytes the connector stored out of it.
-        load_seconds: time the connector reports for loads.
-        store_seconds: time the connector reports for stores.
-        load_gbps: ``bytes_loaded / load_seconds / 1e9`` (0 without time).
-        store_gbps: ``bytes_stored / store_seconds / 1e9``.
-        connector_stats: every other connector stats number, summed over steps; nested
-            dicts give dotted keys (a MultiConnector's ``children.<child>.<key>``).
-        connector_errors: per hook name, how many times the connector raised (contained);
-            a MultiConnector's children as ``<child>.<hook>``.
-        events: KV events emitted, by ``<Type>`` and ``<Type>[<medium>]``.
-        steps: engine steps executed.
-        wall_seconds: wall time of the run.
-    """
-
-    num_requests: int = 0
-    num_finished: int = 0
-    num_failed: int = 0
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    prefill_tokens_computed: int = 0
-    gpu_prefix_hit_tokens: int = 0
-    connector_hit_tokens: int = 0
-    recomputed_tokens: int = 0
-    gpu_hit_rate: float = 0.0
-    connector_hit_rate: float = 0.0
-    total_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    num_failed_loads_recovered: int = 0
-    bytes_loaded: int = 0
-    bytes_stored: int = 0
-    load_seconds: float = 0.0
-    store_seconds: float = 0.0
-    load_gbps: float = 0.0
-    store_gbps: float = 0.0
-    connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
-    connector_errors: dict[str, int] = msgspec.field(default_factory=dict)
-    events: dict[str, int] = msgspec.field(default_factory=dict)
-    steps: int = 0
-    wall_seconds: float = 0.0
-
-
-class RunResult(msgspec.Struct):
-    """Outputs and metrics of one :meth:`Engine.run`.
-
-    Attributes:
-        workload: the trace's name.
-        connector: the connector's name, or None.
-        device: where the model ran.
-        outputs: request id -> generated tokens, in trace order.
-        statuses: request id -> final status name.
-        metrics: the run's metrics.
-        model: the model's KV shape (:meth:`ModelConfig.describe`).
-        timeline: one record per step: token sources and bytes moved per tier.
-    """
-
-    workload: str
-    connector: str | None
-    device: str
-    outputs: dict[str, list[int]]
-    statuses: dict[str, str]
-    metrics: RunMetrics
-    model: str = ""
-    timeline: list[StepRecord] = msgspec.field(default_factory=list)
-
-
 _HOOK_ERRORS = "hook_errors."
-
-
-def _numeric_leaves(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
-    """Every number in ``stats`` with its dotted path (nested dicts, e.g. a MultiConnector's
-    ``children``, are walked so per-child numbers are reported too)."""
-    for key, value in stats.items():
-        if isinstance(value, Mapping):
-            yield from _numeric_leaves(value, f"{prefix}{key}.")
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            yield f"{prefix}{key}", value
-
-
-def _fold_stats(into: dict[str, float], stats: dict[str, float]) -> None:
-    """Add one step's flattened connector stats (see :func:`_numeric_leaves`): counters are
-    deltas (summed); levels under a ``gauges`` key keep their latest value."""
-    for key, value in stats.items():
-        if "gauges" in key.split("."):
-            into[key] = value
-        else:
-            into[key] = into.get(key, 0) + value
-
-
-def _gbps(num_bytes: float, seconds: float) -> float:
-    return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
 class Engine:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvconnector_core.connector.guard import GuardedScheduler
@@ -33,12 +31,10 @@ from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheMan
 from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
 from kvconnector_core.kv_events import KVCacheEvent
 from kvconnector_core.request import Request, RequestStatus
-from kvconnector_core.scheduler.output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from kvconnector_core.scheduler._accounting import SchedulerStats
+from kvconnector_core.scheduler._admission import _Admission, _clamp_external
+from kvconnector_core.scheduler._step_output import _StepOutput
+from kvconnector_core.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from kvconnector_core.connector.base import KVConnectorBase_V1
@@ -51,55 +47,13 @@ LOAD_FAILURE_POLICIES = ("recompute", "fail")
 """What to do with a request whose KV load failed: recompute from the first bad block, or fail it."""
 
 
-@dataclass
-class SchedulerStats:
-    """Counters of what the scheduler did, since creation.
-
-    Attributes:
-        num_steps: ``schedule()`` calls.
-        num_prompt_tokens: prompt tokens of all admitted requests (first admission).
-        num_prefill_tokens_computed: prompt tokens the model computed for the first time.
-        num_gpu_cache_hit_tokens: prompt tokens first served from the GPU prefix cache.
-        num_connector_hit_tokens: prompt tokens first served by the connector (successful loads).
-        num_recomputed_tokens: prompt tokens computed or loaded again after a preemption or
-            a failed load. Each prompt token is counted once in exactly one of the three
-            counters above, so they add up to ``num_prompt_tokens`` once all requests finish.
-        num_preemptions: requests preempted by recompute.
-        num_failed_loads_recovered: requests rolled back and recomputed after a failed load.
-        num_requests_failed: requests finished with FINISHED_ERROR.
-        num_rejected: requests that can never fit the KV cache.
-        connector_errors: per hook name, how many times the connector raised.
-    """
-
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_prefill_tokens_computed: int = 0
-    num_gpu_cache_hit_tokens: int = 0
-    num_connector_hit_tokens: int = 0
-    num_recomputed_tokens: int = 0
-    num_preemptions: int = 0
-    num_failed_loads_recovered: int = 0
-    num_requests_failed: int = 0
-    num_rejected: int = 0
-    connector_errors: dict[str, int] = field(default_factory=dict)
-
-
-def _clamp_external(claimed: int, num_tokens: int, num_local: int) -> tuple[int, int]:
-    """``(tokens the connector loads, tokens counted as computed by that load)``.
-
-    The full-prompt-hit rule (vLLM 0.33 does the same after an async load): a hit may
-    cover the whole prompt; the connector is told its own answer (clamped to the prompt)
-    and loads every block it claimed, while the engine still computes the last prompt
-    token, whose logits it needs, rewriting that token's slot with the same values. A hit
-    that would leave nothing but that last token to load is no load at all.
-    """
-    claimed = max(0, min(claimed, num_tokens - num_local))
-    counted = min(claimed, num_tokens - 1 - num_local)
-    return (claimed, counted) if counted > 0 else (0, 0)
-
-
-class Scheduler:
+class Scheduler(_StepOutput, _Admission):
     """Plans engine steps and keeps requests, blocks and the connector in sync.
+
+    The connector-facing parts live in private mixins beside this module: token accounting
+    (``_accounting``), admission helpers (``_admission``), finishing requests
+    (``_finishing``), load-failure recovery (``_load_recovery``) and the step's output and
+    the worker's report (``_step_output``).
 
     Args:
         kv_cache_config: the KV cache layout.
@@ -251,29 +205,6 @@ class Scheduler:
         """Waiting plus running requests."""
         return len(self.waiting) + len(self.running)
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """Finish (abort) requests from outside, e.g. a client disconnect."""
-        if isinstance(request_ids, str):
-            request_ids = (request_ids,)
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.is_finished():
-                continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            req.status = status
-            # A request aborted while its KV is loading keeps its blocks until the
-            # connector reports the load finished (the worker may still be writing them).
-            keep = loading and rid not in self.finished_recving_kv_req_ids
-            # A reported-but-unconsumed load must not leak into a later request reusing the id.
-            self.finished_recving_kv_req_ids.discard(rid)
-            self.failed_recving_kv_req_ids.discard(rid)
-            if keep:
-                self._aborted_while_loading.add(rid)
-            self._free_request(req, keep_blocks=keep)
 
     # -- scheduling ------------------------------------------------------------
 
@@ -285,27 +216,6 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _account(self, req: Request, source: str, start: int, end: int) -> None:
-        """Attribute prompt tokens ``[start, end)`` to ``source`` ("computed", "gpu", "connector").
-
-        Tokens beyond the request's progress count once toward ``source``; tokens
-        below it were counted before and now count as recomputed.
-        """
-        end = min(end, req.num_prompt_tokens)
-        if end <= start:
-            return
-        progress = self._prompt_progress.get(req.request_id, 0)
-        first = max(0, end - max(start, progress))
-        stats = self.stats
-        stats.num_recomputed_tokens += (end - start) - first
-        if first:
-            self._prompt_progress[req.request_id] = end
-            if source == "computed":
-                stats.num_prefill_tokens_computed += first
-            elif source == "gpu":
-                stats.num_gpu_cache_hit_tokens += first
-            else:
-                stats.num_connector_hit_tokens += first
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step; see the module docstring for the order of work."""
@@ -475,288 +385,6 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
-
-    def _remaining_need(self, req: Request) -> int:
-        """Blocks a waiting request that already holds blocks still needs (admission-capped).
-
-        Counts what admission counts (:meth:`KVCacheManager.admission_tokens`).
-        """
-        full = self.kv_cache_manager.admission_tokens(req)
-        coord = self.kv_cache_manager.coordinator
-        return coord.get_num_blocks_to_allocate(
-            req.request_id, full, self.kv_cache_manager.empty_kv_cache_blocks.blocks,
-            req.num_computed_tokens, apply_admission_cap=True,
-        )
-
-    def _reserved_blocks(self) -> int:
-        """Sum of :meth:`_remaining_need` over waiting requests that hold blocks."""
-        return sum(self._remaining_need(r) for r in self.waiting if r.num_computed_tokens > 0)
-
-    def _call_update_state(self, req: Request, num_external: int) -> bool:
-        """Tell the connector about an admitted request; False if the hook raised."""
-        assert self.connector is not None  # noqa: S101 - checked by the caller
-        blocks = self.kv_cache_manager.get_blocks(req.request_id)
-        return self.connector.update_state_after_alloc(req, blocks, num_external)
-
-    def _make_output(self, new: list[Request], resumed: list[Request], running: list[Request],
-                     new_blocks_of: dict[str, KVCacheBlocks], num_scheduled: dict[str, int],
-                     preempted: list[Request], has_sync_loads: bool) -> SchedulerOutput:
-        kvm = self.kv_cache_manager
-        self._sent_to_worker.update(r.request_id for r in new)
-        new_data = [
-            NewRequestData(r.request_id, list(r.prompt_token_ids), kvm.get_block_ids(r.request_id),
-                           r.num_computed_tokens)
-            for r in new
-        ]
-        cached = CachedRequestData.make_empty()
-        for r in resumed:
-            cached.req_ids.append(r.request_id)
-            cached.resumed_req_ids.add(r.request_id)
-            cached.new_token_ids.append(list(r.all_token_ids))
-            cached.new_block_ids.append(kvm.get_block_ids(r.request_id))
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            cached.num_output_tokens.append(r.num_output_tokens)
-        for r in running:
-            ids = new_blocks_of[r.request_id].get_block_ids()
-            cached.req_ids.append(r.request_id)
-            cached.new_token_ids.append([])
-            cached.new_block_ids.append(ids if any(ids) else None)
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            cached.num_output_tokens.append(r.num_output_tokens)
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-            has_sync_kv_loads=has_sync_loads,
-        )
-        self.finished_req_ids = set()
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
-            self._step_async_loads = set()
-            if out.kv_connector_metadata is not None:
-                self._step_async_loads, self._unplanned_async_loads = self._unplanned_async_loads, set()
-        return out
-
-    # -- async loads -------------------------------------------------------------
-
-    def _finish_remote_load(self, req: Request) -> bool:
-        """Move a request whose async load was reported back to WAITING; False if not reported yet."""
-        rid = req.request_id
-        if rid not in self.finished_recving_kv_req_ids:
-            return False
-        self.finished_recving_kv_req_ids.discard(rid)
-        kvm = self.kv_cache_manager
-        if rid in self.failed_recving_kv_req_ids:
-            self.failed_recving_kv_req_ids.discard(rid)
-            if not self.recompute_on_failure:
-                self._fail(req)
-                return True
-            self.stats.num_failed_loads_recovered += 1
-            self._recompute_only.add(rid)
-            # num_computed_tokens was already rolled back to the first invalid
-            # block (or to the local hit when no block was named).
-            if req.num_computed_tokens == 0:
-                kvm.free(req)  # nothing valid: start over as a fresh request
-            else:
-                req.num_computed_tokens = kvm.rollback(req, req.num_computed_tokens)
-            # The blocks before the first bad one were loaded and are used: only the rest
-            # is recomputed.
-            self._account(req, "connector", self._async_load_start.pop(rid, req.num_computed_tokens),
-                          req.num_computed_tokens)
-        else:
-            self._async_load_start.pop(rid, None)
-            self._account(req, "connector", req.num_computed_tokens - req.num_external_computed_tokens,
-                          req.num_computed_tokens)
-        kvm.cache_blocks(req, req.num_computed_tokens)
-        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
-        return True
-
-    # -- applying the worker's report -------------------------------------------------
-
-    def _requests_with_blocks(self, block_ids: set[int]) -> list[tuple[Request, int]]:
-        """Requests holding any of ``block_ids``, with the token index of their first such block."""
-        out = []
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        candidates = list(self.running) + [r for r in self.waiting
-                                            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
-        for req in candidates:
-            first = None
-            for m in managers:
-                for idx, blk in enumerate(m.req_to_blocks.get(req.request_id, ())):
-                    if blk.block_id in block_ids and not blk.is_null:
-                        tok = idx * m.block_size
-                        first = tok if first is None else min(first, tok)
-                        break
-            if first is not None:
-                out.append((req, first))
-        return out
-
-    def _handle_invalid_blocks(self, invalid: set[int], num_scheduled: dict[str, int]) -> set[str]:
-        """Roll back (or fail) every request that holds an invalid block; return the affected ids."""
-        kvm = self.kv_cache_manager
-        kvm.evict_blocks(invalid)
-        affected: set[str] = set()
-        for req, first_bad in self._requests_with_blocks(invalid):
-            rid = req.request_id
-            valid = min(first_bad, req.num_computed_tokens - num_scheduled.get(rid, 0))
-            valid -= valid % self.block_size
-            if valid >= req.num_computed_tokens:
-                continue  # the bad block lies beyond what it computed: nothing to undo
-            affected.add(rid)
-            logger.warning("request %s: KV load failed at token %d; %s", rid, valid,
-                           "recomputing" if self.recompute_on_failure else "failing the request")
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                req.num_computed_tokens = valid
-                self.failed_recving_kv_req_ids.add(rid)
-                continue
-            if rid in self._sync_load_reqs:
-                # This step's load is good up to the first bad block: count that part as
-                # loaded (only the rest is recomputed).
-                before = req.num_computed_tokens - num_scheduled.get(rid, 0)
-                self._account(req, "connector", before - req.num_external_computed_tokens, valid)
-            req.num_computed_tokens = kvm.rollback(req, valid)
-            if self.recompute_on_failure:
-                self.stats.num_failed_loads_recovered += 1
-                self._recompute_only.add(rid)
-            else:
-                self._fail(req)
-        return affected
-
-    def _fail(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED_ERROR
-        req.stop_reason = "KV load failed (load_failure_policy='fail')"
-        self.stats.num_requests_failed += 1
-        self._finished_out_of_band.append(req)
-        self._free_request(req)
-
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[Request]:
-        """Apply one step's results; return the requests that finished in it."""
-        kv_out = model_runner_output.kv_connector_output
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        finished: list[Request] = []
-
-        # 1. Invalid blocks: roll every holder back to its first invalid block.
-        bad_reqs: set[str] = set()
-        if kv_out is not None and kv_out.invalid_block_ids:
-            bad_reqs = self._handle_invalid_blocks(set(kv_out.invalid_block_ids), num_scheduled)
-        # 2. Failed async receives that named no block: recompute everything loaded.
-        if kv_out is not None:
-            failed_recving = set(kv_out.failed_recving)
-            finished_recving = set(kv_out.finished_recving)
-            if kv_out.loads_failed:
-                # The step's loads may never have started, so the connector may never
-                # report the async loads this step planned: they fail now (recomputed).
-                started = {rid for rid in self._step_async_loads if rid in self.requests
-                           and self.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS}
-                failed_recving |= started
-                finished_recving |= started
-            for rid in failed_recving:
-                req = self.requests.get(rid)
-                if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    continue
-                if rid not in bad_reqs and rid not in self.failed_recving_kv_req_ids:
-                    req.num_computed_tokens -= req.num_external_computed_tokens
-                self.failed_recving_kv_req_ids.add(rid)
-
-        # 3. Sampled tokens.
-        for req in list(self.running):
-            rid = req.request_id
-            if rid not in num_scheduled:
-                continue
-            if rid in bad_reqs:
-                continue  # this step's sample was computed on bad KV: dropped
-            n = num_scheduled[rid]
-            before = req.num_computed_tokens - n
-            if rid in self._sync_load_reqs:
-                self._account(req, "connector", before - req.num_external_computed_tokens, before)
-            self._account(req, "computed", before, req.num_computed_tokens)
-            sampled = model_runner_output.sampled_token_ids.get(rid)
-            if not sampled:
-                continue
-            req.append_output_token_ids(sampled)
-            if self._check_stop(req):
-                self.running.remove(req)
-                self._free_request(req)
-                finished.append(req)
-        # Sync-loaded blocks become visible only now that they are known good.
-        for rid in self._sync_load_reqs:
-            req = self.requests.get(rid)
-            if req is not None and rid not in bad_reqs and not req.is_finished():
-                self.kv_cache_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-        self._sync_load_reqs.clear()
-
-        # 4. The connector's finished transfers.
-        if kv_out is not None:
-            for rid in finished_recving:
-                req = self.requests.get(rid)
-                if req is None:
-                    continue
-                if req.is_finished():  # aborted while loading: free now (or after sending)
-                    self._aborted_while_loading.discard(rid)
-                    if rid in self._delay_free_after_load:
-                        self._delay_free_after_load.discard(rid)
-                        self.delayed_free[rid] = req
-                    else:
-                        self.kv_cache_manager.free(req)
-                        self.requests.pop(rid, None)
-                else:
-                    self.finished_recving_kv_req_ids.add(rid)
-            for rid in kv_out.finished_sending:
-                req = self.delayed_free.pop(rid, None)
-                if req is not None:
-                    self.kv_cache_manager.free(req)
-                    self.requests.pop(rid, None)
-            self._worker_events.extend(kv_out.kv_cache_events)
-            if self.connector is not None:
-                self.connector.update_connector_output(kv_out, scheduler_output.kv_connector_metadata)
-        if self._finished_out_of_band:
-            finished = self._finished_out_of_band + finished
-            self._finished_out_of_band = []
-        return finished
-
-    def _check_stop(self, req: Request) -> bool:
-        if req.eos_token_id is not None and req.output_token_ids and req.output_token_ids[-1] == req.eos_token_id:
-            req.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
-
-    def _free_request(self, req: Request, keep_blocks: bool = False) -> None:
-        """Tell the connector, then free the blocks now or once the connector has sent them.
-
-        With ``keep_blocks`` (aborted during a load) the blocks stay until the
-        load is reported finished.
-        """
-        rid = req.request_id
-        delay = False
-        if self.connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(rid)
-            delay, params = self.connector.request_finished(req, block_ids[0] if block_ids else [])
-            req.kv_transfer_params = params
-        self.finished_req_ids.add(rid)
-        self._recompute_only.discard(rid)
-        self._async_load_start.pop(rid, None)
-        self._prompt_progress.pop(rid, None)
-        self._sent_to_worker.discard(rid)
-        if keep_blocks:
-            if delay:
-                self._delay_free_after_load.add(rid)
-            return  # freed when the connector reports the load finished
-        if delay:
-            self.delayed_free[rid] = req
-        else:
-            self.kv_cache_manager.free(req)
-            self.requests.pop(rid, None)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Block-pool events, then the connector's (scheduler side, then worker side), since the last call."""
