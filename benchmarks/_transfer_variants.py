@@ -6,23 +6,39 @@ A variant is a label: a :class:`KVBlockMover` method name, optionally followed b
 which is how ``auto`` issued copies before the runtime calls existed), ``, per-plane
 kernels`` (staged copies gather each plane with its own kernel, as before one span view
 covered all planes) or ``, one lane`` (batched jobs on the direction's stream alone, as
-before they were split over several streams).
+before they were split over several streams), ``, per-job buffers`` (staged copies
+allocate their index and staging memory and their events per job, as before
+:class:`~connectors.offload._staged.StagingBuffers`), ``, 16 MiB stages`` (staged copies
+in stages of 16 MiB, up to 16, as before) or ``, no head`` (a batched job's first blocks
+are not queued ahead of the rest).
+
+:func:`baseline_mover_class` loads the mover of another checkout (main) beside this one's,
+so that a benchmark measures both in one process, interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
+import sys
+import tempfile
+import time
+from collections.abc import Callable
 
 import torch
 
+from connectors.offload import _staged
 from connectors.offload.transfer import METHODS, KVBlockMover
 
-__all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "add_kv_args", "apply_variant", "make_kv_caches", "restore"]
+__all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "apply_variant",
+           "baseline_mover_class", "make_kv_caches", "restore"]
 
 LAYOUTS = ["cross-layer", "per-layer", "per-layer, one allocation"]
 
-OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane")
+OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane", "per-job buffers",
+           "16 MiB stages", "no head")
+_STAGES = (_staged._STAGE_BYTES, _staged._MAX_GROUPS)  # this checkout's, for "16 MiB stages"
 
 DEFAULT_VARIANTS = ["per_block", "coalesced", "gather", "batched", "pitched", "auto",
                     "auto, inline issue", "auto, Tensor.copy_"]
@@ -39,8 +55,9 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
     # same run), which lack the staged plan and the lanes; their options are then no-ops.
     saved = mover.__dict__.setdefault("_bench_saved", (
         mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer,
-        getattr(mover, "_gather_plan", None), getattr(mover, "_lanes", None)))
-    memcpy, batch, memcpy_2d, issuer, gather_plan, lanes = saved
+        getattr(mover, "_gather_plan", None), getattr(mover, "_lanes", None),
+        getattr(mover, "_staging", None), getattr(mover, "_head_blocks", None)))
+    memcpy, batch, memcpy_2d, issuer, gather_plan, lanes, staging, head = saved
     mover.method = method
     fallback = option == "Tensor.copy_"
     mover._memcpy, mover._batch_memcpy, mover._memcpy_2d = (
@@ -51,6 +68,12 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
                               if option == "per-plane kernels" else gather_plan)
     if lanes is not None:
         mover._lanes = {True: [], False: []} if option == "one lane" else lanes
+    if staging is not None:
+        mover._staging = None if option == "per-job buffers" else staging
+    if head is not None:
+        mover._head_blocks = 0 if option == "no head" else head
+    # Module-wide (this checkout's staged copies): the stage size before this branch.
+    _staged._STAGE_BYTES, _staged._MAX_GROUPS = (16 << 20, 16) if option == "16 MiB stages" else _STAGES
 
 
 def restore(mover: KVBlockMover) -> None:
@@ -92,3 +115,58 @@ def make_kv_caches(args: argparse.Namespace, device: torch.device, layout: str
                 .normal_(generator=gen) for i in range(args.layers)}
     msg = f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}"
     raise ValueError(msg)
+
+
+def baseline_mover_class(root: str) -> type:
+    """``KVBlockMover`` of the checkout at ``root`` (e.g. main), importable beside this one's.
+
+    Its ``connectors/offload`` modules are copied into a private package (``baseline_offload``,
+    imports rewritten), so neither checkout's modules shadow the other's.
+    """
+    src = pathlib.Path(root) / "connectors" / "offload"
+    pkg = pathlib.Path(tempfile.mkdtemp(prefix="kvc-baseline-")) / "baseline_offload"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for path in [*src.glob("_*.py"), src / "transfer.py"]:
+        if path.name != "__init__.py":
+            text = path.read_text().replace("connectors.offload", "baseline_offload")
+            (pkg / path.name).write_text(text)
+    sys.path.insert(0, str(pkg.parent))
+    import importlib
+    return importlib.import_module("baseline_offload.transfer").KVBlockMover  # type: ignore[no-any-return]
+
+
+class FirstCopyClock:
+    """Records when a mover's runtime copy functions are called (host clock).
+
+    Wraps the mover's ``cudaMemcpy*`` callables; :meth:`first_after` gives the time from a
+    submission to the first copy call queued after it: the host latency before the first
+    DMA, which a transfer of a few milliseconds pays in full.
+    """
+
+    _NAMES = ("_memcpy", "_batch_memcpy", "_memcpy_2d", "_stage_2d")
+
+    def __init__(self, mover: KVBlockMover) -> None:
+        self.calls: list[float] = []
+        self._mover, self._saved = mover, {n: getattr(mover, n, None) for n in self._NAMES}
+        for name, fn in self._saved.items():
+            if fn is not None:
+                setattr(mover, name, self._wrap(fn))
+
+    def _wrap(self, fn: Callable[..., int]) -> Callable[..., int]:
+        calls = self.calls
+
+        def timed(*args: int) -> int:
+            calls.append(time.perf_counter())
+            return fn(*args)
+        return timed
+
+    def first_after(self, t0: float) -> float | None:
+        """Seconds from ``t0`` to the first copy call after it (None: none)."""
+        later = [t for t in self.calls if t >= t0]
+        return min(later) - t0 if later else None
+
+    def close(self) -> None:
+        """Put the original callables back."""
+        for name, fn in self._saved.items():
+            setattr(self._mover, name, fn)

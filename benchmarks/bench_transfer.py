@@ -24,6 +24,11 @@ bytes; "x contig" is the ratio of the two medians of that pairing. Needs only to
     PYTHONPATH=. python3 benchmarks/bench_transfer.py            # CUDA if present
     PYTHONPATH=. python3 benchmarks/bench_transfer.py --device cpu --num-gpu-blocks 256 --batch 64
 
+With ``--baseline-root <checkout>`` the mover of that checkout (main) is measured too, in
+the same process and with the same harness (rows ``main: <variant>``). On CUDA each row
+also reports the host time from a store's submission to its first copy call (the latency
+that a transfer of a few milliseconds pays in full).
+
 Writes ``bench_transfer.json`` to ``$OUT`` (or ``--json``) when given.
 """
 
@@ -38,7 +43,15 @@ from collections.abc import Callable
 
 import torch
 
-from _transfer_variants import DEFAULT_VARIANTS, add_kv_args, apply_variant, make_kv_caches, restore
+from _transfer_variants import (
+    DEFAULT_VARIANTS,
+    FirstCopyClock,
+    add_kv_args,
+    apply_variant,
+    baseline_mover_class,
+    make_kv_caches,
+    restore,
+)
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main"]
@@ -111,61 +124,86 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
                   rows: list[dict]) -> None:
     caches = make_kv_caches(args, device, layout)
     n = args.batch
-    mover = KVBlockMover(caches, num_cpu_blocks=2 * n)
-    nbytes = n * mover.layout.block_bytes
-    contig = _contiguous_fns(nbytes, device)
+    movers: list[tuple[str, type, list[str]]] = [("", KVBlockMover, args.methods)]
+    if args.baseline_root:
+        movers.append(("main: ", baseline_mover_class(args.baseline_root), args.baseline_methods))
     gen = torch.Generator().manual_seed(1)
     perm = torch.randperm(args.num_gpu_blocks, generator=gen).tolist()
     patterns = {
         "scattered": (perm[:n], perm[n:2 * n]),
         "runs": (list(range(n)), list(range(n, 2 * n))),
     }
+    contig: dict[str, Callable[[], None]] | None = None
+    for prefix, mover_class, labels in movers:
+        mover = mover_class(caches, num_cpu_blocks=2 * n)
+        if contig is None:
+            contig = _contiguous_fns(n * mover.layout.block_bytes, device)
+        for label in labels:
+            apply_variant(mover, label)
+            for pattern, ids in patterns.items():
+                row = _bench_variant(args, device, mover, contig, ids)
+                row.update(layout=layout, method=prefix + label, pattern=pattern,
+                           pitched_layout=mover._plan.pitch is not None)
+                row["ok"] = row["ok"] and _check(mover, caches, ids[0], list(range(n)))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        restore(mover)
+        mover.shutdown()
+        del mover
+
+
+_JOBS = iter(range(1 << 30))
+
+
+def _bench_variant(args: argparse.Namespace, device: torch.device, mover: KVBlockMover,
+                   contig: dict[str, Callable[[], None]], ids: tuple[list[int], list[int]]) -> dict:
+    n = args.batch
+    nbytes = n * mover.layout.block_bytes
+    store_gpu, load_gpu = ids
     store_cpu, load_cpu = list(range(n)), list(range(n, 2 * n))
-    job = iter(range(1 << 30))
-    for label in args.methods:
-        apply_variant(mover, label)
-        for pattern, (store_gpu, load_gpu) in patterns.items():
-            def store(gpu: list[int] = store_gpu) -> None:
-                mover.submit_store(next(job), gpu, store_cpu)
-                mover.wait()
 
-            def load(gpu: list[int] = load_gpu) -> None:
-                mover.submit_load(next(job), load_cpu, gpu)
-                mover.wait()
+    def store() -> None:
+        mover.submit_store(next(_JOBS), store_gpu, store_cpu)
+        mover.wait()
 
-            def both(sg: list[int] = store_gpu, lg: list[int] = load_gpu) -> None:
-                mover.submit_store(next(job), sg, store_cpu)
-                mover.submit_load(next(job), load_cpu, lg)
-                mover.wait()
+    def load() -> None:
+        mover.submit_load(next(_JOBS), load_cpu, load_gpu)
+        mover.wait()
 
-            row = {"layout": layout, "method": label, "pattern": pattern,
-                   "pitched_layout": mover._plan.pitch is not None}
-            # Host time to *issue* one store job on the caller's thread (the engine pays
-            # it before its forward), and on the issue thread where there is one.
-            submit_s = []
-            mover.get_finished()
-            for _ in range(args.reps):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                mover.submit_store(next(job), store_gpu, store_cpu)
-                submit_s.append(time.perf_counter() - t0)
-                mover.wait()
-            row["submit_ms"] = statistics.median(submit_s) * 1e3
-            row["worker_issue_ms"] = statistics.median(
-                r.issue_seconds or 0.0 for r in mover.get_finished()) * 1e3
-            for name, fn, moved in (("store", store, nbytes), ("load", load, nbytes),
-                                    ("both", both, 2 * nbytes)):
-                t_fn, t_base = _paired_medians(fn, contig[name], device, args.reps)
-                row[name] = moved / t_fn / 1e9
-                row[f"contig_{name}"] = moved / t_base / 1e9
-            results = mover.get_finished()
-            row["ok"] = all(r.success for r in results) and _check(mover, caches, store_gpu,
-                                                                   store_cpu)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    restore(mover)
-    mover.shutdown()
+    def both() -> None:
+        mover.submit_store(next(_JOBS), store_gpu, store_cpu)
+        mover.submit_load(next(_JOBS), load_cpu, load_gpu)
+        mover.wait()
+
+    row: dict = {}
+    # Host time to *issue* one store job on the caller's thread (the engine pays it before
+    # its forward), on the issue thread where there is one, and from the submission to the
+    # first DMA queued (the latency the transfer pays in full).
+    submit_s, first_s = [], []
+    mover.get_finished()
+    clock = FirstCopyClock(mover) if device.type == "cuda" else None
+    for _ in range(args.reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        mover.submit_store(next(_JOBS), store_gpu, store_cpu)
+        submit_s.append(time.perf_counter() - t0)
+        mover.wait()
+        first = clock.first_after(t0) if clock is not None else None
+        if first is not None:
+            first_s.append(first)
+    if clock is not None:
+        clock.close()
+    row["submit_ms"] = statistics.median(submit_s) * 1e3
+    row["first_dma_ms"] = statistics.median(first_s) * 1e3 if first_s else float("nan")
+    row["worker_issue_ms"] = statistics.median(
+        r.issue_seconds or 0.0 for r in mover.get_finished()) * 1e3
+    for name, fn, moved in (("store", store, nbytes), ("load", load, nbytes),
+                            ("both", both, 2 * nbytes)):
+        t_fn, t_base = _paired_medians(fn, contig[name], device, args.reps)
+        row[name] = moved / t_fn / 1e9
+        row[f"contig_{name}"] = moved / t_base / 1e9
+    row["ok"] = all(r.success for r in mover.get_finished())
+    return row
 
 
 def _check(mover: KVBlockMover, caches: dict[str, torch.Tensor], gpu: list[int],
@@ -185,13 +223,13 @@ def _check(mover: KVBlockMover, caches: dict[str, torch.Tensor], gpu: list[int],
 def _table(rows: list[dict]) -> str:
     head = ("| layout | method | ids | store GB/s | x contig | load GB/s | x contig "
             "| store+load GB/s | x one-way contig | store issue ms (caller) "
-            "| store issue ms (issue thread) | ok |")
-    lines = [head, "|" + "---|" * 12]
+            "| store issue ms (issue thread) | submit to first DMA ms | ok |")
+    lines = [head, "|" + "---|" * 13]
     med = statistics.median
     c = {k: med(r[f"contig_{k}"] for r in rows) for k in ("store", "load", "both")}
     lines.append(f"| contiguous pinned copy (median of all pairings) | - | - | {c['store']:.1f} | 1.00 | "
                  f"{c['load']:.1f} | 1.00 | {c['both']:.1f} | "
-                 f"{c['both'] / max(c['store'], c['load']):.2f} | - | - | - |")
+                 f"{c['both'] / max(c['store'], c['load']):.2f} | - | - | - | - |")
     for r in rows:
         method = r["method"] + (" (default)" if r["method"] == "auto" else "")
         layout = r["layout"] + (" [2D]" if r["pitched_layout"] else "")
@@ -200,7 +238,8 @@ def _table(rows: list[dict]) -> str:
             f"| {layout} | {method} | {r['pattern']} | {r['store']:.1f} | "
             f"{r['store'] / r['contig_store']:.2f} | {r['load']:.1f} | "
             f"{r['load'] / r['contig_load']:.2f} | {r['both']:.1f} | {r['both'] / one_way:.2f} | "
-            f"{r['submit_ms']:.3f} | {r['worker_issue_ms']:.3f} | {'yes' if r['ok'] else 'NO'} |")
+            f"{r['submit_ms']:.3f} | {r['worker_issue_ms']:.3f} | {r.get('first_dma_ms', float('nan')):.3f} | "
+            f"{'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -214,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--methods", nargs="+", default=DEFAULT_VARIANTS,
                    help="transfer variants (see _transfer_variants.py)")
+    p.add_argument("--baseline-root", default=None,
+                   help="another checkout (main) whose mover is measured in the same run")
+    p.add_argument("--baseline-methods", nargs="+", default=["auto"],
+                   help="variants measured with the baseline mover")
     p.add_argument("--json", default=None, help="write results here (default $OUT/bench_transfer.json)")
     args = p.parse_args(argv)
     device = torch.device(args.device)

@@ -10,6 +10,10 @@ with the step alone), for the cross-layer and per-layer layouts:
 * ``one lane``: batched jobs on one stream per direction;
 * ``tensor descriptors``: one-plane descriptors built with tensor operations;
 * ``all three off``;
+* ``per-job buffers``: staged copies allocate their buffers and events per job;
+* ``delay <ms> ms``: the issue thread sleeps that long when woken from idle;
+* ``main-like <option>``: the branch with a ``_transfer_variants`` option (e.g. ``16 MiB
+  stages``);
 * ``baseline``: with ``--baseline-root``, the mover of another checkout (main), measured in
   the same round robin.
 
@@ -24,12 +28,21 @@ import sys
 
 import torch
 
-from _transfer_variants import add_kv_args, make_kv_caches
+from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches
 from bench_interference import _compute_fn, _measure, _row, _Timer
 from connectors.offload.transfer import KVBlockMover
 
 
 def _patch(mover: KVBlockMover, name: str) -> None:
+    if name.startswith("delay "):  # "delay 0.3 ms": the issue thread's start delay
+        mover._issuer.delay = float(name.split()[1]) / 1e3
+        return
+    if name.startswith("main-like "):  # this branch with one of main's settings back
+        apply_variant(mover, "auto, " + name.removeprefix("main-like "))
+        return
+    if name == "per-job buffers":
+        apply_variant(mover, "auto, per-job buffers")
+        return
     off = {"no steal", "one lane", "tensor descriptors"} if name == "all three off" else {name}
     if "no steal" in off:
         mover._await_issued = lambda job: job.issued.wait() if job.issued is not None else None
@@ -37,29 +50,6 @@ def _patch(mover: KVBlockMover, name: str) -> None:
         mover._lanes = {True: [], False: []}
     if "tensor descriptors" in off:
         mover._plan.single_plane_descriptors = lambda *args: None
-
-
-def _baseline_mover_class(root: str) -> type:
-    """``KVBlockMover`` of another checkout (e.g. main), loaded beside this one's.
-
-    Its transfer module imports the shared helper modules from this checkout, except its
-    own ``_staged`` (the only one whose interface changed), which is loaded from ``root``.
-    """
-    import importlib.util
-    import pathlib
-
-    base = pathlib.Path(root) / "connectors" / "offload"
-    spec = importlib.util.spec_from_file_location("baseline_staged", base / "_staged.py")
-    staged = importlib.util.module_from_spec(spec)
-    sys.modules["baseline_staged"] = staged
-    spec.loader.exec_module(staged)
-    source = (base / "transfer.py").read_text().replace(
-        "from connectors.offload._staged import", "from baseline_staged import")
-    module = type(sys)("baseline_transfer")
-    module.__file__ = str(base / "transfer.py")
-    sys.modules["baseline_transfer"] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - a local checkout
-    return module.KVBlockMover
 
 
 def main() -> int:
@@ -76,7 +66,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", nargs="*",
                    default=["no steal", "one lane", "tensor descriptors", "all three off"],
-                   help="besides 'branch': any of those")
+                   help="besides 'branch': any of those, or 'per-job buffers'")
     p.add_argument("--baseline-root", default=None,
                    help="another checkout whose KVBlockMover runs as variant 'baseline'")
     args = p.parse_args(["--layouts", "cross-layer", "per-layer", *sys.argv[1:]])
@@ -86,7 +76,7 @@ def main() -> int:
     perm = torch.randperm(args.num_gpu_blocks, generator=torch.Generator().manual_seed(2)).tolist()
     ids = (perm[:B], list(range(B)), list(range(B, 2 * B)), perm[B:2 * B])
     names = ["branch", *args.variants]
-    baseline = _baseline_mover_class(args.baseline_root) if args.baseline_root else None
+    baseline = baseline_mover_class(args.baseline_root) if args.baseline_root else None
     if baseline is not None:
         names.insert(1, "baseline")
     rows = []

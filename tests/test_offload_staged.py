@@ -41,8 +41,8 @@ def test_span_layout_addresses_every_plane_by_row() -> None:
 
 
 @pytest.mark.parametrize(("planes", "job_bytes", "expected"), [
-    (32, 512 << 20, [2] * 16),  # 256 blocks of 2 MiB: 16 stages
-    (32, 128 << 20, [4] * 8),  # 64 blocks: 8 stages of 16 MiB
+    (32, 512 << 20, [4] * 8),  # 256 blocks of 2 MiB: 8 stages (the most)
+    (32, 128 << 20, [8] * 4),  # 64 blocks: 4 stages of 32 MiB
     (32, 1 << 20, [32]),  # a small job: one stage, nothing to overlap
     (3, 1 << 30, [1, 1, 1]),  # never more stages than planes
 ], ids=["256-blocks", "64-blocks", "small", "few-planes"])

@@ -21,7 +21,13 @@ module reached 0.85x:
   plane (with the changes below, the issue thread's time per 64-block job fell from 1.4-2.2
   to 0.6-0.8 ms);
 * the pipeline has one stage per ~16 MiB moved (up to 16), so the first gather and the
-  last scatter, which nothing overlaps, stay short.
+  last scatter, which nothing overlaps, stay short;
+* nothing is allocated per job (:class:`StagingBuffers`): the staging memory, the pinned
+  index buffer, the device index and the events that order the two streams are kept per
+  direction and reused, since every allocation before the first DMA delays it;
+* only the first stage's own work comes before the first DMA: a store gathers stage 0 on
+  the DMA stream itself, a load moves stage 0 into staging first (host time from a
+  submission to the first DMA, H100: 0.5-0.9 ms before this branch, ~0.2-0.3 ms after).
 
 The span view aliases device memory by address (``__cuda_array_interface__``); only the
 rows of the registered planes are ever indexed, so memory between allocations is never
@@ -31,18 +37,23 @@ read or written.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from connectors.offload import _cudart
+from connectors.offload._staging import StagingBuffers
 
-__all__ = ["GatherPlan", "group_planes", "plan_gather", "span_layout", "staged_copy",
-           "staging_copies"]
+__all__ = ["GatherPlan", "StagingBuffers", "group_planes", "plan_gather", "span_layout",
+           "staged_copy", "staging_copies"]
 
-_STAGE_BYTES = 16 << 20  # bytes moved per pipeline stage (one group of planes)
-_MAX_GROUPS = 16  # H100: 16 stages 0.98x, 8 stages 0.98x, 4 stages 0.97x for 512 MiB
+# Bytes moved per pipeline stage (one group of planes), and the most stages of a job.
+# H100, bare mechanism, 512 MiB: 16 stages 0.975-0.98x, 8 stages 0.979-0.98x, 4 stages
+# 0.97x of the contiguous copy; each stage costs the issuing thread a handful of calls
+# (GIL time the engine's step competes for), so 8 stages of >= 32 MiB.
+_STAGE_BYTES = 32 << 20
+_MAX_GROUPS = 8
 
 
 def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_blocks: int
@@ -69,7 +80,7 @@ def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_block
 
 
 def group_planes(num_planes: int, job_bytes: int) -> list[range]:
-    """Split the planes into pipeline stages of about ``_STAGE_BYTES`` each (1 to 16)."""
+    """Split the planes into pipeline stages of about ``_STAGE_BYTES`` each (1 to 8)."""
     groups = max(1, min(_MAX_GROUPS, num_planes, job_bytes // _STAGE_BYTES))
     per = -(-num_planes // groups)
     return [range(i, min(i + per, num_planes)) for i in range(0, num_planes, per)]
@@ -99,11 +110,25 @@ class GatherPlan:
     cpu_pitch: int | None
     cpu_planes: tuple[torch.Tensor, ...]
 
-    def gather_index(self, gpu_ids: torch.Tensor) -> torch.Tensor:
-        """Rows to gather, plane-major: ``planes * n`` int64 (span rows, or block ids)."""
+    def gather_index(self, gpu_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows to gather, plane-major: ``planes * n`` int64 (span rows), or the block ids.
+
+        Args:
+            out: where to write it (``index_length(n)`` int64), instead of a new tensor.
+        """
         if self.source is None or self.first_row is None or self.rows_per_block is None:
-            return gpu_ids
-        return (self.first_row + gpu_ids.view(1, -1) * self.rows_per_block).view(-1)
+            if out is None:
+                return gpu_ids
+            return out.copy_(gpu_ids)
+        if out is None:
+            return (self.first_row + gpu_ids.view(1, -1) * self.rows_per_block).view(-1)
+        torch.addcmul(self.first_row, gpu_ids.view(1, -1), self.rows_per_block,
+                      out=out.view(len(self.planes), -1))
+        return out
+
+    def index_length(self, n: int) -> int:
+        """Entries of :meth:`gather_index` for a job of ``n`` blocks."""
+        return n * len(self.planes) if self.source is not None else n
 
 
 class _Span:
@@ -179,58 +204,120 @@ def staging_copies(plan: GatherPlan, group: range, n: int, cpu_runs: Sequence[tu
     return out
 
 
+Runs = Sequence[tuple[int, int, int]]
+
+
 def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
-                cpu_runs: Sequence[tuple[int, int, int]], dma_stream: torch.cuda.Stream,
+                cpu_runs: Runs | Callable[[], Runs], dma_stream: torch.cuda.Stream,
                 kernel_stream: torch.cuda.Stream, memcpy: _cudart.Memcpy | None,
-                memcpy_2d: _cudart.Memcpy2D | None, keep_alive: list[torch.Tensor]) -> None:
+                memcpy_2d: _cudart.Memcpy2D | None, keep_alive: list[torch.Tensor],
+                buffers: StagingBuffers | None = None) -> None:
     """Queue a staged transfer; on return the DMA stream is ordered after all of it.
 
     Args:
         plan: from :func:`plan_gather`.
         is_store: device -> CPU when True.
         gpu_ids: int64 CPU tensor of device block ids, one per staging row.
-        cpu_runs: ``(staging_row, cpu_id, length)`` runs of consecutive CPU ids.
+        cpu_runs: ``(staging_row, cpu_id, length)`` runs of consecutive CPU ids, or a
+            function returning them (called once, where they are first needed: a store
+            computes them while its first gather kernel runs).
         dma_stream: the job's stream (already ordered after the model's work).
         kernel_stream: a second stream for the gather / scatter kernels.
         memcpy, memcpy_2d: the runtime's copies by ctypes (None: ``Tensor.copy_``).
-        keep_alive: receives the index and staging tensors, which must outlive the job.
+        keep_alive: receives tensors that must outlive the job (the index and staging
+            tensors where ``buffers`` is None, else buffers that a job outgrew).
+        buffers: the direction's reusable buffers (the caller holds ``buffers.lock``);
+            None: allocate them for this job (the first versions' way, kept to measure).
     """
     n, device = gpu_ids.numel(), plan.planes[0].device
     groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes))
-    kernel_stream.wait_event(_record(dma_stream))
-    # The kernel stream is this thread's current stream for the whole job: switching it per
-    # group with ``torch.cuda.stream(...)`` cost more host time than the kernels' launches.
+    fence = buffers.fence if buffers is not None else None
+    rows = len(plan.planes) * n
+    runs_of = cpu_runs if callable(cpu_runs) else (lambda: cpu_runs)
+    # Nothing but the first stage's own work comes before the first DMA: a store gathers
+    # stage 0 on the DMA stream itself (ordered after the job's start with no
+    # cross-stream wait), a load moves stage 0 into staging before anything else. The
+    # kernel stream joins after that and runs the other stages' kernels beside the DMAs.
+    # The current stream is set once per phase: ``torch.cuda.stream(...)`` per stage cost
+    # more host time than the kernels' launches.
     previous = torch.cuda.current_stream(device.index)
-    torch.cuda.set_stream(kernel_stream)
     try:
-        # Allocated on the kernel stream, released only after the job completes.
-        idx = plan.gather_index(gpu_ids).pin_memory().to(device, non_blocking=True)
-        staging = torch.empty((len(plan.planes) * n, plan.planes[0].shape[1]), dtype=plan.word,
-                              device=device)
-        keep_alive += [idx, staging]
-        for group in groups:
-            if is_store:
-                _move(plan, group, n, idx, staging, gather=True)
-                dma_stream.wait_event(_record(kernel_stream))
-                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
-            else:
-                _dma(plan, group, n, cpu_runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
-                kernel_stream.wait_event(_record(dma_stream))
-                _move(plan, group, n, idx, staging, gather=False)
+        if is_store:
+            torch.cuda.set_stream(dma_stream)
+            idx = _index(plan, gpu_ids, dma_stream, buffers, keep_alive)
+            staging = _staging(plan, rows, buffers, keep_alive)
+            views = _views(plan, groups, n, idx, staging, buffers)
+            _move(plan, groups[0], n, idx, staging, views[0], gather=True)
+            ready = _record(dma_stream, fence)  # stage 0 gathered: later kernels may start
+            runs = runs_of()
+            _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+            kernel_stream.wait_event(ready)
+            torch.cuda.set_stream(kernel_stream)
+            for k in range(1, len(groups)):
+                _move(plan, groups[k], n, idx, staging, views[k], gather=True)
+                dma_stream.wait_event(_record(kernel_stream, fence))
+                _dma(plan, groups[k], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+        else:
+            runs = runs_of()
+            staging = _staging(plan, rows, buffers, keep_alive)
+            _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
+            kernel_stream.wait_event(_record(dma_stream, fence))
+            torch.cuda.set_stream(kernel_stream)
+            idx = _index(plan, gpu_ids, kernel_stream, buffers, keep_alive)
+            views = _views(plan, groups, n, idx, staging, buffers)
+            _move(plan, groups[0], n, idx, staging, views[0], gather=False)
+            for k in range(1, len(groups)):
+                _dma(plan, groups[k], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
+                kernel_stream.wait_event(_record(dma_stream, fence))
+                _move(plan, groups[k], n, idx, staging, views[k], gather=False)
     finally:
         torch.cuda.set_stream(previous)
-    dma_stream.wait_event(_record(kernel_stream))  # the job ends after its last kernel
+    dma_stream.wait_event(_record(kernel_stream, fence))  # the job ends after its last kernel
+
+
+def _index(plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,
+           buffers: StagingBuffers | None, keep_alive: list[torch.Tensor]) -> torch.Tensor:
+    """The gather index on the device, uploaded on ``stream`` (the current stream)."""
+    if buffers is not None:
+        return buffers.upload_index(plan, gpu_ids, stream, keep_alive)
+    idx = plan.gather_index(gpu_ids).pin_memory().to(plan.planes[0].device, non_blocking=True)
+    keep_alive.append(idx)  # allocated on the current stream, released after the job
+    return idx
+
+
+def _staging(plan: GatherPlan, rows: int, buffers: StagingBuffers | None,
+             keep_alive: list[torch.Tensor]) -> torch.Tensor:
+    if buffers is not None:
+        return buffers.staging(rows, keep_alive)
+    staging = torch.empty((rows, plan.planes[0].shape[1]), dtype=plan.word,
+                          device=plan.planes[0].device)
+    keep_alive.append(staging)
+    return staging
+
+
+def _views(plan: GatherPlan, groups: Sequence[range], n: int, idx: torch.Tensor,
+           staging: torch.Tensor, buffers: StagingBuffers | None
+           ) -> Sequence[tuple[torch.Tensor, torch.Tensor] | None]:
+    if buffers is not None and plan.source is not None:
+        return buffers.stage_views(groups, n, idx, staging)
+    return [None] * len(groups)
 
 
 def _move(plan: GatherPlan, group: range, n: int, idx: torch.Tensor, staging: torch.Tensor,
-          *, gather: bool) -> None:
-    """Gather a group's rows into staging (or scatter them back): one kernel over the span."""
+          rows_of: tuple[torch.Tensor, torch.Tensor] | None, *, gather: bool) -> None:
+    """Gather a group's rows into staging (or scatter them back): one kernel over the span.
+
+    ``rows_of``: the group's index and staging rows, where already sliced.
+    """
     if plan.source is not None:
-        rows = slice(group.start * n, group.stop * n)
+        if rows_of is None:
+            rows = slice(group.start * n, group.stop * n)
+            rows_of = (idx[rows], staging[rows])
+        index, part = rows_of
         if gather:
-            torch.index_select(plan.source, 0, idx[rows], out=staging[rows])
+            torch.index_select(plan.source, 0, index, out=part)
         else:
-            plan.source.index_copy_(0, idx[rows], staging[rows])
+            plan.source.index_copy_(0, index, part)
         return
     for p in group:
         part = staging[p * n:(p + 1) * n]
@@ -240,8 +327,14 @@ def _move(plan: GatherPlan, group: range, n: int, idx: torch.Tensor, staging: to
             plan.planes[p].index_copy_(0, idx, part)
 
 
-def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
+def _record(stream: torch.cuda.Stream, event: torch.cuda.Event | None = None) -> torch.cuda.Event:
+    """Record ``event`` (a new one if None) on ``stream``.
+
+    One event serves every record / wait pair: ``wait_event`` orders the waiting stream
+    after the record made before it, and a later record does not change that.
+    """
+    if event is None:
+        event = torch.cuda.Event()
     event.record(stream)
     return event
 

@@ -52,6 +52,10 @@ Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loa
 
 On CPU tensors the same code runs with plain synchronous ``copy_`` (what CI tests).
 
+Modules. The records and id helpers live in :mod:`._jobs`, the per-method copy paths in
+:mod:`._cuda_copy` (a base class of the mover); this module keeps registration,
+submission, the issue thread's hand-off and completion.
+
 Failures. Any exception while submitting or completing a job marks that job failed (it
 is logged and reported through :meth:`KVBlockMover.get_finished` with
 ``success=False``); nothing is asserted away.
@@ -66,20 +70,24 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from connectors.offload import _cudart
-from connectors.offload._copy_plan import CopyPlan, scan_runs
+from connectors.offload._cuda_copy import CopyMethods
 from connectors.offload._issuer import IssueThread
+from connectors.offload._jobs import (
+    Job,
+    TransferResult,
+    as_tensor,
+    chunk_to_sub_block_ids,
+    coalesce_runs,
+    id_array,
+)
 from connectors.offload._layout import (
     BlockLayout,
     build_block_layout,
     cross_layer_planes,
 )
-from connectors.offload._staged import GatherPlan, plan_gather, staged_copy
 
 __all__ = [
     "BlockLayout",
@@ -94,111 +102,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
-_SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
-_DMA_LANES = 4  # streams per direction that a batched job is split over
+
+_Job = Job  # the name tests and probes know
+# The issue thread's start delay on CUDA (see _issuer): measured with
+# benchmarks/probe_interference_ab.py (RESULTS.md, "Issue 14, third stage").
+# H100, 64 blocks each way per 5.5 ms step, in one process: step slowdown +3.0% -> +2.2%
+# (cross-layer) and +3.7% -> +3.2% (per-layer) at 0.1 ms; 0.3 and 1 ms no better.
+_ISSUE_DELAY_S = 0.0001
 
 
-# ---------------------------------------------------------------------------- id helpers
-def chunk_to_sub_block_ids(chunk_ids: Sequence[int], factor: int, num_gpu_blocks: int
-                           ) -> list[int]:
-    """Expand CPU chunk ids into CPU sub-block ids, one per GPU block.
-
-    Chunk ``k`` holds sub-blocks ``k*factor .. k*factor+factor-1``. A transfer of
-    ``num_gpu_blocks`` that is not a whole number of chunks starts mid-chunk: the first
-    ``(-num_gpu_blocks) % factor`` sub-blocks of the first chunk are skipped.
-
-    Raises:
-        ValueError: the chunks cannot hold ``num_gpu_blocks`` blocks.
-    """
-    skip = (-num_gpu_blocks) % factor
-    if len(chunk_ids) * factor - skip != num_gpu_blocks:
-        msg = (f"{len(chunk_ids)} chunks of {factor} blocks cannot hold exactly "
-               f"{num_gpu_blocks} GPU blocks")
-        raise ValueError(msg)
-    subs = [c * factor + j for c in chunk_ids for j in range(factor)]
-    return subs[skip:]
-
-
-def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Group ``(src, dst)`` pairs into runs where both ids advance by one.
-
-    Returns:
-        ``(src_start, dst_start, length)`` per run, in input order.
-    """
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
-
-
-def _id_array(ids: Sequence[int]) -> array.array[int]:
-    """A private int64 copy of the ids (the caller may reuse its list after submitting).
-
-    ``array.array`` because building it from a list of Python ints is ~6x faster than
-    ``torch.tensor``, and this runs twice per job on the engine's step.
-    """
-    if isinstance(ids, torch.Tensor):
-        ids = ids.tolist()
-    try:
-        return array.array("q", ids)
-    except TypeError as exc:
-        msg = f"block ids must be a flat sequence of ints, got {list(ids)[:4]!r}..."
-        raise ValueError(msg) from exc
-
-
-def _as_tensor(ids: array.array[int]) -> torch.Tensor:
-    """The ids as an int64 tensor sharing the array's memory."""
-    if not ids:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(ids, dtype=torch.int64)
-
-
-# ---------------------------------------------------------------------------- jobs
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    """A finished transfer job.
-
-    Attributes:
-        job_id: the id given at submission.
-        success: False if any part of the job failed (the data must not be used).
-        is_store: True for device -> CPU, False for CPU -> device.
-        num_bytes: bytes the job moved (or would have moved).
-        seconds: time from submission to completion as observed (None if unknown).
-        issue_seconds: host time spent issuing the copies (on CPU: making them), on the
-            issue thread where one is used; None if the job failed before that.
-    """
-
-    job_id: int
-    success: bool
-    is_store: bool
-    num_bytes: int
-    seconds: float | None
-    issue_seconds: float | None = None
-
-
-@dataclass(slots=True)
-class _Job:
-    job_id: int
-    is_store: bool
-    num_bytes: int
-    submitted_at: float
-    host_seconds: float | None = None  # synchronous (CPU) copies: their duration
-    start_event: torch.cuda.Event | None = None
-    end_event: torch.cuda.Event | None = None
-    error: str | None = None
-    issued: threading.Event | None = None  # set by the issue thread once the copies are queued
-    issue_args: tuple[Any, ...] = ()  # what _issue needs, for whichever thread claims the job
-    claimed: bool = False  # an issuing thread (the issue thread or a waiting caller) took it
-    issue_seconds: float | None = None
-    keep_alive: list[torch.Tensor] = field(default_factory=list)  # staging, index tensors
-
-
-class KVBlockMover:
+class KVBlockMover(CopyMethods):
     """Moves KV blocks between the device KV cache and one CPU buffer.
 
     Args:
@@ -259,47 +172,14 @@ class KVBlockMover:
                 planes.append(self.cpu_buffer[offset:offset + size].view(num_cpu_blocks, -1))
                 offset += size
             self.cpu_planes = tuple(planes)
-        self._streams: dict[bool, torch.cuda.Stream] = {}
-        self._kernel_streams: dict[bool, torch.cuda.Stream] = {}
-        self._lanes: dict[bool, list[torch.cuda.Stream]] = {True: [], False: []}
-        if self.is_cuda:
-            self._streams = {True: torch.cuda.Stream(self.device),
-                             False: torch.cuda.Stream(self.device)}
-            # Gather / scatter kernels of the staged method, beside each direction's DMAs.
-            self._kernel_streams = {True: torch.cuda.Stream(self.device),
-                                    False: torch.cuda.Stream(self.device)}
-            # Extra streams a batched job is split over, beside the direction's own.
-            self._lanes = {d: [torch.cuda.Stream(self.device) for _ in range(_DMA_LANES - 1)]
-                           for d in (True, False)}
-        self._jobs: list[_Job] = []
-        # Issue DMA copies through the CUDA runtime directly (None: when available).
-        use_runtime = self.is_cuda and raw_memcpy is not False
-        memcpy = _cudart.memcpy_async() if use_runtime else None
-        if raw_memcpy and memcpy is None:
-            msg = ("raw_memcpy=True needs a CUDA KV cache" if not self.is_cuda
-                   else "raw_memcpy=True but no CUDA runtime library could be loaded")
-            raise ValueError(msg)
-        self._memcpy = memcpy
-        self._batch_memcpy = _cudart.batch_memcpy_async() if use_runtime else None
-        # Addresses and strides of every plane on both sides, computed once here so that
-        # a job only adds block offsets (see _copy_plan).
-        self._plan = CopyPlan(self.layout.planes, self.cpu_planes)
-        self._memcpy_2d = None  # set where the pitched method applies
-        self._stage_2d = _cudart.memcpy_2d_async() if use_runtime else None
-        limit = 0
-        if use_runtime:
-            limit = _cudart.max_pitch(self._device_index)
-            if self._plan.pitch is not None and max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
-                self._memcpy_2d = self._stage_2d
-        # Staged copies (method gather): prepared here, used on CUDA only.
-        self._gather_plan: GatherPlan | None = (
-            plan_gather(self.layout.planes, self.cpu_planes, limit if self._stage_2d else 0)
-            if self.is_cuda else None)
+        self._jobs: list[Job] = []
+        self._setup_copies(raw_memcpy)  # streams, runtime calls, copy plans (_cuda_copy)
         self._block_bytes = self.layout.block_bytes
         self._issuer: IssueThread | None = None
         self._claim_lock = threading.Lock()
         if issue_thread or (self.is_cuda and issue_thread is None):
-            self._issuer = IssueThread(self.device, name=f"kv-transfer-issue-{id(self):x}")
+            self._issuer = IssueThread(self.device, name=f"kv-transfer-issue-{id(self):x}",
+                                       delay=_ISSUE_DELAY_S if self.is_cuda else 0.0)
             # A mover dropped without shutdown() still stops its thread.
             weakref.finalize(self, self._issuer.close, join=False)
 
@@ -321,18 +201,22 @@ class KVBlockMover:
 
     def _submit(self, job_id: int, is_store: bool, src_ids: Sequence[int],
                 dst_ids: Sequence[int]) -> None:
-        # The engine pays every microsecond here before its forward: keep it lean.
-        job = _Job(job_id, is_store, len(src_ids) * self._block_bytes, time.perf_counter())
+        # The engine pays every microsecond here before its forward: keep it lean (the
+        # range check and everything else runs where the job is issued).
+        job = Job(job_id, is_store, len(src_ids) * self._block_bytes, time.perf_counter())
         self._jobs.append(job)
         try:
             gpu_ids, cpu_ids = (src_ids, dst_ids) if is_store else (dst_ids, src_ids)
-            g, c = self._checked_ids(gpu_ids, cpu_ids)
+            if len(gpu_ids) != len(cpu_ids):
+                msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
+                raise ValueError(msg)
+            g, c = id_array(gpu_ids), id_array(cpu_ids)
             ready = None
             if self.is_cuda:
                 # Fixes the copies' place in stream order now, whichever thread issues
                 # them: a store reads what the model queued so far; a load overwrites
                 # blocks that earlier kernels may still read.
-                ready = torch.cuda.Event()
+                ready = self._ready_events.get()
                 ready.record(torch.cuda.current_stream(self._device_index))
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
             self._fail(job, exc)
@@ -344,7 +228,7 @@ class KVBlockMover:
             job.issue_args = (ready, g, c)
             self._issuer.submit(functools.partial(self._issue_claimed, job))
 
-    def _claim(self, job: _Job) -> bool:
+    def _claim(self, job: Job) -> bool:
         """Take the job for issuing if no thread has; True when the caller must issue it."""
         with self._claim_lock:
             if job.claimed:
@@ -352,11 +236,11 @@ class KVBlockMover:
             job.claimed = True
             return True
 
-    def _issue_claimed(self, job: _Job) -> None:
+    def _issue_claimed(self, job: Job) -> None:
         if self._claim(job):
             self._issue(job, *job.issue_args)
 
-    def _await_issued(self, job: _Job) -> None:
+    def _await_issued(self, job: Job) -> None:
         """Return once the job's copies are queued, issuing them here if no thread has begun.
 
         A caller about to block on a job gains nothing by waiting for the issue thread to
@@ -370,169 +254,53 @@ class KVBlockMover:
             self._issue(job, *job.issue_args)
         job.issued.wait()
 
-    def _issue(self, job: _Job, ready: torch.cuda.Event | None, g_ids: array.array[int],
+    def _issue(self, job: Job, ready: torch.cuda.Event | None, g_ids: array.array[int],
                c_ids: array.array[int]) -> None:
         """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
         t0 = time.perf_counter()
         try:
-            g, c = _as_tensor(g_ids), _as_tensor(c_ids)
+            self._check_range(g_ids, c_ids)
             if ready is None:  # CPU cache: plain synchronous copies
-                if g.numel():
-                    self._copy(job, job.is_store, g.tolist(), c.tolist())
+                if g_ids:
+                    self._copy(job, job.is_store, g_ids.tolist(), c_ids.tolist())
                 job.host_seconds = time.perf_counter() - job.submitted_at
                 return
             stream = self._streams[job.is_store]
             stream.wait_event(ready)
-            start = torch.cuda.Event(enable_timing=True)
+            start = self._timing_events.get()
             start.record(stream)
-            if g.numel():
+            job.start_event = start
+            if g_ids:
                 self._copy_cuda(job, g_ids, c_ids, stream, start)
-            end = torch.cuda.Event(enable_timing=True)
+            end = self._timing_events.get()
             end.record(stream)
-            job.start_event, job.end_event = start, end
+            job.end_event = end
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
             self._fail(job, exc)
         finally:
+            if ready is not None:  # waited for above (or never will be): free to record again
+                self._ready_events.put(ready)
             job.issue_seconds = time.perf_counter() - t0
             if job.issued is not None:
                 job.issued.set()  # last: the fields above are complete when it is seen
 
     @staticmethod
-    def _fail(job: _Job, exc: Exception) -> None:
+    def _fail(job: Job, exc: Exception) -> None:
         job.error = f"{type(exc).__name__}: {exc}"
         logger.warning("KV %s job %d failed at submission: %s",
                        "store" if job.is_store else "load", job.job_id, job.error)
 
-    def _checked_ids(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int]
-                     ) -> tuple[array.array[int], array.array[int]]:
-        """The ids as private int64 arrays, checked: equal lengths, every id in range."""
-        if len(gpu_ids) != len(cpu_ids):
-            msg = f"{len(gpu_ids)} device block ids but {len(cpu_ids)} CPU block ids"
-            raise ValueError(msg)
-        g, c = _id_array(gpu_ids), _id_array(cpu_ids)
-        for name, ids, bound in (("device", g, self.layout.num_blocks),
-                                 ("CPU", c, self.num_cpu_blocks)):
-            if ids and not (min(ids) >= 0 and max(ids) < bound):
+    def _check_range(self, g_ids: array.array[int], c_ids: array.array[int]) -> None:
+        """Every id in range, else IndexError naming the bad ones (one C-speed pass each)."""
+        for name, ids, bound in (("device", g_ids, self.layout.num_blocks),
+                                 ("CPU", c_ids, self.num_cpu_blocks)):
+            if not ids:
+                continue
+            low, high = torch.aminmax(as_tensor(ids))
+            if int(low) < 0 or int(high) >= bound:
                 bad = [i for i in ids if not 0 <= i < bound][:8]
                 msg = f"{name} block ids {bad} out of range [0, {bound})"
                 raise IndexError(msg)
-        return g, c
-
-    def _copy_cuda(self, job: _Job, g_ids: array.array[int], c_ids: array.array[int],
-                   stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
-        # Preference: one 2D copy per run (equally spaced planes), else one batch call for
-        # the job, else the per-copy methods. A method names the most it may use.
-        # ``start`` marks where the job begins on ``stream`` (extra streams wait for it).
-        method = self.method
-        planes = self.layout.planes
-        scan = None
-        if method == "gather" or (method == "auto" and (
-                len(planes) > 1 or planes[0].shape[1] < _SMALL_ROW_BYTES)):
-            scan = scan_runs(g_ids, c_ids)
-        if method == "auto" and scan is not None and self._small_rows(len(g_ids), scan[0]):
-            method = "gather"
-        g, c = _as_tensor(g_ids), _as_tensor(c_ids)
-        if method == "gather" and self._gather_plan is not None and scan is not None:
-            staged_copy(self._gather_plan, job.is_store, g, scan[1], stream,
-                        self._kernel_streams[job.is_store], self._memcpy,
-                        self._stage_2d if self._memcpy is not None else None, job.keep_alive)
-        elif self._memcpy_2d is not None and method in ("auto", "pitched"):
-            self._copy_pitched(self._memcpy_2d, job.is_store, g, c, stream)
-        elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
-            self._copy_batched(self._batch_memcpy, job.is_store, g_ids, c_ids, stream, start)
-        else:
-            with torch.cuda.stream(stream):
-                self._copy(job, job.is_store, g.tolist(), c.tolist())
-
-    def _small_rows(self, num_blocks: int, joint_runs: int) -> bool:
-        """True when the job's DMAs would average under 256 KiB (scattered per-layer rows).
-
-        Measured on an H100: the copy engines lose a fixed cost per row, so such jobs
-        are gathered on the device first (see _staged).
-        """
-        planes = self.layout.planes
-        return num_blocks * self._block_bytes / (joint_runs * len(planes)) < _SMALL_ROW_BYTES
-
-    def _copy_pitched(self, memcpy_2d: _cudart.Memcpy2D, is_store: bool, g: torch.Tensor,
-                      c: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        # One copy-engine operation moves a run of blocks in every plane (rows = planes),
-        # where the per-layer layout would otherwise need one small copy per plane.
-        handle = stream.cuda_stream
-        for dst, dpitch, src, spitch, width, height in self._plan.pitched_copies(g, c, is_store):
-            rc = memcpy_2d(dst, dpitch, src, spitch, width, height, handle)
-            if rc != 0:
-                _cudart.clear_error()
-                msg = f"cudaMemcpy2DAsync returned CUDA error {rc} ({height} rows of {width} bytes)"
-                raise RuntimeError(msg)
-
-    def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g_ids: array.array[int],
-                      c_ids: array.array[int], stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
-        # Every plane and run of the job in one runtime call: thousands of DMA copies for
-        # the per-layer layout cost one call's host time, and the copy engines see the
-        # whole batch at once instead of a trickle of single copies.
-        arrays = self._plan.single_plane_descriptors(g_ids, c_ids, is_store)
-        if arrays is not None:
-            count = len(arrays[0])
-            dst, src, size = (a.buffer_info()[0] for a in arrays)
-        else:
-            tensors = self._plan.descriptors(_as_tensor(g_ids), _as_tensor(c_ids), is_store)
-            count = tensors[0].numel()
-            dst, src, size = (t.data_ptr() for t in tensors)
-        # Split over the direction's DMA lanes (H100, 256 scattered 2 MiB blocks: 0.989x of
-        # the contiguous copy on one stream, 0.995x on four). Every lane starts where the
-        # job's stream stands now, and the job's stream waits for every lane at the end.
-        lanes = [stream, *self._lanes[is_store]] if count >= 2 * _DMA_LANES else [stream]
-        per = -(-count // len(lanes))
-        lanes = lanes[:-(-count // per)]  # no empty part (9 copies on 4 lanes: 3+3+3)
-        for i, lane in enumerate(lanes):
-            if lane is not stream:
-                lane.wait_event(start)
-            first, part = i * per, min(per, count - i * per)
-            rc = batch_memcpy(dst + 8 * first, src + 8 * first, size + 8 * first, part,
-                              lane.cuda_stream)
-            if rc != 0:
-                _cudart.clear_error()
-                msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {part} copies"
-                raise RuntimeError(msg)
-        for lane in lanes[1:]:
-            done = torch.cuda.Event()
-            done.record(lane)
-            stream.wait_event(done)
-
-    def _copy(self, job: _Job, is_store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
-        runs = coalesce_runs(gpu_ids, cpu_ids)
-        for gpu_plane, cpu_plane in zip(self.layout.planes, self.cpu_planes, strict=True):
-            method = self.method
-            dense = gpu_plane.stride(0) == gpu_plane.shape[1]
-            if method == "per_block" or not dense:
-                plane_runs = [(g, c, 1) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
-            else:  # coalesced, and batched / auto where there is no batch API or no CUDA
-                plane_runs = runs
-            if self._memcpy is not None:
-                self._copy_raw(self._memcpy, is_store, gpu_plane, cpu_plane, plane_runs)
-                continue
-            for g, c, n in plane_runs:
-                if is_store:
-                    cpu_plane[c:c + n].copy_(gpu_plane[g:g + n], non_blocking=True)
-                else:
-                    gpu_plane[g:g + n].copy_(cpu_plane[c:c + n], non_blocking=True)
-
-    def _copy_raw(self, memcpy: _cudart.Memcpy, is_store: bool,
-                  gpu_plane: torch.Tensor, cpu_plane: torch.Tensor,
-                  runs: list[tuple[int, int, int]]) -> None:
-        # Each run is contiguous on both sides: whole rows of a dense plane, or a single
-        # row (n == 1) of a plane with gaps. uint8 planes: strides are in bytes.
-        row = gpu_plane.shape[1]
-        g_base, g_stride = gpu_plane.data_ptr(), gpu_plane.stride(0)
-        c_base, c_stride = cpu_plane.data_ptr(), cpu_plane.stride(0)
-        stream = torch.cuda.current_stream(self._device_index).cuda_stream
-        for g, c, n in runs:
-            g_ptr, c_ptr, nbytes = g_base + g * g_stride, c_base + c * c_stride, n * row
-            rc = memcpy(c_ptr, g_ptr, nbytes, stream) if is_store else memcpy(g_ptr, c_ptr, nbytes, stream)
-            if rc != 0:
-                _cudart.clear_error()
-                msg = f"cudaMemcpyAsync returned CUDA error {rc}"
-                raise RuntimeError(msg)
 
     # ------------------------------------------------------------------ completion
     def get_finished(self) -> list[TransferResult]:
@@ -542,7 +310,7 @@ class KVBlockMover:
         microseconds of the issue thread's work), never for the copies themselves.
         """
         done: list[TransferResult] = []
-        pending: list[_Job] = []
+        pending: list[Job] = []
         # Every job issued before anything else (here, if the issue thread has not begun
         # it). Without this, a caller polling in a tight loop starves the thread of the GIL
         # and the copies are issued late or never (seen on an H100: an engine spun 10,000
@@ -589,14 +357,16 @@ class KVBlockMover:
         """Jobs submitted and not yet reported by :meth:`get_finished`."""
         return len(self._jobs)
 
-    @staticmethod
-    def _result(job: _Job) -> TransferResult:
+    def _result(self, job: Job) -> TransferResult:
         seconds = job.host_seconds or (time.perf_counter() - job.submitted_at)
         if job.error is None and job.start_event is not None and job.end_event is not None:
             try:  # device time of the copies themselves, not of the polling
                 seconds = job.start_event.elapsed_time(job.end_event) / 1e3
             except RuntimeError:
                 pass
+        for event in (job.start_event, job.end_event):
+            if event is not None:  # the job is done and reported: nothing queries them again
+                self._timing_events.put(event)
         return TransferResult(job.job_id, job.error is None, job.is_store, job.num_bytes,
                               seconds, job.issue_seconds)
 

@@ -1,0 +1,248 @@
+"""The copy methods of the block mover: how one job's copies are queued.
+
+Split from :mod:`connectors.offload.transfer`: :class:`CopyMethods` is a base class of
+``KVBlockMover`` holding the per-method copy paths (pitched 2D, batched, staged gather,
+per-copy ``cudaMemcpyAsync`` or ``Tensor.copy_``). The mover sets the attributes declared
+here at registration.
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+
+import torch
+
+from connectors.offload import _cudart
+from connectors.offload._copy_plan import CopyPlan, cpu_runs, estimate_joint_runs, scan_runs
+from connectors.offload._jobs import EventPool, Job, as_tensor, coalesce_runs
+from connectors.offload._layout import BlockLayout
+from connectors.offload._staged import GatherPlan, StagingBuffers, plan_gather, staged_copy
+
+__all__ = ["DMA_LANES", "HEAD_BLOCKS", "CopyMethods"]
+
+SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
+DMA_LANES = 4  # streams per direction that a batched job is split over
+HEAD_BLOCKS = 8  # blocks of a batched job queued first, before the rest's descriptors
+
+
+class CopyMethods:
+    """Queues a job's copies by the mover's method; the state is set by the mover."""
+
+    method: str
+    layout: BlockLayout
+    device: torch.device
+    is_cuda: bool
+    cpu_planes: tuple[torch.Tensor, ...]
+    _device_index: int
+    _block_bytes: int
+    _plan: CopyPlan
+    _gather_plan: GatherPlan | None
+    _staging: dict[bool, StagingBuffers] | None
+    _kernel_streams: dict[bool, torch.cuda.Stream]
+    _lanes: dict[bool, list[torch.cuda.Stream]]
+    _lane_events: dict[torch.cuda.Stream, torch.cuda.Event]
+    _head_blocks: int  # blocks of a batched job issued before the rest (0: none)
+    _memcpy: _cudart.Memcpy | None
+    _memcpy_2d: _cudart.Memcpy2D | None
+    _stage_2d: _cudart.Memcpy2D | None
+    _batch_memcpy: _cudart.BatchMemcpy | None
+    _streams: dict[bool, torch.cuda.Stream]
+    _ready_events: EventPool
+    _timing_events: EventPool
+
+    def _setup_copies(self, raw_memcpy: bool | None) -> None:
+        """Streams, runtime calls and copy plans, prepared once at registration.
+
+        Needs ``layout``, ``cpu_planes``, ``device``, ``is_cuda`` and ``_device_index``.
+
+        Raises:
+            ValueError: ``raw_memcpy=True`` without a CUDA cache or a loadable runtime.
+        """
+        self._streams: dict[bool, torch.cuda.Stream] = {}
+        self._kernel_streams: dict[bool, torch.cuda.Stream] = {}
+        self._lanes: dict[bool, list[torch.cuda.Stream]] = {True: [], False: []}
+        if self.is_cuda:
+            self._streams = {True: torch.cuda.Stream(self.device),
+                             False: torch.cuda.Stream(self.device)}
+            # Gather / scatter kernels of the staged method, beside each direction's DMAs.
+            self._kernel_streams = {True: torch.cuda.Stream(self.device),
+                                    False: torch.cuda.Stream(self.device)}
+            # Extra streams a batched job is split over, beside the direction's own.
+            self._lanes = {d: [torch.cuda.Stream(self.device) for _ in range(DMA_LANES - 1)]
+                           for d in (True, False)}
+        # Issue DMA copies through the CUDA runtime directly (None: when available).
+        use_runtime = self.is_cuda and raw_memcpy is not False
+        memcpy = _cudart.memcpy_async() if use_runtime else None
+        if raw_memcpy and memcpy is None:
+            msg = ("raw_memcpy=True needs a CUDA KV cache" if not self.is_cuda
+                   else "raw_memcpy=True but no CUDA runtime library could be loaded")
+            raise ValueError(msg)
+        self._memcpy = memcpy
+        self._batch_memcpy = _cudart.batch_memcpy_async() if use_runtime else None
+        # Addresses and strides of every plane on both sides, computed once here so that
+        # a job only adds block offsets (see _copy_plan).
+        self._plan = CopyPlan(self.layout.planes, self.cpu_planes)
+        self._memcpy_2d = None  # set where the pitched method applies
+        self._stage_2d = _cudart.memcpy_2d_async() if use_runtime else None
+        limit = 0
+        if use_runtime:
+            limit = _cudart.max_pitch(self._device_index)
+            if self._plan.pitch is not None and max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
+                self._memcpy_2d = self._stage_2d
+        # Staged copies (method gather): prepared here, used on CUDA only.
+        self._gather_plan: GatherPlan | None = (
+            plan_gather(self.layout.planes, self.cpu_planes, limit if self._stage_2d else 0)
+            if self.is_cuda else None)
+        # Per direction: staging memory, index buffers and fence events of staged copies,
+        # made at the first staged job and reused (None: allocate per job, to measure).
+        self._staging: dict[bool, StagingBuffers] | None = (
+            {d: StagingBuffers(self.device, self._gather_plan) for d in (True, False)}
+            if self._gather_plan is not None else None)
+        self._ready_events = EventPool(timing=False)
+        self._lane_events = {}
+        self._head_blocks = HEAD_BLOCKS
+        self._timing_events = EventPool(timing=True)
+
+    def _copy_cuda(self, job: Job, g_ids: array.array[int], c_ids: array.array[int],
+                   stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
+        # Preference: one 2D copy per run (equally spaced planes), else one batch call for
+        # the job, else the per-copy methods. A method names the most it may use.
+        # ``start`` marks where the job begins on ``stream`` (extra streams wait for it).
+        method = self.method
+        planes = self.layout.planes
+        n = len(g_ids)
+        # Gather where the DMAs would be small: judged from a sample of the ids, and from
+        # the full scan only where the sample shows runs (then it matters).
+        if method == "auto" and self._gather_plan is not None and (
+                len(planes) > 1 or planes[0].shape[1] < SMALL_ROW_BYTES) and (
+                self._small_rows(n, estimate_joint_runs(g_ids, c_ids))
+                or self._small_rows(n, scan_runs(g_ids, c_ids)[0])):
+            method = "gather"
+        if method == "gather" and self._gather_plan is not None:
+            buffers = self._staging[job.is_store] if self._staging is not None else None
+            args = (self._gather_plan, job.is_store, as_tensor(g_ids), functools.partial(cpu_runs, c_ids),
+                    stream, self._kernel_streams[job.is_store], self._memcpy,
+                    self._stage_2d if self._memcpy is not None else None, job.keep_alive)
+            if buffers is None:
+                staged_copy(*args)
+            else:
+                with buffers.lock:  # one job of a direction at a time on its buffers
+                    staged_copy(*args, buffers)
+        elif self._memcpy_2d is not None and method in ("auto", "pitched"):
+            self._copy_pitched(self._memcpy_2d, job.is_store, as_tensor(g_ids), as_tensor(c_ids), stream)
+        elif self._batch_memcpy is not None and method in ("auto", "pitched", "batched"):
+            self._copy_batched(self._batch_memcpy, job.is_store, g_ids, c_ids, stream, start)
+        else:
+            with torch.cuda.stream(stream):
+                self._copy(job, job.is_store, g_ids.tolist(), c_ids.tolist())
+
+    def _small_rows(self, num_blocks: int, joint_runs: int) -> bool:
+        """True when the job's DMAs would average under 256 KiB (scattered per-layer rows).
+
+        Measured on an H100: the copy engines lose a fixed cost per row, so such jobs
+        are gathered on the device first (see _staged).
+        """
+        planes = self.layout.planes
+        return num_blocks * self._block_bytes / (joint_runs * len(planes)) < SMALL_ROW_BYTES
+
+    def _copy_pitched(self, memcpy_2d: _cudart.Memcpy2D, is_store: bool, g: torch.Tensor,
+                      c: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # One copy-engine operation moves a run of blocks in every plane (rows = planes),
+        # where the per-layer layout would otherwise need one small copy per plane.
+        handle = stream.cuda_stream
+        for dst, dpitch, src, spitch, width, height in self._plan.pitched_copies(g, c, is_store):
+            rc = memcpy_2d(dst, dpitch, src, spitch, width, height, handle)
+            if rc != 0:
+                _cudart.clear_error()
+                msg = f"cudaMemcpy2DAsync returned CUDA error {rc} ({height} rows of {width} bytes)"
+                raise RuntimeError(msg)
+
+    def _copy_batched(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool, g_ids: array.array[int],
+                      c_ids: array.array[int], stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
+        # Every plane and run of the job in one runtime call: thousands of DMA copies for
+        # the per-layer layout cost one call's host time, and the copy engines see the
+        # whole batch at once instead of a trickle of single copies.
+        head = self._head_blocks if len(g_ids) >= 4 * self._head_blocks else 0
+        if head:
+            # The first blocks go out before the descriptors of the rest are built: the
+            # copy engines start a few hundred microseconds sooner (H100 machines: 0.4-0.6
+            # ms from submission to the first DMA of a 256-block job), which a transfer of
+            # ~10 ms otherwise pays in full. A run split here costs one extra copy.
+            self._batch_on_lanes(batch_memcpy, is_store, g_ids[:head], c_ids[:head], stream,
+                                 [], start)
+            g_ids, c_ids = g_ids[head:], c_ids[head:]
+        self._batch_on_lanes(batch_memcpy, is_store, g_ids, c_ids, stream, self._lanes[is_store],
+                             start)
+
+    def _batch_on_lanes(self, batch_memcpy: _cudart.BatchMemcpy, is_store: bool,
+                        g_ids: array.array[int], c_ids: array.array[int],
+                        stream: torch.cuda.Stream, extra: list[torch.cuda.Stream],
+                        start: torch.cuda.Event) -> None:
+        arrays = self._plan.single_plane_descriptors(g_ids, c_ids, is_store)
+        if arrays is not None:
+            count = len(arrays[0])
+            dst, src, size = (a.buffer_info()[0] for a in arrays)
+        else:
+            tensors = self._plan.descriptors(as_tensor(g_ids), as_tensor(c_ids), is_store)
+            count = tensors[0].numel()
+            dst, src, size = (t.data_ptr() for t in tensors)
+        # Split over the direction's DMA lanes (H100, 256 scattered 2 MiB blocks: 0.989x of
+        # the contiguous copy on one stream, 0.995x on four). Every lane starts where the
+        # job's stream stood at its start, and the job's stream waits for every lane at the end.
+        lanes = [stream, *extra] if count >= 2 * DMA_LANES else [stream]
+        per = -(-count // len(lanes))
+        lanes = lanes[:-(-count // per)]  # no empty part (9 copies on 4 lanes: 3+3+3)
+        for i, lane in enumerate(lanes):
+            if lane is not stream:
+                lane.wait_event(start)
+            first, part = i * per, min(per, count - i * per)
+            rc = batch_memcpy(dst + 8 * first, src + 8 * first, size + 8 * first, part,
+                              lane.cuda_stream)
+            if rc != 0:
+                _cudart.clear_error()
+                msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {part} copies"
+                raise RuntimeError(msg)
+        for lane in lanes[1:]:
+            # One event per lane, recorded again every job: a wait orders the stream after
+            # the record made before it (another thread's later record only adds waiting).
+            done = self._lane_events.get(lane)
+            if done is None:
+                done = self._lane_events[lane] = torch.cuda.Event()
+            done.record(lane)
+            stream.wait_event(done)
+
+    def _copy(self, job: Job, is_store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
+        runs = coalesce_runs(gpu_ids, cpu_ids)
+        for gpu_plane, cpu_plane in zip(self.layout.planes, self.cpu_planes, strict=True):
+            method = self.method
+            dense = gpu_plane.stride(0) == gpu_plane.shape[1]
+            if method == "per_block" or not dense:
+                plane_runs = [(g, c, 1) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
+            else:  # coalesced, and batched / auto where there is no batch API or no CUDA
+                plane_runs = runs
+            if self._memcpy is not None:
+                self._copy_raw(self._memcpy, is_store, gpu_plane, cpu_plane, plane_runs)
+                continue
+            for g, c, n in plane_runs:
+                if is_store:
+                    cpu_plane[c:c + n].copy_(gpu_plane[g:g + n], non_blocking=True)
+                else:
+                    gpu_plane[g:g + n].copy_(cpu_plane[c:c + n], non_blocking=True)
+
+    def _copy_raw(self, memcpy: _cudart.Memcpy, is_store: bool,
+                  gpu_plane: torch.Tensor, cpu_plane: torch.Tensor,
+                  runs: list[tuple[int, int, int]]) -> None:
+        # Each run is contiguous on both sides: whole rows of a dense plane, or a single
+        # row (n == 1) of a plane with gaps. uint8 planes: strides are in bytes.
+        row = gpu_plane.shape[1]
+        g_base, g_stride = gpu_plane.data_ptr(), gpu_plane.stride(0)
+        c_base, c_stride = cpu_plane.data_ptr(), cpu_plane.stride(0)
+        stream = torch.cuda.current_stream(self._device_index).cuda_stream
+        for g, c, n in runs:
+            g_ptr, c_ptr, nbytes = g_base + g * g_stride, c_base + c * c_stride, n * row
+            rc = memcpy(c_ptr, g_ptr, nbytes, stream) if is_store else memcpy(g_ptr, c_ptr, nbytes, stream)
+            if rc != 0:
+                _cudart.clear_error()
+                msg = f"cudaMemcpyAsync returned CUDA error {rc}"
+                raise RuntimeError(msg)
