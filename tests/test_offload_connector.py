@@ -606,3 +606,29 @@ def test_one_group_lookup_fast_path_matches_longest_hit(factor: int) -> None:
         general = side.get_num_new_matched_tokens(req, computed)
         side._one_full_group = True  # noqa: SLF001
         assert fast == general, (n, computed)
+
+
+def test_a_waiting_requests_hit_is_reused_until_the_tier_changes() -> None:
+    """A request asked again (it could not be admitted) gets its last answer without a
+    lookup while the tier is unchanged; a completed store, an eviction or more tokens
+    make the scheduler side look again, so a cached hit is never stale."""
+    import types
+
+    side = make({"num_cpu_blocks": 4}).scheduler_side
+    hashes = [bytes([i]) * 8 for i in range(6)]
+    key = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in range(6)]  # noqa: SLF001
+    req = types.SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=6 * 16 + 1)
+    calls = []
+    lookup = side.manager.lookup
+    side.manager.lookup = lambda keys: calls.append(1) or lookup(keys)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False) and len(calls) == 1
+    side.manager.complete_store(side.manager.prepare_store(key[:3]).keys_to_store)  # stored
+    assert side.get_num_new_matched_tokens(req, 0) == (48, True) and len(calls) == 2
+    assert side.get_num_new_matched_tokens(req, 0) == (48, True) and len(calls) == 2
+    assert side.get_num_new_matched_tokens(req, 16) == (32, True) and len(calls) == 3  # other local hit
+    side.manager.prepare_store([bytes([9]) * 12, bytes([10]) * 12])  # full: evicts the LRU key[0]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False) and len(calls) == 4
+    longer = types.SimpleNamespace(request_id="r", block_hashes=hashes + [b"x" * 8], num_tokens=7 * 16 + 1)
+    side.get_num_new_matched_tokens(longer, 0)
+    assert len(calls) == 5

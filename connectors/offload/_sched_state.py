@@ -102,6 +102,9 @@ class SchedulerSideState(KVConnectorSchedulerSide):
         self._pending_loads: list[TransferJobSpec] = []
         self._delayed_free: list[str] = []
         self._gpu_hit_tokens: dict[str, int] = {}
+        # Per waiting request, its last one-group CPU hit and what it depended on: a request
+        # that cannot be admitted is asked again every step, and each answer walks its hit.
+        self._hits: dict[str, tuple[tuple[int, int, int, int], int]] = {}
         # Store jobs whose data cannot be trusted (forgotten requests): failed on completion.
         self._poisoned: set[int] = set()
         self.tiers = SchedulerTiers(make_tiers(cfg.tiers, layout=cfg.layout, enable_events=False),

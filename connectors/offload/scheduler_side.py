@@ -128,6 +128,7 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         """Keep the blocks while stores read them; otherwise forget the request."""
         rid = request.request_id
         self._gpu_hit_tokens.pop(rid, None)
+        self._hits.pop(rid, None)
         if self.tiers is not None:
             self.tiers.lookups.forget(rid)
         state = self._reqs.get(rid)
@@ -150,6 +151,7 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
             self._release_load(job.job_id)
         for rid in request_ids:
             self._gpu_hit_tokens.pop(rid, None)
+            self._hits.pop(rid, None)
             if self.tiers is not None:
                 self.tiers.lookups.forget(rid)
             state = self._reqs.get(rid)
