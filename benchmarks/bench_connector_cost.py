@@ -27,8 +27,10 @@ vLLM's engine core freezes its start-up heap). Reported per engine step:
 
 Second table: connector cost per request against prompt length. Each row runs N requests
 with unique prompts of L tokens, then the same N prompts again (so the second half loads
-from the CPU tier, sized to hold every prompt twice over); the connector's hook time is divided by requests, by request-steps
-(each step a request is scheduled in) and by prompt blocks. Flat per request-step and per
+from the CPU tier, sized to hold every prompt twice over); the connector's hook time is
+divided by requests, by request-steps (each step a request is scheduled in) and by prompt
+blocks. ``--per-hook`` prints instead each hook's time at the guard and inside the
+connector. Flat per request-step and per
 block means no hook rescans a request's whole history each step.
 
     python benchmarks/bench_connector_cost.py [--repeats 5] [--json out.json] [--kv-events]
@@ -44,7 +46,6 @@ import hashlib
 import json
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
 import torch  # noqa: E402
+from _cost_clock import _Clock, _mover_thread_ns  # noqa: E402
 
 from kvconnector_core.cli import run_cmd  # noqa: E402
 from kvconnector_core.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -70,70 +72,6 @@ WORKER_HOOKS = ("bind_connector_metadata", "handle_preemptions", "start_load_kv"
                 "get_block_ids_with_load_errors", "get_kv_connector_stats",
                 "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
                 "clear_connector_metadata")
-
-
-_now = time.thread_time_ns
-
-
-class _Clock:
-    """Accumulates the thread's CPU nanoseconds per label, and calls per label.
-
-    ``inner`` (what a timed call adds to its own label) and ``outer`` (what it adds to
-    an enclosing timed call) are the timers' own costs, calibrated on a no-op; labels
-    listed in ``nested`` are timed inside calls of ``outer_label``.
-    """
-
-    inner = 0.0
-    outer = 0.0
-
-    def __init__(self) -> None:
-        self.ns: dict[str, int] = {}
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, obj: Any, name: str, label: str) -> None:
-        fn = getattr(obj, name, None)
-        if not callable(fn):
-            return
-        ns, calls = self.ns, self.calls
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = _now()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                ns[label] = ns.get(label, 0) + _now() - t0
-                calls[label] = calls.get(label, 0) + 1
-
-        setattr(obj, name, timed)
-
-    def corrected_us(self, label: str, nested: tuple[str, ...] = ()) -> float:
-        """Microseconds of ``label`` less the timers' cost (its own and its nested calls')."""
-        ns = self.ns.get(label, 0) - self.calls.get(label, 0) * self.inner
-        ns -= sum(self.calls.get(n, 0) for n in nested) * self.outer
-        return max(ns, 0.0) / 1e3
-
-    @classmethod
-    def calibrate(cls, n: int = 20000) -> None:
-        """Measure the timers' cost on a no-op (median of 5)."""
-        class _Noop:
-            def f(self) -> None:
-                pass
-
-        inner, outer = [], []
-        for _ in range(5):
-            raw, clock = _Noop(), cls()
-            clock.wrap(raw, "f", "x")
-            t0 = _now()
-            for _ in range(n):
-                raw.f()
-            wrapped = _now() - t0
-            plain = _Noop().f
-            t0 = _now()
-            for _ in range(n):
-                plain()
-            inner.append(clock.ns["x"] / n)
-            outer.append((wrapped - (_now() - t0)) / n)
-        cls.inner, cls.outer = statistics.median(inner), statistics.median(outer)
 
 
 def _sizing(trace: Trace) -> dict[str, Any]:
@@ -159,18 +97,6 @@ class Variant:
 NO_CONNECTOR = Variant("no connector", connector=False)
 OFFLOAD = Variant("cpu_offload", connector=True)
 OFFLOAD_THREAD = Variant("cpu_offload, copy_thread", connector=True, copy_thread=True)
-
-
-def _mover_thread_ns() -> int:
-    """CPU nanoseconds of the live mover issue threads (named ``kv-transfer-issue-*``)."""
-    total = 0
-    for thread in threading.enumerate():
-        if thread.name.startswith("kv-transfer-issue-") and thread.ident is not None:
-            try:
-                total += time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
-            except OSError:  # ended meanwhile
-                pass
-    return total
 
 
 def measure(trace: Trace, variant: Variant = OFFLOAD, hooks: bool = False,
@@ -278,12 +204,12 @@ def step_table(repeats: int, events: bool | None = None, copy_thread: bool = Tru
     base_runs = runs[NO_CONNECTOR.label]
     base = _med(base_runs, "scheduler", per_step)
     base_wall = statistics.median(r["wall_s"] for r in base_runs)
-    lines = ["| run | steps | scheduler us/step | of which scheduler hooks | worker hooks us/step "
-             "| scheduler + worker hooks us/step | x no connector | spread (paired runs) "
-             "| mover thread CPU us/step | run wall ms | wall x no connector |",
+    lines = [("| run | steps | scheduler us/step | of which scheduler hooks | worker hooks us/step "
+              "| scheduler + worker hooks us/step | x no connector | spread (paired runs) "
+              "| mover thread CPU us/step | run wall ms | wall x no connector |"),
              "|---|---|---|---|---|---|---|---|---|---|---|",
-             f"| no connector | {base_runs[0]['steps']} | {base:.1f} | - | - | {base:.1f} | 1.00 | - "
-             f"| - | {base_wall * 1e3:.0f} | 1.00 |"]
+             (f"| no connector | {base_runs[0]['steps']} | {base:.1f} | - | - | {base:.1f} | 1.00 | - "
+              f"| - | {base_wall * 1e3:.0f} | 1.00 |")]
     split: dict[str, list[dict[str, Any]]] = {}
     for v in variants[1:]:
         vr = runs[v.label]
@@ -303,6 +229,55 @@ def step_table(repeats: int, events: bool | None = None, copy_thread: bool = Tru
                      f"| {mover:.1f} | {wall * 1e3:.0f} | {wall / base_wall:.2f} |")
     return "\n".join(lines), {"trace": trace.name, "runs": runs, "split": split, "events": events,
                               "timer_ns": {"inner": _Clock.inner, "outer": _Clock.outer}}
+
+
+def hook_table(repeats: int, events: bool | None = None) -> str:
+    """Per hook and engine step: the time at the guard (what the engine pays) and inside the
+    connector's role object (``scheduler_side`` / ``worker_side``); the rest is the guard
+    and the facade. Both are timed in the same run (the inner timer's cost is subtracted
+    from the outer one), ``cpu_offload`` on the default workload, median of ``repeats``."""
+    trace = get_workload(run_cmd.DEFAULT_WORKLOAD, 0)
+    sched = list(SCHEDULER_HOOKS)
+    work = [h for h in WORKER_HOOKS if h not in ("wait_for_layer_load", "save_kv_layer")]
+    work.append("get_transfer_results")
+    runs = []
+    for r in range(repeats + 1):  # the first is a warm-up
+        base = _sizing(trace)
+        args = argparse.Namespace(config=None, connector=None, tier=[], cpu_blocks=None)
+        config = run_cmd._connector_config(args, base["num_gpu_blocks"])  # noqa: SLF001
+        clock = _Clock()
+        with Engine(EngineConfig(**base, connector=config, enable_kv_cache_events=events)) as engine:
+            guards = (("scheduler", engine.scheduler.connector, sched, "scheduler_side"),
+                      ("worker", engine.model_runner.connector, work, "worker_side"))
+            for side, guard, names, role in guards:
+                for name in names:
+                    clock.wrap(guard, name, f"{side}|{name}")
+                    clock.wrap(getattr(guard.connector, role), name, f"{side}|{name}|inner")
+            gc.collect()
+            gc.freeze()
+            try:
+                engine.run(trace)
+            finally:
+                gc.unfreeze()
+            steps = engine.num_steps
+        if r:
+            runs.append({label: (clock.corrected_us(label, (label + "|inner",)) / steps,
+                                 clock.calls[label] / steps) for label in clock.calls})
+    rows = []
+    for label in runs[0]:
+        if label.endswith("|inner"):
+            continue
+        outer = statistics.median(run.get(label, (0.0, 0.0))[0] for run in runs)
+        inner = statistics.median(run.get(label + "|inner", (0.0, 0.0))[0] for run in runs)
+        rows.append((outer, inner, label, runs[0][label][1]))
+    rows.sort(reverse=True)
+    lines = ["| side | hook | us/step at the guard | of which the connector | guard + facade | calls/step |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {label.split('|')[0]} | {label.split('|')[1]} | {o:.1f} | {i:.1f} | {o - i:.1f} | {n:.2f} |"
+              for o, i, label, n in rows]
+    lines.append(f"| | total | {sum(r[0] for r in rows):.1f} | {sum(r[1] for r in rows):.1f} "
+                 f"| {sum(r[0] - r[1] for r in rows):.1f} | |")
+    return "\n".join(lines)
 
 
 def length_table(repeats: int, lengths: list[int], num_requests: int, events: bool | None = None
@@ -345,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="both sides build KV events (EngineConfig.enable_kv_cache_events=True); "
                         "default: the engine's default, off without a publisher")
     p.add_argument("--lengths-only", action="store_true", help="only the table by prompt length")
+    p.add_argument("--per-hook", action="store_true",
+                   help="only the per-hook table (at the guard and inside the connector)")
     p.add_argument("--no-copy-thread", action="store_true",
                    help="leave out the cpu_offload run with copy_thread")
     args = p.parse_args(argv)
@@ -352,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     _Clock.calibrate()
     print(f"timer cost per timed call: {_Clock.inner:.0f} ns own, {_Clock.outer:.0f} ns to an enclosing call")
+    if args.per_hook:
+        print(hook_table(max(3, args.repeats), events=True if args.kv_events else None))
+        return 0
     step_data: dict[str, Any] = {}
     if not args.lengths_only:
         steps, step_data = step_table(args.repeats, events=True if args.kv_events else None,
