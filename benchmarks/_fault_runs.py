@@ -124,7 +124,8 @@ def _engine_config(seed: int, connector: KVConnectorConfig | None) -> EngineConf
     rng = random.Random(f"{seed}:engine")
     return EngineConfig(model=_MODEL, num_gpu_blocks=rng.randrange(18, 23), block_size=_BLOCK,
                         max_num_batched_tokens=rng.choice((16, 32, 64)), max_num_seqs=rng.choice((2, 4)),
-                        max_model_len=_MAX_LEN, connector=connector)
+                        max_model_len=_MAX_LEN, connector=connector,
+                        enable_kv_cache_events=True)  # the end checks replay the events
 
 
 def _settings(fault: str, seed: int, rng: random.Random, *, raises: bool, transfers: bool) -> FaultSettings:

@@ -215,6 +215,7 @@ class MultiConnector(RoleSplitConnector):
             "role": config.role,
             "engine_id": config.engine_id,
             "load_failure_policy": config.load_failure_policy,
+            "enable_kv_cache_events": config.enable_kv_cache_events,
         }
         configs = []
         for i, child in enumerate(raw):

@@ -224,13 +224,24 @@ def test_connector_cost_measures_hooks_only_with_a_connector() -> None:
     """The cost benchmark times the scheduler on both sides and hooks only with the connector."""
     import bench_connector_cost
 
+    b = bench_connector_cost
     trace = d.chat_trace("tiny")
-    without = bench_connector_cost.measure(trace, with_connector=False)
-    with_conn = bench_connector_cost.measure(trace, with_connector=True)
-    split = bench_connector_cost.measure(trace, with_connector=True, hooks=True)
+    without = b.measure(trace, b.NO_CONNECTOR)
+    with_conn = b.measure(trace, b.OFFLOAD)
+    split = b.measure(trace, b.OFFLOAD, hooks=True)
+    threaded = b.measure(trace, b.OFFLOAD_THREAD)
     assert without["scheduler"] > 0 and "worker hooks" not in without
     # Scheduler-side hooks are timed only when the split is asked for (nested timers).
     assert with_conn["worker hooks"] > 0 and "scheduler hooks" not in with_conn
     assert split["scheduler hooks"] > 0 and split["worker hooks"] > 0
     assert with_conn["requests"] == without["requests"] == len(trace)
     assert with_conn["request_steps"] > 0 and with_conn["steps"] > 0  # empty steps exist
+    # The copies moved to the mover's thread: its CPU time is measured, not lost.
+    assert with_conn["mover_thread_us"] == 0 and threaded["mover_thread_us"] > 0
+    assert with_conn["wall_s"] > 0
+    # The sides must have done the same work, or the run is refused.
+    runs = {"a": [without], "b": [with_conn, threaded]}
+    variants = [b.Variant("a", connector=False), b.Variant("b", connector=True)]
+    b._check_same_work(runs, variants)  # noqa: SLF001
+    with pytest.raises(SystemExit, match="different work"):
+        b._check_same_work({**runs, "a": [dict(without, outputs="x")]}, variants)  # noqa: SLF001

@@ -105,8 +105,8 @@ def test_delayed_free_holds_blocks_until_finished_sending():
 
 
 def test_metrics_events_and_json(trace):
-    """Metrics add up, GPU events are counted, and the result round-trips JSON."""
-    result = Engine(EngineConfig(**SMALL, connector=_memory())).run(trace)
+    """Metrics add up, GPU events are counted (events on), and the result round-trips JSON."""
+    result = Engine(EngineConfig(**SMALL, connector=_memory(), enable_kv_cache_events=True)).run(trace)
     m = result.metrics
     assert m.num_prompt_tokens == trace.num_prompt_tokens
     assert m.num_output_tokens == trace.num_output_tokens
@@ -114,6 +114,24 @@ def test_metrics_events_and_json(trace):
     assert m.total_hit_rate == pytest.approx(m.gpu_hit_rate + m.connector_hit_rate)
     assert m.load_gbps > 0 and m.steps > 0
     assert msgspec.json.decode(msgspec.json.encode(result), type=RunResult) == result
+
+
+def test_kv_events_are_built_only_when_consumed(trace):
+    """Default: no publisher, no events - neither the pool nor the connector builds any
+    (as vLLM without kv_events_config); a publisher turns them on for both."""
+    from kvconnector_core.event_publisher import EventPublisherConfig
+
+    with Engine(EngineConfig(**SMALL, connector=_memory())) as engine:
+        assert engine.scheduler_connector.config.enable_kv_cache_events is False
+        assert engine.worker_connector.config.enable_kv_cache_events is False
+        assert engine.run(trace).metrics.events == {}
+    publisher = EventPublisherConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint=None)
+    config = EngineConfig(**SMALL, connector=_memory(), kv_events_publisher=publisher)
+    assert config.kv_events_enabled
+    with pytest.raises(ConfigError, match="enable_kv_cache_events=False; valid: True or None"):
+        EngineConfig(**SMALL, kv_events_publisher=publisher, enable_kv_cache_events=False)
+    with Engine(EngineConfig(**SMALL, connector=_memory(), enable_kv_cache_events=True)) as engine:
+        assert engine.scheduler_connector.config.enable_kv_cache_events is True
 
 
 def test_config_errors_name_the_value():

@@ -12,6 +12,7 @@ from connectors.offload.connector import OffloadingConnector, OffloadingConnecto
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import check_metadata_roundtrip, encode_metadata
+from kvconnector_core.connector.registry import create_connector
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.errors import ConfigError
@@ -104,7 +105,7 @@ def doc_trace(seed: int = 0, rounds: int = 3) -> list[TraceRequest]:
 def engine(device: str, connector: dict | None) -> Engine:
     return Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256,
                                max_num_batched_tokens=128, max_num_seqs=2, device=device,
-                               connector=connector))
+                               connector=connector, enable_kv_cache_events=True))
 
 
 OFFLOAD = {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "blocks_per_chunk": 2}}
@@ -199,6 +200,37 @@ def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(entry.ref_cnt == 0 for _, entry in manager.policy)
 
 
+def test_copy_thread_on_a_cpu_cache_gives_identical_outputs() -> None:
+    """copy_thread on CPU: the mover's thread makes the copies, so a load must have landed
+    before it is reported and a store must have read its blocks before they are reused
+    (preemptions included); outputs equal the baseline's, the thread really copied."""
+    import threading
+
+    threaded = dict(OFFLOAD, extra_config=dict(OFFLOAD["extra_config"], copy_thread=True))
+    trace = doc_trace()
+    baseline = engine("cpu", None).run(trace)
+    eng = engine("cpu", threaded)
+    assert eng.worker_connector.offload_config.copy_thread is True
+    assert any(t.name.startswith("kv-transfer-issue-") for t in threading.enumerate())
+    result = eng.run(trace)
+    eng.shutdown()
+    assert result.outputs == baseline.outputs
+    m = result.metrics
+    assert m.connector_hit_tokens > 0 and m.bytes_loaded > 0 and m.bytes_stored > 0
+    assert m.connector_errors == {}
+    # Preemptions: their stores are waited for before the blocks are handed out again.
+    rng = random.Random(3)
+    trace = [TraceRequest(request_id=f"q{i}", arrival=0, max_new_tokens=40,
+                          prompt_token_ids=[rng.randrange(1000) for _ in range(70)]) for i in range(4)]
+
+    def small(connector: dict | None) -> Engine:
+        return Engine(EngineConfig(num_gpu_blocks=14, block_size=16, max_model_len=128,
+                                   max_num_batched_tokens=64, max_num_seqs=4, connector=connector))
+    result = small(threaded).run(trace)
+    assert result.metrics.num_preemptions > 0 and result.metrics.bytes_stored > 0
+    assert result.outputs == small(None).run(trace).outputs
+
+
 def test_preemption_flushes_stores_and_outputs_match() -> None:
     rng = random.Random(3)
     trace = [TraceRequest(request_id=f"q{i}", arrival=0, max_new_tokens=40,
@@ -241,11 +273,14 @@ def test_cli_run_with_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
                         reason="needs the engine's `kvconnector run` command")
     from kvconnector_core.cli import main
 
-    assert main(["run", "--connector", "cpu_offload", "--json"]) == 0
+    assert main(["run", "--connector", "cpu_offload", "--json", "--kv-events"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["comparison"]["identical"] is True
     assert report["metrics"]["connector_hit_tokens"] > 0
     assert report["metrics"]["events"].get("BlockStored[CPU]", 0) > 0
+    # Without --kv-events (or a publisher) nobody consumes events: none are built.
+    assert main(["run", "--connector", "cpu_offload", "--json", "--no-baseline"]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"]["events"] == {}
 
 
 # ------------------------------------------------------------------------------ review fixes
@@ -367,7 +402,8 @@ def test_event_replay_is_exact_when_chunks_share_blocks(policy: str, seed: int) 
     trace = _diverging_trace(seed)
     eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, connector={
         "name": "cpu_offload",
-        "extra_config": {"num_cpu_blocks": 5, "blocks_per_chunk": 2, "cache_policy": policy}}))
+        "extra_config": {"num_cpu_blocks": 5, "blocks_per_chunk": 2, "cache_policy": policy}},
+        enable_kv_cache_events=True))
     events = record_events(eng)
     result = eng.run(trace)
     held: set[int] = set()
@@ -400,6 +436,27 @@ def test_no_chunk_info_is_kept_without_events() -> None:
     assert result.metrics.bytes_stored > 0
     assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
     assert list(eng.scheduler_connector.take_events()) == []
+
+
+def test_no_chunk_info_is_kept_when_the_engine_consumes_no_events() -> None:
+    """The engine's default (no publisher): the connector config says nobody consumes KV
+    events, so the CPU tier builds none although extra_config leaves enable_events on;
+    MultiConnector's children inherit the setting."""
+    rng = random.Random(0)
+    trace = [TraceRequest(request_id=f"q{i}", arrival=i, max_new_tokens=2,
+                          prompt_token_ids=[rng.randrange(1000) for _ in range(64)]) for i in range(12)]
+    eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, max_num_batched_tokens=128,
+                              max_num_seqs=2, connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4}}))
+    assert eng.scheduler_connector.offload_config.enable_events is False
+    result = eng.run(trace)
+    assert result.metrics.bytes_stored > 0 and result.metrics.events == {}
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
+    eng.shutdown()
+    multi = KVConnectorConfig(name="MultiConnector", enable_kv_cache_events=False, extra_config={
+        "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4}}]})
+    conn = create_connector(multi, KVConnectorRole.SCHEDULER, kv_config())
+    assert conn.children[0].offload_config.enable_events is False
+    assert make({"num_cpu_blocks": 4}).offload_config.enable_events is True  # built alone: on
 
 
 def test_arc_does_not_promote_a_requests_own_chunks() -> None:
@@ -549,3 +606,29 @@ def test_one_group_lookup_fast_path_matches_longest_hit(factor: int) -> None:
         general = side.get_num_new_matched_tokens(req, computed)
         side._one_full_group = True  # noqa: SLF001
         assert fast == general, (n, computed)
+
+
+def test_a_waiting_requests_hit_is_reused_until_the_tier_changes() -> None:
+    """A request asked again (it could not be admitted) gets its last answer without a
+    lookup while the tier is unchanged; a completed store, an eviction or more tokens
+    make the scheduler side look again, so a cached hit is never stale."""
+    import types
+
+    side = make({"num_cpu_blocks": 4}).scheduler_side
+    hashes = [bytes([i]) * 8 for i in range(6)]
+    key = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in range(6)]  # noqa: SLF001
+    req = types.SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=6 * 16 + 1)
+    calls = []
+    lookup = side.manager.lookup
+    side.manager.lookup = lambda keys: calls.append(1) or lookup(keys)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False) and len(calls) == 1
+    side.manager.complete_store(side.manager.prepare_store(key[:3]).keys_to_store)  # stored
+    assert side.get_num_new_matched_tokens(req, 0) == (48, True) and len(calls) == 2
+    assert side.get_num_new_matched_tokens(req, 0) == (48, True) and len(calls) == 2
+    assert side.get_num_new_matched_tokens(req, 16) == (32, True) and len(calls) == 3  # other local hit
+    side.manager.prepare_store([bytes([9]) * 12, bytes([10]) * 12])  # full: evicts the LRU key[0]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False) and len(calls) == 4
+    longer = types.SimpleNamespace(request_id="r", block_hashes=hashes + [b"x" * 8], num_tokens=7 * 16 + 1)
+    side.get_num_new_matched_tokens(longer, 0)
+    assert len(calls) == 5

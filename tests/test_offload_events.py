@@ -241,7 +241,7 @@ def test_engine_replica_with_lost_takes_ends_exact() -> None:
     answered with the snapshot (as the guard does). The replica ends equal to the tier."""
     eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, max_num_batched_tokens=128,
                               max_num_seqs=2, connector={"name": "cpu_offload", "extra_config": {
-                                  "num_cpu_blocks": 6, "blocks_per_chunk": 2}}))
+                                  "num_cpu_blocks": 6, "blocks_per_chunk": 2}}, enable_kv_cache_events=True))
     conn = eng.scheduler_connector
     replica = Replica()
     resyncs = lose_every_third_take(conn, replica.apply)
@@ -264,7 +264,8 @@ def test_hybrid_snapshot_resyncs_every_group(model: str) -> None:
     # chunk they computed), so the tier takes a step's store and still evicts.
     eng = Engine(EngineConfig(model=get_model(model), num_gpu_blocks=64, block_size=16, max_model_len=256,
                               max_num_batched_tokens=128, max_num_seqs=2,
-                              connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 24}}))
+                              connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 24}},
+                              enable_kv_cache_events=True))
     conn = eng.scheduler_connector
     held: dict[int, set[int]] = {}
 

@@ -25,7 +25,7 @@ def _one_thread():
 def _run(layer_types: tuple[str, ...], connector: dict | None):
     model = ModelConfig(layer_types=layer_types, vocab_size=1000)
     cfg = EngineConfig(model=model, max_num_batched_tokens=64, max_model_len=1024,
-                       num_gpu_blocks=GPU_BLOCKS, connector=connector)
+                       num_gpu_blocks=GPU_BLOCKS, connector=connector, enable_kv_cache_events=True)
     eng = Engine(cfg)
     events: list = []
     if connector is not None:

@@ -20,7 +20,8 @@ from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 
 ENGINE = {"num_gpu_blocks": 12, "block_size": 16, "max_model_len": 128,
-          "max_num_batched_tokens": 128, "max_num_seqs": 2}
+          "max_num_batched_tokens": 128, "max_num_seqs": 2,
+          "enable_kv_cache_events": True}  # the tests count the tiers' events
 NUM_CPU_CHUNKS = 6  # four 64-token documents are 16 blocks: the CPU tier cannot hold them
 
 

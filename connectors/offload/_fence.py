@@ -62,6 +62,8 @@ class StoreFence:
     def take(self) -> list[int]:
         """The store jobs to wait for before this step's forward, sorted; clears the
         allocations seen so far."""
+        if not self._allocated:
+            return []  # most steps
         jobs: set[int] = set()
         for block_id in self._allocated:
             jobs |= self._jobs_of.get(block_id, set())

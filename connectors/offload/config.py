@@ -42,8 +42,14 @@ class OffloadSettings(ConnectorSettings):
             ``blocks_per_chunk``; default: one GPU block).
         blocks_per_chunk: GPU blocks per offloaded block.
         cache_policy: eviction policy, ``"lru"`` or ``"arc"``.
-        enable_events: emit CPU-medium KV events.
+        enable_events: emit CPU-medium KV events (and the tiers' events) when the engine
+            consumes KV events (``KVConnectorConfig.enable_kv_cache_events``); False
+            never emits any.
         transfer_method: how blocks are copied (``"auto"`` picks).
+        copy_thread: make the copies on the mover's background thread; None (default):
+            on CUDA only. On a CPU KV cache the thread makes the copies themselves; with
+            small blocks handing a job over costs the engine thread about what the copy
+            does (``benchmarks/RESULTS.md``, "Connector cost per step").
         tiers: secondary tiers behind the CPU tier, in order, each a dict such as
             ``{"type": "disk", "path": ..., "capacity_bytes": ...}`` (``docs/tiers.md``).
     """
@@ -55,6 +61,7 @@ class OffloadSettings(ConnectorSettings):
     cache_policy: str = "lru"
     enable_events: bool = True
     transfer_method: Literal["auto", "pitched", "batched", "coalesced", "per_block", "gather"] = "auto"
+    copy_thread: bool | None = None
     # Each tier's own settings Struct (connectors.tiers) checks its keys when it is made.
     tiers: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
@@ -107,6 +114,7 @@ class OffloadConfig:
         cache_policy: eviction policy name.
         enable_events: emit CPU-medium KV events.
         transfer_method: :class:`KVBlockMover` method.
+        copy_thread: :class:`KVBlockMover` ``issue_thread`` (None: on CUDA only).
         groups: per KV cache group, its geometry (one entry for a plain model).
         tiers: settings of the secondary tiers behind the CPU tier, in order
             (``docs/tiers.md``); empty for none.
@@ -123,6 +131,7 @@ class OffloadConfig:
     groups: tuple[OffloadGroup, ...] = ()
     tiers: tuple[dict[str, Any], ...] = ()
     layout: str = ""
+    copy_thread: bool | None = None
 
     @property
     def chunk_tokens(self) -> int:
@@ -190,7 +199,7 @@ class OffloadConfig:
             raise ConfigError(msg)
         return cls(gpu_bs, factor, num, settings.cache_policy, settings.enable_events,
                    settings.transfer_method, groups, tuple(dict(t) for t in settings.tiers),
-                   f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B")
+                   f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B", settings.copy_thread)
 
 
 def _host_memory_bytes() -> int | None:

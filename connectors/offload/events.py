@@ -337,6 +337,8 @@ class GroupedEvents:
 
     def take(self, manager: OffloadingManager) -> list[KVCacheEvent]:
         """Every wire event not yet returned (the manager's pending ones translated first)."""
+        if not self.enabled:
+            return []  # nothing is kept with events off
         self.translate(manager)
         events, self._wire = self._wire, []
         return events

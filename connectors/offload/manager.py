@@ -187,6 +187,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_fresh = 0  # slots [0, _num_fresh) have been handed out at least once
         self._free_list: list[int] = []
         self._num_evictable = 0  # entries at ref 0
+        self.version = 0
+        """Bumped whenever a key becomes ready or stops being held (see :meth:`lookup`)."""
         self.num_stores_skipped = 0  # keys offered that were already held
 
     # ------------------------------------------------------------------ queries
@@ -206,11 +208,15 @@ class CPUOffloadingManager(OffloadingManager):
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
-        """See :meth:`OffloadingManager.lookup`."""
+        """See :meth:`OffloadingManager.lookup`; the answer for the same keys stays the same
+        until :attr:`version` changes."""
+        # One call per chunk of a hit (it walks the whole hit): the bound method once, and
+        # ``ref_cnt`` read directly (``is_ready`` is ``ref_cnt >= 0``).
+        get = self.policy.get
         hits = 0
         for key in keys:
-            entry = self.policy.get(key)
-            if entry is None or not entry.is_ready:
+            entry = get(key)
+            if entry is None or entry.ref_cnt < 0:
                 break
             hits += 1
         return hits
@@ -336,6 +342,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ events / reset
     def _record(self, keys: Sequence[OffloadKey], *, removed: bool) -> None:
+        # Every change of which keys are ready passes here (stores completed, evictions,
+        # resets): lookups cached against ``version`` are stale after it.
+        if keys:
+            self.version += 1
         if self._enable_events and keys:
             self._events.append(OffloadingEvent(tuple(keys), self.medium, removed))
 

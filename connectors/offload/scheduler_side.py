@@ -24,431 +24,46 @@ Failure contract (``docs/failure-contract.md``): ``forget_requests`` drops a req
 unsent loads and makes its stores in flight fail when they complete; ``plan_failed``
 releases a plan's loads or stores and re-sends its delayed frees.
 
+Code layout: the shared state and keys are in :mod:`._sched_state`, the load planning in
+:mod:`._sched_loads`, the store planning in :mod:`._sched_stores`; this module completes
+jobs, finishes, forgets and fails requests and hands out events.
+
 Primitives: :class:`OffloadSchedulerSide`, :func:`group_suffix`.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload._fence import StoreFence
-from connectors.offload.events import ChunkInfo, GroupedEvents
-from connectors.offload.lookup import longest_hit, needed_chunks
-from connectors.offload.manager import CPUOffloadingManager
+from connectors.offload._sched_loads import LoadPlanning
+from connectors.offload._sched_state import JobRecord, ReqState, group_suffix
+from connectors.offload._sched_stores import StorePlanning
 from connectors.offload.policies import OffloadKey
-from connectors.offload.records import (
-    OffloadingConnectorMetadata,
-    OffloadWorkerMetadata,
-    TierWriteJob,
-    TransferJobSpec,
-)
-from connectors.offload.tiering import SchedulerTiers, make_tiers
-from kvconnector_core.connector.roles import KVConnectorSchedulerSide
-from kvconnector_core.errors import InvariantError
-from kvconnector_core.kv_events import MEDIUM_CPU
-from kvconnector_core.request import lora_name_of
-from kvconnector_core.scheduler.output import yield_req_data
+from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata
 
 if TYPE_CHECKING:
-    from connectors.offload.config import OffloadConfig
-    from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
-    from kvconnector_core.kv_cache.hashing import BlockHash
-    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_events import KVCacheEvent
     from kvconnector_core.request import Request
-    from kvconnector_core.scheduler.output import SchedulerOutput
 
 __all__ = ["OffloadSchedulerSide", "group_suffix"]
 
-logger = logging.getLogger("connectors.offload.connector")
+# Older names, kept importable.
+_ReqState, _JobRecord = ReqState, JobRecord
 
 
-@dataclass(slots=True)
-class _ReqState:
-    """Scheduler-side view of one request."""
-
-    request: Request
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
-    next_chunk: list[int] = field(default_factory=list)  # per group: chunks below are done
-    store_jobs: set[int] = field(default_factory=set)
-    finished: bool = False
-    forgotten: bool = False  # the guard said forget it: no new loads or stores
-    # Recency, committed when the request finishes (as vLLM 0.33 does): every key it
-    # loaded, stored or offered while held, with its (chunk, group) for prefix order, and
-    # which of them were reuses (loads and keys found held) rather than its own stores.
-    seen: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
-    reused: set[OffloadKey] = field(default_factory=set)
-
-
-@dataclass(frozen=True, slots=True)
-class _JobRecord:
-    req_id: str
-    keys: tuple[OffloadKey, ...]  # stores: keys written; loads and tier writes: keys pinned
-    is_store: bool
-    promoted: tuple[OffloadKey, ...] = ()  # loads: tier chunks read into reserved CPU slots
-
-
-# The pool's null block (vLLM's and kvconnector's): what a block table holds at positions
-# that left a sliding window or chunk.
-_NULL_BLOCK_ID = 0
-
-
-def group_suffix(group: int) -> bytes:
-    """The 4 bytes (big-endian group index) that end every offload key of a group."""
-    return group.to_bytes(4, "big")
-
-
-class OffloadSchedulerSide(KVConnectorSchedulerSide):
+class OffloadSchedulerSide(LoadPlanning, StorePlanning):
     """Scheduler side of the CPU offloading connector (see the module docstring).
+
+    Loads are planned by :class:`~connectors.offload._sched_loads.LoadPlanning`, stores
+    by :class:`~connectors.offload._sched_stores.StorePlanning`; this class completes
+    jobs, finishes and forgets requests and hands out events.
 
     Args:
         config: the connector config (its ``kv_role`` decides loads and stores).
         offload_config: the validated ``extra_config``.
     """
-
-    def __init__(self, config: KVConnectorConfig, offload_config: OffloadConfig) -> None:
-        self.config = config
-        self.offload_config = cfg = offload_config
-        self.manager = CPUOffloadingManager(cfg.num_cpu_blocks, cfg.cache_policy,
-                                            enable_events=cfg.enable_events, medium=MEDIUM_CPU)
-        self._groups = cfg.groups
-        self._suffixes = [group_suffix(g.index) for g in cfg.groups]
-        # Read on every hook call: plain attributes, not the config's properties.
-        self._ct = cfg.chunk_tokens
-        self._gpu_bs = cfg.gpu_block_size
-        self._one_full_group = len(cfg.groups) == 1 and cfg.groups[0].is_full
-        # Per group and stored key: what its wire events need. Only kept with events on
-        # (nothing drains it otherwise). Manager events are translated as soon as they
-        # happen, so the tables always match the tier (a key evicted and stored again
-        # within one take_events window keeps its info).
-        self._events = GroupedEvents([g.block_size for g in cfg.groups], enabled=cfg.enable_events)
-        self._reqs: dict[str, _ReqState] = {}
-        self._jobs: dict[int, _JobRecord] = {}
-        self._job_reports: dict[int, tuple[int, bool]] = {}  # job -> (worker reports, all ok)
-        self._job_ids = itertools.count()
-        self._pending_loads: list[TransferJobSpec] = []
-        self._delayed_free: list[str] = []
-        self._gpu_hit_tokens: dict[str, int] = {}
-        # Store jobs whose data cannot be trusted (forgotten requests): failed on completion.
-        self._poisoned: set[int] = set()
-        self.tiers = SchedulerTiers(make_tiers(cfg.tiers, layout=cfg.layout, enable_events=False),
-                                    self.manager, cfg.sub_blocks_per_chunk) if cfg.tiers else None
-        self._pending_tier_writes: list[TierWriteJob] = []
-        self._fence = StoreFence()
-
-    # ------------------------------------------------------------------ keys
-    def _num_chunks(self, request: Request) -> int:
-        """Whole chunks the request's block hashes cover."""
-        return len(request.block_hashes) * self._hash_block_size(request) // self._ct
-
-    def _hash_block_size(self, request: Request) -> int:
-        """Tokens per entry of ``request.block_hashes``. vLLM's Request has no
-        ``hash_block_size``: its hashes are per GPU block (one group under the adapter)."""
-        return getattr(request, "hash_block_size", None) or self._gpu_bs
-
-    def _key(self, request: Request, group: int, chunk: int) -> OffloadKey:
-        """Key of chunk ``chunk`` of ``group``: the chained hash of its last token's block,
-        plus the group. O(1): no list of keys is built (planning is O(new chunks))."""
-        hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
-        return OffloadKey(request.block_hashes[(chunk + 1) * self._ct // hbs - 1] + self._suffixes[group])
-
-    # ------------------------------------------------------------------ loads
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
-        """Tokens loadable from the CPU tier beyond the local hit (always async).
-
-        A hit ends on a chunk boundary (or one GPU block short of the last prompt token,
-        which the engine always computes). It needs, per KV cache group, only what the
-        group reads to go on from there: every chunk for full attention, the last
-        window's chunks for a sliding-window group, the current attention chunk's for a
-        chunked-local group. The longest such hit wins. No state is changed but a note
-        of the GPU hit, for the load plan.
-        """
-        self._gpu_hit_tokens[request.request_id] = num_computed_tokens
-        if not self.config.is_kv_consumer:  # role kv_producer: only stores
-            return 0, False
-        ct = self._ct
-        hbs = getattr(request, "hash_block_size", None) or self._gpu_bs
-        num_chunks = len(request.block_hashes) * hbs // ct
-        start = num_computed_tokens // ct
-        if start >= num_chunks:
-            return 0, False
-        if self.tiers is not None:
-            return self._tiered_matched_tokens(request, num_computed_tokens, num_chunks)
-        last_loadable = (request.num_tokens - 1) // self._gpu_bs * self._gpu_bs
-        if self._one_full_group and ct % hbs == 0:
-            # The common case, without a key function per chunk: the leading ready chunks
-            # from the local hit on (what longest_hit computes for one full group). Keys
-            # are built lazily: a miss costs one key, a hit one key per chunk it covers.
-            step = ct // hbs
-            suffix = self._suffixes[0]
-            hits = self.manager.lookup(OffloadKey(h + suffix) for h in itertools.islice(
-                request.block_hashes, (start + 1) * step - 1, num_chunks * step, step))
-            hit = min((start + hits) * ct, last_loadable) - num_computed_tokens if hits else 0
-            return (hit, True) if hit > 0 else (0, False)
-        hit = longest_hit(
-            self._groups, self.manager.lookup, lambda g, c: self._key(request, g, c),
-            num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
-            last_loadable=last_loadable, chunk_tokens=ct)
-        return hit, hit > 0
-
-    def _tiered_matched_tokens(self, request: Request, num_computed_tokens: int, num_chunks: int
-                               ) -> tuple[int | None, bool]:
-        """With tiers: the longest window-aware hit whose chunks are each in the CPU tier
-        or in a tier (promoted through a CPU slot); None while a tier is still looking.
-
-        The tiers are asked only when the CPU tier alone does not serve the whole
-        prompt. The hit is shortened until its promotions fit in the CPU slots that are
-        free or evictable now.
-        """
-        assert self.tiers is not None  # noqa: S101 - only called with tiers
-        cfg, tiers = self.offload_config, self.tiers
-        ct, start = cfg.chunk_tokens, num_computed_tokens // cfg.chunk_tokens
-        last = (request.num_tokens - 1) // cfg.gpu_block_size * cfg.gpu_block_size
-
-        def hit(lookup: Callable[[Iterable[OffloadKey]], int], last_loadable: int) -> int:
-            return longest_hit(self._groups, lookup, lambda g, c: self._key(request, g, c),
-                               num_computed_tokens=num_computed_tokens, num_chunks=num_chunks,
-                               last_loadable=last_loadable, chunk_tokens=ct)
-
-        cpu_hit = hit(self.manager.lookup, last)
-        if num_computed_tokens + cpu_hit >= min(num_chunks * ct, last):
-            return cpu_hit, cpu_hit > 0
-        keys = [self._key(request, g, c) for g in range(len(self._groups)) for c in range(start, num_chunks)]
-        promotable = tiers.promotable(request.request_id, keys)
-        if promotable is None:
-            return None, False
-
-        def available(ks: Iterable[OffloadKey]) -> int:
-            # longest_hit may pass a lazy iterable: count, do not take len().
-            n = 0
-            for k in ks:
-                if k not in promotable and not tiers.in_cpu(k):
-                    break
-                n += 1
-            return n
-
-        while (num := hit(available, last)) > cpu_hit:
-            end = num_computed_tokens + num
-            needed = [self._key(request, g, c) for g, group in enumerate(self._groups)
-                      for c in needed_chunks(group, num_computed_tokens, end, ct)]
-            promote = sum(k in promotable for k in needed)
-            if promote <= tiers.room(len(needed) - promote):
-                return num, True
-            last = (end - 1) // ct * ct  # one chunk shorter: fewer promotions
-        return cpu_hit, cpu_hit > 0
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
-        """Record the request and its hit chunks, and plan its load if it has one.
-
-        The load moves, per group, only the new blocks the engine allocated for the
-        external tokens; positions out of a group's window hold the null block and are
-        skipped (a partial load).
-
-        Raises:
-            InvariantError: ``num_external_tokens`` is not a whole number of GPU blocks
-                or the blocks to load are not ready (the scheduler then recomputes).
-        """
-        rid = request.request_id
-        # Blocks of an async load are written before the request is ever scheduled.
-        self._fence.allocated(b.block_id for group in blocks.blocks for b in group)
-        state = self._reqs.get(rid)
-        if state is not None and state.forgotten:
-            return
-        if state is None:
-            state = self._reqs[rid] = _ReqState(request, [[] for _ in self._groups],
-                                                [0] * len(self._groups))
-        cfg = self.offload_config
-        ct = cfg.chunk_tokens
-        hit_tokens = self._gpu_hit_tokens.pop(rid, None)
-        if hit_tokens is None:
-            # Not asked first (e.g. another connector won the lookup): blocks of the GPU
-            # prefix hit carry a hash; blocks of a pending load do not yet.
-            group0 = blocks.blocks[0]
-            hashed = next((i for i, b in enumerate(group0) if b.block_hash is None), len(group0))
-            hit_tokens = hashed * self._groups[0].block_size if num_external_tokens else 0
-        end = hit_tokens + num_external_tokens
-        if num_external_tokens == 0 or any(j.req_id == rid for j in self._pending_loads):
-            return
-        if num_external_tokens % cfg.gpu_block_size:
-            msg = (f"request {rid}: {num_external_tokens} external tokens is not a whole "
-                   f"number of {cfg.gpu_block_size}-token blocks")
-            raise InvariantError(msg)
-        where: dict[OffloadKey, tuple[int, int]] = {}  # load key -> (group, chunk), in order
-        pairs: list[tuple[int, OffloadKey, int]] = []  # (GPU block id, chunk key, sub-block)
-        for g, group in enumerate(self._groups):
-            bs = group.block_size
-            table = blocks.blocks[g]
-            for j in range(hit_tokens // bs, end // bs):
-                block = table[j]
-                if block.is_null:  # out of the group's window: nothing to load
-                    continue
-                key = self._key(request, g, j * bs // ct)
-                where.setdefault(key, (g, j * bs // ct))
-                pairs.append((block.block_id, key, j % group.factor))
-        sub = cfg.sub_blocks_per_chunk
-        tiers = self.tiers
-        cpu_keys = [k for k in where if tiers is None or tiers.in_cpu(k)]
-        promoted = [k for k in where if tiers is not None and not tiers.in_cpu(k)]
-        spec = self.manager.prepare_load(cpu_keys)
-        slot_of = dict(zip(cpu_keys, spec.block_ids, strict=True))
-        reads = []
-        if promoted and tiers is not None:
-            try:
-                reads = tiers.plan_promotion(rid, promoted)
-            except InvariantError:
-                self.manager.complete_load(cpu_keys)
-                raise
-            slot_of.update((r.key, r.cpu_block_ids[0] // sub) for r in reads)
-            for key in promoted:
-                self._events.add(key, self._describe(request, *where[key]))
-        # Recency (vLLM 0.33): loaded chunks are a reuse, recorded now (LRU ranks them at
-        # once) and committed when the request finishes.
-        self.manager.record_access(cpu_keys)
-        state.reused.update(cpu_keys)
-        state.seen.update((k, where[k][::-1]) for k in cpu_keys)
-        job = TransferJobSpec(next(self._job_ids), rid, [gpu for gpu, _, _ in pairs],
-                              [slot_of[key] * sub + k for _, key, k in pairs], reads)
-        self._jobs[job.job_id] = _JobRecord(rid, tuple(cpu_keys), is_store=False,
-                                            promoted=tuple(promoted))
-        self._pending_loads.append(job)
-        end_chunk = -(-end // ct)
-        state.next_chunk = [max(n, end_chunk) for n in state.next_chunk]
-
-    # ------------------------------------------------------------------ stores
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
-        """Plan this step's stores (chunks complete after this step), emit pending loads.
-
-        O(new blocks) per request: block ids are appended, keys are computed only for
-        the chunks this step completes.
-        """
-        computed: dict[str, int] = {r.req_id: r.num_computed_tokens
-                                    for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
-        stores: list[TransferJobSpec] = []
-        new_req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-        for rid, new_ids, resumed in yield_req_data(scheduler_output):
-            self._fence.allocated(b for ids in new_ids for b in ids)
-            state = self._reqs.get(rid)
-            if state is None:
-                continue
-            if resumed or rid in new_req_ids:  # these carry all of the request's blocks
-                state.block_ids = [list(ids) for ids in new_ids] or [[] for _ in self._groups]
-            else:
-                for ids, added in zip(state.block_ids, new_ids, strict=False):
-                    ids += added
-            before = computed.get(rid, 0)
-            job = self._plan_store(state, before, before + scheduler_output.num_scheduled_tokens.get(rid, 0))
-            if job is not None:
-                stores.append(job)
-        preempted = (sorted(r for r in scheduler_output.preempted_req_ids if r in self._reqs)
-                     if scheduler_output.preempted_req_ids else [])
-        for rid in preempted:
-            # Freed; a resumed request brings all its ids.
-            self._reqs[rid].block_ids = [[] for _ in self._groups]
-        meta = OffloadingConnectorMetadata(loads=self._pending_loads, stores=stores,
-                                           preempted_req_ids=preempted,
-                                           delayed_free_req_ids=self._delayed_free,
-                                           tier_writes=self._pending_tier_writes,
-                                           flush_job_ids=self._fence.take())
-        self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
-        return meta
-
-    def _store_range(self, state: _ReqState, g: int, num_computed_tokens: int,
-                     num_done_tokens: int) -> range:
-        """Chunks of group ``g`` to store now; advances the group's ``next_chunk``.
-
-        Windowed groups store every new chunk whose blocks are still allocated: this
-        step's allocation freed only those before the window at ``num_computed_tokens``
-        (the tokens computed before the step), so chunks a one-step prefill computed and
-        already left behind are stored too, as vLLM 0.33 does. A hit that ends before
-        ``num_done_tokens`` (e.g. the repeated prompt's, one block short of its end)
-        needs them: :func:`~connectors.offload.lookup.needed_chunks`. The engine frees
-        such blocks at the next step while their store may be in flight: the store
-        fence (:mod:`._fence`) makes the worker wait before a block is rewritten.
-        """
-        group = self._groups[g]
-        ct = self._ct
-        end = min(self._num_chunks(state.request), num_done_tokens // ct,
-                  len(state.block_ids[g]) * group.block_size // ct)
-        first = state.next_chunk[g]
-        if not group.is_full:
-            f = group.factor
-            freed_blocks = group.first_needed_token(num_computed_tokens) // group.block_size
-            first = max(first, -(-freed_blocks // f))
-            while first < end and _NULL_BLOCK_ID in state.block_ids[g][first * f:(first + 1) * f]:
-                # Out of the window when the request was admitted: never computed.
-                first += 1
-        return range(first, end)
-
-    def _plan_store(self, state: _ReqState, num_computed_tokens: int, num_done_tokens: int
-                    ) -> TransferJobSpec | None:
-        if not self.config.is_kv_producer or state.forgotten:  # kv_consumer: only loads
-            return None
-        request = state.request
-        if len(state.next_chunk) == 1 and num_done_tokens // self._ct <= state.next_chunk[0]:
-            return None  # one group and no chunk completed since the last store (most steps)
-        ranges = [self._store_range(state, g, num_computed_tokens, num_done_tokens)
-                  for g in range(len(self._groups))]
-        wanted: list[tuple[int, int, OffloadKey]] = [
-            (g, c, self._key(request, g, c)) for g, chunks in enumerate(ranges) for c in chunks]
-        if not wanted:
-            return None
-        out = self.manager.prepare_store([key for _, _, key in wanted])
-        self._events.translate(self.manager)  # evictions, before a re-stored key's info is replaced
-        if out is None:
-            logger.debug("CPU tier full: store of %d chunks of %s retried next step",
-                         len(wanted), request.request_id)
-            return None
-        for g, chunks in enumerate(ranges):
-            state.next_chunk[g] = max(state.next_chunk[g], chunks.stop)
-        where = {key: (g, c) for g, c, key in wanted}
-        if out.reused_keys:
-            self.manager.record_access(out.reused_keys)
-            state.reused.update(out.reused_keys)
-            state.seen.update((k, where[k][::-1]) for k in out.reused_keys)
-        state.seen.update((k, where[k][::-1]) for k in out.keys_to_store)
-        if not out.keys_to_store:
-            return None
-        sub = self.offload_config.sub_blocks_per_chunk
-        gpu_ids: list[int] = []
-        cpu_ids: list[int] = []
-        windowed: list[int] = []  # blocks the engine may free while the request runs
-        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
-            g, c = where[key]
-            f = self._groups[g].factor
-            gpu_ids += state.block_ids[g][c * f:(c + 1) * f]
-            if not self._groups[g].is_full:
-                windowed += state.block_ids[g][c * f:(c + 1) * f]
-            cpu_ids += [slot * sub + j for j in range(f)]
-            if self._events.enabled:
-                self._events.add(key, self._describe(request, g, c))
-        job = TransferJobSpec(next(self._job_ids), request.request_id, gpu_ids, cpu_ids)
-        self._jobs[job.job_id] = _JobRecord(request.request_id, out.keys_to_store, is_store=True)
-        self._fence.add(job.job_id, windowed)
-        state.store_jobs.add(job.job_id)
-        return job
-
-    def _describe(self, request: Request, g: int, chunk: int) -> ChunkInfo:
-        """The GPU blocks of group ``g`` a chunk holds: their hashes, parent and tokens."""
-        group, hbs = self._groups[g], self._hash_block_size(request)
-        f, bs = group.factor, group.block_size
-        hashes = request.block_hashes
-
-        def block_hash(j: int) -> BlockHash:
-            return hashes[(j + 1) * bs // hbs - 1]
-
-        first = chunk * f
-        tokens = request.all_token_ids[first * bs:(first + f) * bs]
-        return ChunkInfo(tuple(block_hash(j) for j in range(first, first + f)),
-                         block_hash(first - 1) if first else None, list(tokens), lora_name_of(request))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Complete the stores and loads the worker finished; forget sent requests.
@@ -513,6 +128,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         """Keep the blocks while stores read them; otherwise forget the request."""
         rid = request.request_id
         self._gpu_hit_tokens.pop(rid, None)
+        self._hits.pop(rid, None)
         if self.tiers is not None:
             self.tiers.lookups.forget(rid)
         state = self._reqs.get(rid)
@@ -535,6 +151,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
             self._release_load(job.job_id)
         for rid in request_ids:
             self._gpu_hit_tokens.pop(rid, None)
+            self._hits.pop(rid, None)
             if self.tiers is not None:
                 self.tiers.lookups.forget(rid)
             state = self._reqs.get(rid)
@@ -543,7 +160,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
                 self._poisoned |= state.store_jobs
                 self._drop_if_done(state)
 
-    def _drop_if_done(self, state: _ReqState) -> None:
+    def _drop_if_done(self, state: ReqState) -> None:
         """Drop a forgotten or finished request's state once no store of it is in flight
         and its delayed free went out (a later request_finished finds no state; a
         finished_sending may have come before its last job's completion)."""
@@ -582,7 +199,7 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         if record is not None and not record.is_store:
             self._complete_load(record, success=False)
 
-    def _complete_load(self, record: _JobRecord, success: bool) -> None:
+    def _complete_load(self, record: JobRecord, success: bool) -> None:
         """Unpin a load's CPU chunks; its promoted chunks become visible only if it worked."""
         self.manager.complete_load(record.keys)
         if record.promoted:
@@ -598,10 +215,10 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         planned = self.tiers.plan_writes(job_id, keys, lambda k: events.tables[events.group_of(k)].get(k))
         if planned is not None:
             job, pinned = planned
-            self._jobs[job_id] = _JobRecord("", pinned, is_store=False)
+            self._jobs[job_id] = JobRecord("", pinned, is_store=False)
             self._pending_tier_writes.append(job)
 
-    def _fail_store(self, job_id: int, record: _JobRecord) -> None:
+    def _fail_store(self, job_id: int, record: JobRecord) -> None:
         self._fence.release(job_id)
         self.manager.complete_store(record.keys, success=False)
         self._events.discard(record.keys)

@@ -90,8 +90,11 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
 
         cfg = self.offload_config
         try:
+            # copy_thread on a CPU cache: the mover's thread makes the (synchronous) copies
+            # off the engine thread (copy_ releases the GIL); a job is complete only once
+            # get_finished / wait saw it copied, so loads land before they are reported.
             self.mover = KVBlockMover(kv_caches, cfg.num_cpu_blocks * cfg.sub_blocks_per_chunk,
-                                      method=cfg.transfer_method)
+                                      method=cfg.transfer_method, issue_thread=cfg.copy_thread)
         except ValueError as exc:
             msg = f"OffloadingConnector cannot use this KV cache: {exc}"
             raise ConfigError(msg) from exc
@@ -133,11 +136,14 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         bind before the forward and before any load is started)."""
         super().bind_connector_metadata(connector_metadata)
         if self.mover is not None:
-            self._submit_stores()
-            self._write_tiers()
-            if self._meta().flush_job_ids:
-                self.mover.wait(self._meta().flush_job_ids)
-                self._add_stat("stores_fenced", len(self._meta().flush_job_ids))
+            if self._unsubmitted:
+                self._submit_stores()
+            meta = self._meta()
+            if meta.tier_writes:
+                self._write_tiers()
+            if meta.flush_job_ids:
+                self.mover.wait(meta.flush_job_ids)
+                self._add_stat("stores_fenced", len(meta.flush_job_ids))
 
     def _write_tiers(self) -> None:
         """Copy the pinned chunks into the tiers (non-blocking) and report the jobs done.
@@ -166,7 +172,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
 
     def start_load_kv(self, forward_context: Any = None) -> None:
         """Submit this step's loads (async); stores were submitted when the plan was bound."""
-        self._submit_stores()  # no-op unless bind_connector_metadata could not submit
+        if self._unsubmitted:  # only if bind_connector_metadata could not submit them
+            self._submit_stores()
         for job in self._meta().loads:
             if job.tier_reads and self.tiers is not None:
                 # Promotion: tier values go into the CPU slots first; the CPU -> GPU copy
@@ -186,13 +193,15 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
     def wait_for_save(self) -> None:
         """Queue this step's stores; they are submitted at the start of the next step."""
         meta = self._meta()
-        for job in meta.stores:
-            self._req_jobs.setdefault(job.req_id, set()).add(job.job_id)
-        self._unsubmitted += meta.stores
-        self._awaiting_send.update(meta.delayed_free_req_ids)
+        if meta.stores:
+            for job in meta.stores:
+                self._req_jobs.setdefault(job.req_id, set()).add(job.job_id)
+            self._unsubmitted += meta.stores
+        if meta.delayed_free_req_ids:
+            self._awaiting_send.update(meta.delayed_free_req_ids)
 
     def _poll(self) -> KVConnectorTransferResults:
-        if self._awaiting_send:
+        if self._awaiting_send and self._unsubmitted:
             # A finished request waits on these stores: no later step is coming to
             # submit them for free, so submit now (after this step's forward).
             self._submit_stores(self._awaiting_send)
@@ -212,11 +221,12 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         out = KVConnectorTransferResults(finished_recving=self._recv_done,
                                          failed_recving=self._recv_failed)
         self._recv_done, self._recv_failed = set(), set()
-        for rid in list(self._awaiting_send):
-            if not self._req_jobs.get(rid):
-                self._awaiting_send.discard(rid)
-                self._req_jobs.pop(rid, None)
-                out.finished_sending.add(rid)
+        if self._awaiting_send:
+            for rid in list(self._awaiting_send):
+                if not self._req_jobs.get(rid):
+                    self._awaiting_send.discard(rid)
+                    self._req_jobs.pop(rid, None)
+                    out.finished_sending.add(rid)
         return out
 
     def _record(self, result: TransferResult) -> None:
@@ -258,6 +268,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         """Bytes and seconds moved since the last call (None when nothing moved), the
         stores waited for before a reused block was rewritten (``stores_fenced``), plus
         the tiers' counters (``disk_loads``, ``redis_stores_dropped``, ...)."""
+        if not self._stats and self.tiers is None:
+            return None  # most steps: nothing moved
         stats, self._stats = self._stats, {}
         if self.tiers is not None:
             stats.update(self.tiers.stats())

@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="publish the connector run's KV events over ZeroMQ in vLLM's "
                              "wire format (default endpoint tcp://127.0.0.1:5557, replay on "
                              "the next port); read them with `kvconnector events`")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="build and count the connector run's KV events (the report's "
+                             "'KV events' row); on with --publish-events, off otherwise (as "
+                             "in vLLM, events cost time only when someone consumes them)")
 
 
 def _check_sources(args: argparse.Namespace) -> str | None:
@@ -223,7 +227,8 @@ def main(args: argparse.Namespace) -> int:
                     device=args.device, max_model_len=max_model_len,
                     reserve_full_output=args.reserve_full_output)
         runs = [("connector" if connector else "no connector",
-                 EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args)))]
+                 EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args),
+                              enable_kv_cache_events=True if args.kv_events else None))]
         if not args.no_baseline and connector is not None:
             runs.append(("baseline", EngineConfig(**base)))
         results = []

@@ -61,6 +61,8 @@ class GuardedWorker(GuardBase):
         # finished_req_ids a raising get_transfer_results did not take: passed again.
         self._unseen_finished: set[str] = set()
         self._uncleared = False  # clear_connector_metadata raised: the plan is still bound
+        # The optional vLLM hook (not on the base class), looked up once, not every step.
+        self._events_hook = getattr(connector, "get_kv_connector_kv_cache_events", None)
 
     @property
     def uses_layer_hooks(self) -> bool:
@@ -170,7 +172,8 @@ class GuardedWorker(GuardBase):
             self._raised("get_transfer_results", _NEXT_STEP)
             self._unseen_finished = set(finished)
             return KVConnectorTransferResults()
-        self._unseen_finished = set()
+        if self._unseen_finished:
+            self._unseen_finished = set()
         if not (results.finished_sending or results.finished_recving or results.failed_recving):
             return KVConnectorTransferResults()  # most steps: nothing to copy
         return KVConnectorTransferResults(
@@ -200,12 +203,15 @@ class GuardedWorker(GuardBase):
 
     def get_kv_connector_kv_cache_events(self) -> list[Any]:
         """Worker-side events of connectors that define this optional vLLM hook; [] on a raise."""
-        hook = getattr(self.connector, "get_kv_connector_kv_cache_events", None)  # not on the base
+        hook = self._events_hook
         if hook is None:
             return []
-        events, _ = self._contained("get_kv_connector_kv_cache_events", "events lost",
-                                    lambda: list(hook() or ()), [])
-        return events
+        try:
+            events = hook()
+            return list(events) if events else []
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_kv_connector_kv_cache_events", "events lost")
+            return []
 
     def build_connector_worker_meta(self) -> Any:
         """Records for the scheduler side; None on a raise (a connector keeps what it did

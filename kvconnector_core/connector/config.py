@@ -62,6 +62,11 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             of this connector raised this many times in a row, the engine's guard
             stops sending loads and stores through it (see
             ``docs/failure-contract.md``). None never quarantines.
+        enable_kv_cache_events: whether anyone consumes the connector's KV events
+            (``take_events``); a connector builds none when False, as vLLM 0.33's
+            connectors do without ``kv_events_config.enable_kv_cache_events``. Set by
+            the engine from :attr:`EngineConfig.enable_kv_cache_events` and by the vLLM
+            adapter from vLLM's ``kv_events_config``; True for a connector built alone.
 
     Raises:
         ConfigError: on construction, when ``name`` is empty or ``role`` /
@@ -78,6 +83,7 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     load_failure_policy: str = "recompute"
     world_size: int = 1
     quarantine_after_raises: int | None = DEFAULT_QUARANTINE_AFTER_RAISES
+    enable_kv_cache_events: bool = True
 
     def __post_init__(self) -> None:
         # msgspec runs __post_init__ on decode/convert too, so a bad file is

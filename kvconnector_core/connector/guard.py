@@ -142,9 +142,15 @@ class GuardedScheduler(GuardBase):
         if self.quarantined or request.request_id in self.detached:
             return 0, False
         hook = "get_num_new_matched_tokens"
-        answer, _ = self._contained(hook, "treated as a miss",
-                                     lambda: self.connector.get_num_new_matched_tokens(request, num_computed_tokens),
-                                     (0, False))
+        # The per-step hooks inline their try (no closure, no _contained frame per call):
+        # the same log line, count and streak as _contained.
+        try:
+            answer = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised(hook, "treated as a miss")
+            return 0, False
+        if self._streaks:
+            self._streaks.pop(hook, None)
         if not (isinstance(answer, tuple) and len(answer) == 2
                 and (answer[0] is None or isinstance(answer[0], int))):
             logger.error("connector %s: %s returned %r, not (int | None, bool); treated as a miss",
@@ -166,12 +172,15 @@ class GuardedScheduler(GuardBase):
         rid = request.request_id
         if self.quarantined or rid in self.detached:
             return num_external_tokens == 0
-        _, ok = self._contained(
-            "update_state_after_alloc", "the request is forgotten; nothing is loaded",
-            lambda: self.connector.update_state_after_alloc(request, blocks, num_external_tokens), None)
-        if not ok:
+        try:
+            self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("update_state_after_alloc", "the request is forgotten; nothing is loaded")
             self.forget_requests((rid,))
-        return ok
+            return False
+        if self._streaks:
+            self._streaks.pop("update_state_after_alloc", None)
+        return True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         """The step's plan, or None when the hook raised.
@@ -185,12 +194,16 @@ class GuardedScheduler(GuardBase):
         if self.quarantined:  # every request is forgotten; the connector only drains
             self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
                                   *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
-        shown = self._visible(scheduler_output)
-        plan, ok = self._contained("build_connector_meta", "no plan this step; the step's requests are forgotten",
-                                   lambda: self.connector.build_connector_meta(shown), None)
-        if not ok:
+        shown = self._visible(scheduler_output) if self.detached else scheduler_output
+        try:
+            plan = self.connector.build_connector_meta(shown)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("build_connector_meta", "no plan this step; the step's requests are forgotten")
             self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
                                   *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
+            return None
+        if self._streaks:
+            self._streaks.pop("build_connector_meta", None)
         return plan
 
     def _visible(self, so: SchedulerOutput) -> SchedulerOutput:
@@ -237,8 +250,18 @@ class GuardedScheduler(GuardBase):
         if plan is not None and (connector_output.loads_failed or connector_output.stores_failed):
             self.plan_failed(plan, loads_failed=connector_output.loads_failed,
                              stores_failed=connector_output.stores_failed)
-        else:
+        elif self._repairs:
             self._run_repairs()
+        if not self._undelivered:  # most steps: nothing to redeliver first
+            try:
+                self.connector.update_connector_output(connector_output)
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("update_connector_output", "the report is delivered again next step")
+                self._undelivered.append(connector_output)
+            else:
+                if self._streaks:
+                    self._streaks.pop("update_connector_output", None)
+            return
         self._undelivered.append(connector_output)
         while self._undelivered:
             report = self._undelivered[0]
@@ -257,11 +280,17 @@ class GuardedScheduler(GuardBase):
         """``(delay_free, kv_transfer_params)``; on a raise ``(False, None)`` and the request
         is forgotten first, so stores still reading its blocks never become visible."""
         rid = request.request_id
-        answer, ok = self._contained("request_finished", "blocks freed now; its pending stores never become visible",
-                                     lambda: self.connector.request_finished(request, block_ids), (False, None))
-        if not ok:
+        try:
+            answer = self.connector.request_finished(request, block_ids)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("request_finished", "blocks freed now; its pending stores never become visible")
             self.forget_requests((rid,))
-        self.detached.discard(rid)
+            answer = (False, None)
+        else:
+            if self._streaks:
+                self._streaks.pop("request_finished", None)
+        if self.detached:
+            self.detached.discard(rid)
         if not (isinstance(answer, tuple) and len(answer) == 2):
             logger.error("connector %s: request_finished returned %r, not (bool, dict | None)",
                          self.label, answer)
@@ -284,10 +313,16 @@ class GuardedScheduler(GuardBase):
         later call until it succeeds, without asking ``take_events`` meanwhile.
         """
         if not self._resync_events:
-            events, ok = self._contained("take_events", "events replaced by a snapshot",
-                                         lambda: list(self.connector.take_events()), [])
-            if ok:
-                self._note_media(events)
+            try:
+                events = self.connector.take_events()
+                events = list(events) if events else []
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("take_events", "events replaced by a snapshot")
+            else:
+                if self._streaks:
+                    self._streaks.pop("take_events", None)
+                if events:
+                    self._note_media(events)
                 return events
             self._resync_events = True
         return self._resync()
@@ -339,8 +374,13 @@ class GuardedScheduler(GuardBase):
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """The connector's scheduler-side stats; None on a raise."""
-        stats, _ = self._contained("get_kv_connector_stats", "no stats",
-                                   self.connector.get_kv_connector_stats, None)
+        try:
+            stats = self.connector.get_kv_connector_stats()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_kv_connector_stats", "no stats")
+            return None
+        if self._streaks:
+            self._streaks.pop("get_kv_connector_stats", None)
         return stats if isinstance(stats, dict) else None
 
     def reset_cache(self) -> bool:

@@ -35,7 +35,9 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_model_len: longest sequence (prompt + output) a request may reach.
         enable_prefix_caching: reuse cached prefix blocks in the GPU pool.
-        enable_kv_cache_events: record KV events (counted in the metrics).
+        enable_kv_cache_events: record KV events (counted in the metrics); None (the
+            default): only when ``kv_events_publisher`` is set. Off, neither the block
+            pool nor the connector builds any (as vLLM 0.33 without ``kv_events_config``).
         device: ``"cpu"`` or ``"cuda"``.
         connector: the connector to create (both roles), or None.
         load_failure_policy: ``"recompute"`` or ``"fail"``; None takes the connector
@@ -54,7 +56,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
-    enable_kv_cache_events: bool = True
+    enable_kv_cache_events: bool | None = None
     device: str = "cpu"
     connector: KVConnectorConfig | None = None
     load_failure_policy: str | None = None
@@ -75,6 +77,17 @@ class EngineConfig:
             raise ConfigError(msg)
         if isinstance(self.connector, dict):
             object.__setattr__(self, "connector", KVConnectorConfig.from_dict(self.connector))
+        if self.enable_kv_cache_events is False and self.kv_events_publisher is not None:
+            msg = ("EngineConfig.kv_events_publisher is set but enable_kv_cache_events=False; "
+                   "valid: True or None (on with a publisher)")
+            raise ConfigError(msg)
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        """Whether KV events are built: ``enable_kv_cache_events``, or a publisher when None."""
+        if self.enable_kv_cache_events is None:
+            return self.kv_events_publisher is not None
+        return self.enable_kv_cache_events
 
     @property
     def effective_load_failure_policy(self) -> str:

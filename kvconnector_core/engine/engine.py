@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Self, cast
 
+import msgspec
+
 from kvconnector_core.engine._config import DEVICES, EngineConfig
 from kvconnector_core.engine._records import (
     RequestOutput,
@@ -84,10 +86,13 @@ class Engine:
         if config.connector is not None:
             from kvconnector_core.connector.registry import create_connector
 
+            # The connector builds KV events only if this engine consumes them.
+            connector = msgspec.structs.replace(config.connector,
+                                                enable_kv_cache_events=config.kv_events_enabled)
             self.scheduler_connector = create_connector(
-                config.connector, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+                connector, KVConnectorRole.SCHEDULER, self.kv_cache_config)
             self.worker_connector = create_connector(
-                config.connector, KVConnectorRole.WORKER, self.kv_cache_config)
+                connector, KVConnectorRole.WORKER, self.kv_cache_config)
         self.model_runner = ModelRunner(config.model, self.kv_cache_config, config.device,
                                         self.worker_connector)
         self.scheduler = Scheduler(
@@ -98,7 +103,7 @@ class Engine:
             scheduler_block_size=config.block_size,
             hash_block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            enable_kv_cache_events=config.enable_kv_cache_events,
+            enable_kv_cache_events=config.kv_events_enabled,
             connector=self.scheduler_connector,
             load_failure_policy=config.effective_load_failure_policy,
             reserve_full_output=config.reserve_full_output,

@@ -125,8 +125,9 @@ def _rows(result: RunResult) -> list[tuple[str, str]]:
         if m.connector_errors:
             rows.append(("connector errors (contained)",
                          ", ".join(f"{k}={v}" for k, v in m.connector_errors.items())))
-    events = ", ".join(f"{k}={v}" for k, v in m.events.items() if "[" in k) or "none"
-    rows += [("KV events", events), ("steps", f"{m.steps}"),
+    if m.events:  # none recorded unless events were on (--kv-events, --publish-events)
+        rows.append(("KV events", ", ".join(f"{k}={v}" for k, v in m.events.items() if "[" in k)))
+    rows += [("steps", f"{m.steps}"),
              ("wall time", f"{m.wall_seconds:.2f} s")]
     return rows
 

@@ -308,7 +308,8 @@ def test_a_raising_hook_is_contained_inside_vllm(hook):
 def test_connector_events_reach_vllm_as_vllm_events():
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-    rig = VllmRig(offload(64), num_gpu_blocks=40)
+    rig = VllmRig(offload(64), num_gpu_blocks=40, kv_events=True)
+    assert rig.connector.connector.config.enable_kv_cache_events is True
     seen = []
     forward = rig.connector.take_events
 
@@ -326,6 +327,15 @@ def test_connector_events_reach_vllm_as_vllm_events():
 
     batch = msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=stored)), type=KVEventBatch)
     assert batch.events == stored
+
+
+def test_no_events_are_built_without_kv_events_config():
+    """As vLLM: no kv_events_config, no KV events - the wrapped connector builds none."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40)
+    assert rig.connector.connector.config.enable_kv_cache_events is False
+    rig.add(prompt(12, 67), max_tokens=1)
+    rig.run()
+    assert list(rig.connector.take_events()) == []
 
 
 # ----------------------------------------------------- the suite catches bad translations

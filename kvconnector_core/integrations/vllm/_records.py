@@ -55,8 +55,9 @@ def connector_config_from_vllm(vllm_config: VllmConfig) -> KVConnectorConfig:
 
     ``kv_connector_extra_config["kvconnector"]`` is a kvconnector connector
     config (``name``, ``extra_config``, optionally ``module_path``); ``role``,
-    ``engine_id`` and ``load_failure_policy`` come from vLLM's own fields, and
-    ``world_size`` from its parallel config.
+    ``engine_id`` and ``load_failure_policy`` come from vLLM's own fields,
+    ``world_size`` from its parallel config and ``enable_kv_cache_events`` from its
+    ``kv_events_config``.
 
     Raises:
         ConfigError: the key is missing or not a connector config.
@@ -75,12 +76,15 @@ def connector_config_from_vllm(vllm_config: VllmConfig) -> KVConnectorConfig:
                "vLLM's kv_role, engine_id and kv_load_failure_policy)")
         raise ConfigError(msg)
     parallel = vllm_config.parallel_config
+    events = getattr(vllm_config, "kv_events_config", None)
     return KVConnectorConfig.from_dict({
         **raw,
         "role": ktc.kv_role or "kv_both",
         "engine_id": ktc.engine_id,
         "load_failure_policy": ktc.kv_load_failure_policy,
         "world_size": parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        # vLLM builds KV events only when kv_events_config enables them; so do we.
+        "enable_kv_cache_events": bool(events is not None and events.enable_kv_cache_events),
     })
 
 
