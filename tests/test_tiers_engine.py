@@ -110,10 +110,13 @@ def test_engine_b_serves_a_prefix_engine_a_stored_in_redis(redis_node, baseline,
     salt = request.node.name
     a = run(offload(redis(redis_node.url, salt)), doc_trace(rounds=1))
     assert a.metrics.connector_stats["redis_stores"] > 0
+    # The writer's stream announces what it put in Redis. (Engine B's own stream has
+    # REDIS events only for chunks A had not written yet, which depends on how far A's
+    # background writes got: asserting on B's stream was flaky.)
+    assert a.metrics.events.get("BlockStored[REDIS]", 0) > 0
     b = run(offload(redis(redis_node.url, salt)), doc_trace())
     assert b.outputs == baseline.outputs
     assert b.metrics.connector_stats["redis_loads"] > 0
-    assert b.metrics.events.get("BlockStored[REDIS]", 0) > 0
 
 
 @pytest.mark.redis
