@@ -160,14 +160,14 @@ def test_engine_serves_prefixes_from_cpu_with_identical_outputs(device: str, pol
 
 
 def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = tr.KVBlockMover._copy
+    real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
 
-    def fail_stores(self: tr.KVBlockMover, job: tr._Job, is_store: bool, *args: object) -> None:
-        if is_store:
+    def fail_stores(self: tr.KVBlockMover, job: tr._Job, *args: object) -> None:
+        if job.is_store:
             raise RuntimeError("injected store failure")
-        real(self, job, is_store, *args)
+        real(self, job, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tr.KVBlockMover, "_copy", fail_stores)
+    monkeypatch.setattr(tr.KVBlockMover, "_copy_host", fail_stores)
     trace = doc_trace(rounds=2)
     baseline = engine("cpu", None).run(trace)
     eng = engine("cpu", OFFLOAD)
@@ -180,14 +180,14 @@ def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = tr.KVBlockMover._copy
+    real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
 
-    def fail_loads(self: tr.KVBlockMover, job: tr._Job, is_store: bool, *args: object) -> None:
-        if not is_store:
+    def fail_loads(self: tr.KVBlockMover, job: tr._Job, *args: object) -> None:
+        if not job.is_store:
             raise RuntimeError("injected load failure")
-        real(self, job, is_store, *args)
+        real(self, job, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tr.KVBlockMover, "_copy", fail_loads)
+    monkeypatch.setattr(tr.KVBlockMover, "_copy_host", fail_loads)
     trace = doc_trace(rounds=2)
     baseline = engine("cpu", None).run(trace)
     eng = engine("cpu", OFFLOAD)

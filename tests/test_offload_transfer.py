@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import random
 import threading
 
 import pytest
@@ -489,3 +490,44 @@ def test_wait_releases_staging_memory_of_finished_jobs() -> None:
     assert all(not job.keep_alive for job in mover._jobs)
     assert [r.success for r in mover.get_finished()] == [True]
     mover.shutdown()
+
+
+def _host_layouts() -> dict[str, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(99)
+    cross = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen)
+    odd = torch.randint(0, 255, (NUM_BLOCKS, 4, 5), generator=gen, dtype=torch.uint8)
+    return {
+        "cross-layer": {f"l{i}": cross[:, i] for i in range(NUM_LAYERS)},
+        "per-layer": {f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEAD, generator=gen)
+                      for i in range(3)},
+        # Rows of 5 bytes: no int64 view, the gather runs on bytes.
+        "odd rows": {f"l{i}": odd[:, i] for i in (0, 2)},
+        # Every other layer of one tensor: planes with gaps between their rows.
+        "strided": {f"l{i}": cross[:, i] for i in (0, 2)},
+    }
+
+
+@pytest.mark.parametrize("layout", list(_host_layouts()))
+@pytest.mark.parametrize("method", ["auto", "coalesced", "per_block"])
+def test_scattered_jobs_on_a_cpu_cache_are_byte_exact(layout: str, method: str) -> None:
+    """Scattered ids on a CPU cache (gathered per plane, or copied run by run) move exactly
+    the chosen rows, whatever the row size and plane spacing."""
+    layers = _host_layouts()[layout]
+    rng = random.Random(5)
+    for trial in range(6):
+        mover = KVBlockMover(layers, num_cpu_blocks=20, method=method)
+        n = rng.randrange(1, NUM_BLOCKS + 1)
+        src = rng.sample(range(NUM_BLOCKS), n)
+        slots = rng.sample(range(20), n)
+        before = {name: t.clone() for name, t in layers.items()}
+        mover.submit_store(1, src, slots)
+        dst = rng.sample(range(NUM_BLOCKS), n)
+        mover.submit_load(2, slots, dst)
+        mover.wait()
+        assert [(r.job_id, r.success) for r in mover.get_finished()] == [(1, True), (2, True)]
+        for name, t in layers.items():
+            expected = before[name].clone()
+            for s, d in zip(src, dst, strict=True):
+                expected[d] = before[name][s]
+            assert torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), (layout, trial)
+            t.copy_(before[name])  # the next trial starts from the same cache

@@ -24,6 +24,16 @@ __all__ = ["DMA_LANES", "HEAD_BLOCKS", "CopyMethods"]
 SMALL_ROW_BYTES = 256 * 1024  # below this a DMA per row is launch-bound: gather instead
 DMA_LANES = 4  # streams per direction that a batched job is split over
 HEAD_BLOCKS = 8  # blocks of a batched job queued first, before the rest's descriptors
+_HOST_RUNS_PER_GATHER = 2  # CPU cache: more runs than this move as one gather per plane
+
+
+def _as_words(plane: torch.Tensor) -> torch.Tensor:
+    """A uint8 plane as int64 rows where its layout allows (else itself): indexing ops
+    move bytes one at a time, words 8 at a time (20 vs 5 us for 8 rows of 4 KiB)."""
+    try:
+        return plane.view(torch.int64)
+    except RuntimeError:
+        return plane
 
 
 class CopyMethods:
@@ -50,6 +60,7 @@ class CopyMethods:
     _streams: dict[bool, torch.cuda.Stream]
     _ready_events: EventPool
     _timing_events: EventPool
+    _host_word_planes: list[tuple[torch.Tensor, torch.Tensor]] | None
 
     def _setup_copies(self, raw_memcpy: bool | None) -> None:
         """Streams, runtime calls and copy plans, prepared once at registration.
@@ -90,6 +101,10 @@ class CopyMethods:
             limit = _cudart.max_pitch(self._device_index)
             if self._plan.pitch is not None and max(self._plan.pitch[1], self._plan.pitch[3]) <= limit:
                 self._memcpy_2d = self._stage_2d
+        # A CPU cache's planes as int64 rows for scattered jobs (see _copy_host).
+        self._host_word_planes = (None if self.is_cuda else
+                                  [(_as_words(g), _as_words(c)) for g, c in
+                                   zip(self.layout.planes, self.cpu_planes, strict=True)])
         # Staged copies (method gather): prepared here, used on CUDA only.
         self._gather_plan: GatherPlan | None = (
             plan_gather(self.layout.planes, self.cpu_planes, limit if self._stage_2d else 0)
@@ -212,8 +227,31 @@ class CopyMethods:
             done.record(lane)
             stream.wait_event(done)
 
-    def _copy(self, job: Job, is_store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
+    def _copy_host(self, job: Job, g_ids: array.array[int], c_ids: array.array[int]) -> None:
+        """A job on a CPU KV cache: synchronous copies on the calling thread.
+
+        Few runs (consecutive ids) copy run by run; scattered ids move with one gather
+        and one scatter per plane: a ``copy_`` per run and plane costs ~2.5 us of
+        dispatch however small the row, so 32 scattered blocks of a 4-layer cache were
+        128 calls (~300 us) where ``index_select`` + ``index_copy_`` make 8 (~30 us).
+        ``per_block`` and ``coalesced`` keep their literal copy-per-run behaviour.
+        """
+        gpu_ids, cpu_ids = g_ids.tolist(), c_ids.tolist()
         runs = coalesce_runs(gpu_ids, cpu_ids)
+        if self.method in ("per_block", "coalesced") or len(runs) <= _HOST_RUNS_PER_GATHER:
+            self._copy(job, job.is_store, gpu_ids, cpu_ids, runs)
+            return
+        g_index, c_index = as_tensor(g_ids), as_tensor(c_ids)
+        for gpu_plane, cpu_plane in self._host_word_planes or ():
+            if job.is_store:
+                cpu_plane.index_copy_(0, c_index, gpu_plane.index_select(0, g_index))
+            else:
+                gpu_plane.index_copy_(0, g_index, cpu_plane.index_select(0, c_index))
+
+    def _copy(self, job: Job, is_store: bool, gpu_ids: list[int], cpu_ids: list[int],
+              runs: list[tuple[int, int, int]] | None = None) -> None:
+        if runs is None:
+            runs = coalesce_runs(gpu_ids, cpu_ids)
         for gpu_plane, cpu_plane in zip(self.layout.planes, self.cpu_planes, strict=True):
             method = self.method
             dense = gpu_plane.stride(0) == gpu_plane.shape[1]
