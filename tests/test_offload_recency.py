@@ -5,6 +5,8 @@ used; ``"hits_only"`` marks only the chunks its admission hit (GPU prefix and lo
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,11 @@ from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import hash_request_tokens
 from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import _drivers as d  # noqa: E402
+import bench_offload_hits  # noqa: E402
 
 BS = 16
 GROUP0 = bytes(4)  # offload keys end with the group index
@@ -127,3 +134,39 @@ def test_an_engine_run_with_hits_only_gives_the_baselines_outputs(policy: str) -
     eng.shutdown()
     assert result.outputs == baseline.outputs
     assert result.metrics.connector_hit_tokens > 0 and result.metrics.connector_errors == {}
+
+
+def _chat_prompts(seed: int = 0) -> list[list[int]]:
+    """Four conversations on two system prompts, four turns each; no prompt ends on a
+    block boundary (a full hit would then stop one block short, which the drivers skip)."""
+    rng = random.Random(seed)
+    systems = [_prompt(rng, 50) for _ in range(2)]
+    convs = [list(systems[u % 2]) for u in range(4)]
+    prompts = []
+    for _ in range(4):
+        for conv in convs:
+            conv += _prompt(rng, 20)
+            prompts.append(list(conv))
+    assert all(len(p) % BS for p in prompts)
+    return prompts
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_hit_rate_benchmark_drives_the_manager_as_the_connector_does(policy: str) -> None:
+    """bench_offload_hits's rows stand for the connector: one request at a time, no GPU
+    prefix cache, a tier smaller than the trace, each rule's connector serves as many
+    tokens as its driver; and the two rules serve different amounts here."""
+    prompts = _chat_prompts()
+    trace = [TraceRequest(request_id=f"r{i}", arrival=i * 50, max_new_tokens=1, prompt_token_ids=p)
+             for i, p in enumerate(prompts)]
+    served = {}
+    for recency, side in (("all_keys", d.KvconnectorSide()), ("hits_only", bench_offload_hits.HitsOnlySide())):
+        eng = Engine(EngineConfig(num_gpu_blocks=64, block_size=BS, max_model_len=512, max_num_seqs=1,
+                                  enable_prefix_caching=False, connector={"name": "cpu_offload", "extra_config": {
+                                      "num_cpu_blocks": 12, "cache_policy": policy, "recency": recency}}))
+        tokens = eng.run(trace).metrics.connector_hit_tokens
+        eng.shutdown()
+        run = side.offload_runner(12, policy)
+        assert tokens == BS * sum(run(_keys(p), f"r{i}") for i, p in enumerate(prompts))
+        served[recency] = tokens
+    assert served["all_keys"] != served["hits_only"]
