@@ -3,19 +3,21 @@
 Every request of a trace offers its chain of block hashes to a fresh CPU offloading
 manager per (policy, tier size): look up the leading ready keys, load them, record the
 use, store the rest (``_drivers.run_offload_trace``). kvconnector's side follows
-``OffloadingConnector`` (recency for the hit prefix only); vLLM 0.33's side follows its
-own connector (per-request context, recency committed at request finish). Hit rate = keys
-served by the tier / keys offered.
+``OffloadingConnector`` with each ``recency`` setting: ``all_keys`` (the default, vLLM
+0.33's rule: every key a request loaded, stored or found held, committed at finish) and
+``hits_only`` (:class:`HitsOnlySide`: only the keys its admission hit, touched at finish);
+vLLM 0.33's side follows its own connector (per-request context, recency committed at
+request finish). Hit rate = keys served by the tier / keys offered.
 
-Rows: kvconnector LRU, kvconnector ARC, kvconnector ARC without store-miss adaptation (the
-ARC of main before issue 12: adapts only on touches of ghosts), and, where vLLM
-0.33 is importable (``.vllm-venv``), vLLM's LRU and ARC. Only hit rates are reported; the
-offload manager's speed is in ``compare_vllm.py``.
+Rows: kvconnector LRU and ARC with each recency rule, kvconnector ARC without store-miss
+adaptation (the ARC of main before issue 12: adapts only on touches of ghosts), and, where
+vLLM 0.33 is importable (``.vllm-venv``), vLLM's LRU and ARC. Only hit rates are reported;
+the offload manager's speed is in ``compare_vllm.py``.
 
 Usage::
 
-    python benchmarks/bench_offload_hits.py [--trace large] [--sizes 1024,2048,4096,8192]
-        [--record benchmarks/RESULTS.md] [--json out.json]
+    python benchmarks/bench_offload_hits.py [--trace large|unseen] [--seed 0]
+        [--sizes 1024,2048,4096,8192] [--record benchmarks/RESULTS.md] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,6 +54,34 @@ class ClassicARCCachePolicy(ARCCachePolicy):
 CLASSIC = "arc-no-store-miss-adaptation"
 
 
+class HitsOnlySide(d.KvconnectorSide):
+    """kvconnector's manager driven as ``OffloadingConnector`` drives it with
+    ``extra_config["recency"] = "hits_only"``."""
+
+    def offload_runner(self, num_blocks: int, policy: str) -> Any:
+        """See :meth:`_drivers.Side.offload_runner`."""
+        from connectors.offload.manager import CPUOffloadingManager
+
+        m = CPUOffloadingManager(num_blocks, cache_policy=policy)
+
+        def run(keys: list[bytes], req_id: str, local: int = 0) -> int:
+            # Load the leading ready keys after the GPU hit (no use recorded), offer the
+            # same keys for storing as with the default rule (held ones are skipped), and
+            # at finish touch only the keys the admission hit, GPU prefix and loads.
+            hits = m.lookup(keys[local:])
+            if hits:
+                loaded = keys[local:local + hits]
+                m.prepare_load(loaded)
+                m.complete_load(loaded)
+            out = m.prepare_store(keys[local + hits:] if hits else keys)
+            if out is not None and out.keys_to_store:
+                m.complete_store(out.keys_to_store)
+            m.touch(keys[:local + hits])
+            return hits
+
+        return run
+
+
 @contextlib.contextmanager
 def _classic_registered() -> Iterator[None]:
     # Registered only while the table runs: the registry is global, and error messages
@@ -77,10 +107,12 @@ def hit_rates(chains: list[list[bytes]], sizes: Sequence[int], with_vllm: bool =
     Returns:
         ``{label: {size: hit rate}}``; the labels that ran, in table order.
     """
-    ours = d.KvconnectorSide()
+    ours, hits_only = d.KvconnectorSide(), HitsOnlySide()
     runs: list[tuple[str, d.Side, str]] = [
-        ("kvconnector LRU", ours, "lru"),
-        ("kvconnector ARC", ours, "arc"),
+        ("kvconnector LRU, all_keys (default)", ours, "lru"),
+        ("kvconnector LRU, hits_only", hits_only, "lru"),
+        ("kvconnector ARC, all_keys (default)", ours, "arc"),
+        ("kvconnector ARC, hits_only", hits_only, "arc"),
         ("kvconnector ARC, no store-miss adaptation", ours, CLASSIC),
     ]
     if with_vllm:
@@ -108,13 +140,14 @@ def _tier_hit_rate(side: d.Side, chains: list[list[bytes]], policy: str, size: i
 
 
 def render(tables: dict[int, dict[str, dict[int, float]]], sizes: Sequence[int],
-           info: dict[str, str], trace_name: str, num_keys: int) -> str:
+           info: dict[str, str], trace_name: str, num_keys: int, seed: int = 0) -> str:
     """Markdown: per GPU-cache size, one row per policy, one column per tier size."""
+    seed_note = f" seed {seed}" if seed else ""
     lines = [
         f"### Run {info['date']}",
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores. Python {info['python']}, vLLM "
-        f"{info['vllm']}. Trace `{trace_name}` ({num_keys:,} keys, 16-token blocks). "
+        f"{info['vllm']}. Trace `{trace_name}`{seed_note} ({num_keys:,} keys, 16-token blocks). "
         "Hit rate = keys served by the CPU tier / keys asked of it (the keys past the GPU "
         "prefix hit; the GPU cache model is an LRU of blocks).",
     ]
@@ -131,7 +164,8 @@ def render(tables: dict[int, dict[str, dict[int, float]]], sizes: Sequence[int],
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the hit-rate table; print it, optionally record it and dump JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default="large", choices=("large", "medium", "tiny"))
+    ap.add_argument("--trace", default="large", choices=("large", "medium", "tiny", "unseen"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the trace generator")
     ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                     help="comma-separated CPU tier sizes in blocks")
     ap.add_argument("--gpu-blocks", default="0,2048",
@@ -141,11 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the hit rates as JSON")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    trace = d.chat_trace(args.trace)
+    trace = d.chat_trace(args.trace, args.seed)
     chains = d.offload_key_chains(trace)
     tables = {g: hit_rates(chains, sizes, with_vllm=not args.no_vllm, gpu_blocks=g)
               for g in (int(x) for x in args.gpu_blocks.split(","))}
-    table = render(tables, sizes, d.machine_info(), trace.name, sum(len(c) for c in chains))
+    table = render(tables, sizes, d.machine_info(), trace.name, sum(len(c) for c in chains),
+                   args.seed)
     print(table)
     if args.record:
         d.record_section(args.record, SECTION, table)

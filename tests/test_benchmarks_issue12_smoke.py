@@ -20,7 +20,7 @@ def test_hit_rate_table_has_every_policy_and_size():
     chains = d.offload_key_chains(d.chat_trace("tiny"))
     for gpu_blocks in (0, 8):
         rates = bench_offload_hits.hit_rates(chains, [8, 64], with_vllm=False, gpu_blocks=gpu_blocks)
-        assert len(rates) == 3
+        assert len(rates) == 5
         assert all(set(by) == {8, 64} and all(0.0 <= v <= 1.0 for v in by.values())
                    for by in rates.values())
     # A tier that holds everything serves every repeated prefix, whatever the policy.

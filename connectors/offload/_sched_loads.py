@@ -157,6 +157,8 @@ class LoadPlanning(SchedulerSideState):
             hashed = next((i for i, b in enumerate(group0) if b.block_hash is None), len(group0))
             hit_tokens = hashed * self._groups[0].block_size if num_external_tokens else 0
         end = hit_tokens + num_external_tokens
+        if self._hits_only:
+            state.hit_tokens = end
         if num_external_tokens == 0 or any(j.req_id == rid for j in self._pending_loads):
             return
         if num_external_tokens % cfg.gpu_block_size:
@@ -191,11 +193,12 @@ class LoadPlanning(SchedulerSideState):
             slot_of.update((r.key, r.cpu_block_ids[0] // sub) for r in reads)
             for key in promoted:
                 self._events.add(key, self._describe(request, *where[key]))
-        # Recency (vLLM 0.33): loaded chunks are a reuse, recorded now (LRU ranks them at
-        # once) and committed when the request finishes.
-        self.manager.record_access(cpu_keys)
-        state.reused.update(cpu_keys)
-        state.seen.update((k, where[k][::-1]) for k in cpu_keys)
+        if not self._hits_only:
+            # Recency (vLLM 0.33): loaded chunks are a reuse, recorded now (LRU ranks them
+            # at once) and committed when the request finishes.
+            self.manager.record_access(cpu_keys)
+            state.reused.update(cpu_keys)
+            state.seen.update((k, where[k][::-1]) for k in cpu_keys)
         job = TransferJobSpec(next(self._job_ids), rid, [gpu for gpu, _, _ in pairs],
                               [slot_of[key] * sub + k for _, key, k in pairs], reads)
         self._jobs[job.job_id] = JobRecord(rid, tuple(cpu_keys), is_store=False,

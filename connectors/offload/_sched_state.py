@@ -49,6 +49,9 @@ class ReqState:
     # which of them were reuses (loads and keys found held) rather than its own stores.
     seen: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
     reused: set[OffloadKey] = field(default_factory=set)
+    # Recency "hits_only": tokens the last admission hit (GPU prefix plus external load);
+    # their whole chunks are touched when the request finishes, and nothing else.
+    hit_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,7 @@ class SchedulerSideState(KVConnectorSchedulerSide):
         self._gpu_bs = cfg.gpu_block_size
         self._one_full_group = len(cfg.groups) == 1 and cfg.groups[0].is_full
         self._loads = config.is_kv_consumer  # role kv_producer: never loads
+        self._hits_only = cfg.recency == "hits_only"  # else vLLM 0.33's rule (all keys)
         self._stores = config.is_kv_producer  # role kv_consumer: never stores
         # Per group and stored key: what its wire events need. Only kept with events on
         # (nothing drains it otherwise). Manager events are translated as soon as they

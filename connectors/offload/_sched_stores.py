@@ -137,11 +137,12 @@ class StorePlanning(SchedulerSideState):
         for g, chunks in enumerate(ranges):
             state.next_chunk[g] = max(state.next_chunk[g], chunks.stop)
         where = {key: (g, c) for g, c, key in wanted}
-        if out.reused_keys:
-            self.manager.record_access(out.reused_keys)
-            state.reused.update(out.reused_keys)
-            state.seen.update((k, where[k][::-1]) for k in out.reused_keys)
-        state.seen.update((k, where[k][::-1]) for k in out.keys_to_store)
+        if not self._hits_only:  # recency "hits_only": stores and held keys are no use
+            if out.reused_keys:
+                self.manager.record_access(out.reused_keys)
+                state.reused.update(out.reused_keys)
+                state.seen.update((k, where[k][::-1]) for k in out.reused_keys)
+            state.seen.update((k, where[k][::-1]) for k in out.keys_to_store)
         if not out.keys_to_store:
             return None
         sub = self.offload_config.sub_blocks_per_chunk

@@ -52,6 +52,10 @@ class OffloadSettings(ConnectorSettings):
             does (``benchmarks/RESULTS.md``, "Connector cost per step").
         tiers: secondary tiers behind the CPU tier, in order, each a dict such as
             ``{"type": "disk", "path": ..., "capacity_bytes": ...}`` (``docs/tiers.md``).
+        recency: what a finished request marks as recently used in the CPU tier:
+            ``"all_keys"`` (default, vLLM 0.33's rule: every chunk it loaded, stored or
+            found held) or ``"hits_only"`` (only the chunks its admission hit, on the GPU
+            or in the CPU tier; higher hit rates on ``benchmarks/RESULTS.md``'s traces).
     """
 
     num_cpu_blocks: _Positive | None = None
@@ -64,6 +68,7 @@ class OffloadSettings(ConnectorSettings):
     copy_thread: bool | None = None
     # Each tier's own settings Struct (connectors.tiers) checks its keys when it is made.
     tiers: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    recency: Literal["all_keys", "hits_only"] = "all_keys"
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,7 @@ class OffloadConfig:
             (``docs/tiers.md``); empty for none.
         layout: the chunk geometry (block size, chunk factor, bytes per block); shared
             tiers put it in their key namespace so engines of other layouts never mix.
+        recency: ``"all_keys"`` or ``"hits_only"`` (see :class:`OffloadSettings`).
     """
 
     gpu_block_size: int
@@ -132,6 +138,7 @@ class OffloadConfig:
     tiers: tuple[dict[str, Any], ...] = ()
     layout: str = ""
     copy_thread: bool | None = None
+    recency: str = "all_keys"
 
     @property
     def chunk_tokens(self) -> int:
@@ -199,7 +206,8 @@ class OffloadConfig:
             raise ConfigError(msg)
         return cls(gpu_bs, factor, num, settings.cache_policy, settings.enable_events,
                    settings.transfer_method, groups, tuple(dict(t) for t in settings.tiers),
-                   f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B", settings.copy_thread)
+                   f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B", settings.copy_thread,
+                   settings.recency)
 
 
 def _host_memory_bytes() -> int | None:

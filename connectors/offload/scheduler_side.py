@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.offload._sched_loads import LoadPlanning
 from connectors.offload._sched_state import JobRecord, ReqState, group_suffix
 from connectors.offload._sched_stores import StorePlanning
+from connectors.offload.lookup import needed_chunks
 from connectors.offload.policies import OffloadKey
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata
 
@@ -135,12 +136,22 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         if state is not None and state.seen:
             seen = state.seen
             self.manager.finish_request(sorted(seen, key=seen.__getitem__), state.reused)
+        elif state is not None and state.hit_tokens >= self._ct:
+            self._touch_hits(state)
         if state is None or not state.store_jobs:
             self._reqs.pop(rid, None)
             return False, None
         state.finished = True
         self._delayed_free.append(rid)
         return True, None
+
+    def _touch_hits(self, state: ReqState) -> None:
+        """Recency ``"hits_only"``: touch the whole chunks the request's admission hit
+        (those each group needed), head of the prefix most recent."""
+        request, ct = state.request, self._ct
+        end = state.hit_tokens // ct * ct
+        self.manager.touch([self._key(request, g, c) for g, group in enumerate(self._groups)
+                            for c in needed_chunks(group, 0, end, ct)])
 
     def forget_requests(self, request_ids: set[str]) -> None:
         """Drop unsent loads of these requests (unpinned), plan nothing more for them,
