@@ -58,7 +58,9 @@ submission, the issue thread's hand-off and completion.
 
 Failures. Any exception while submitting or completing a job marks that job failed (it
 is logged and reported through :meth:`KVBlockMover.get_finished` with
-``success=False``); nothing is asserted away.
+``success=False``); nothing is asserted away. A job that fails after queueing some of its
+copies is reported only once those have finished (its end event follows them), since its
+caller then reuses the slots, blocks and staging memory the job named.
 """
 
 from __future__ import annotations
