@@ -208,24 +208,30 @@ class CopyMethods:
         lanes = [stream, *extra] if count >= 2 * DMA_LANES else [stream]
         per = -(-count // len(lanes))
         lanes = lanes[:-(-count // per)]  # no empty part (9 copies on 4 lanes: 3+3+3)
-        for i, lane in enumerate(lanes):
-            if lane is not stream:
-                lane.wait_event(start)
-            first, part = i * per, min(per, count - i * per)
-            rc = batch_memcpy(dst + 8 * first, src + 8 * first, size + 8 * first, part,
-                              lane.cuda_stream)
-            if rc != 0:
-                _cudart.clear_error()
-                msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {part} copies"
-                raise RuntimeError(msg)
-        for lane in lanes[1:]:
-            # One event per lane, recorded again every job: a wait orders the stream after
-            # the record made before it (another thread's later record only adds waiting).
-            done = self._lane_events.get(lane)
-            if done is None:
-                done = self._lane_events[lane] = torch.cuda.Event()
-            done.record(lane)
-            stream.wait_event(done)
+        started: list[torch.cuda.Stream] = []
+        try:
+            for i, lane in enumerate(lanes):
+                if lane is not stream:
+                    lane.wait_event(start)
+                    started.append(lane)
+                first, part = i * per, min(per, count - i * per)
+                rc = batch_memcpy(dst + 8 * first, src + 8 * first, size + 8 * first, part,
+                                  lane.cuda_stream)
+                if rc != 0:
+                    _cudart.clear_error()
+                    msg = f"cudaMemcpyBatchAsync returned CUDA error {rc} for {part} copies"
+                    raise RuntimeError(msg)
+        finally:
+            # Also after a failed call: the job's end (on ``stream``) follows every lane's
+            # copies queued so far, so a failed job is reported only after them.
+            for lane in started:
+                # One event per lane, recorded again every job: a wait orders the stream after
+                # the record made before it (another thread's later record only adds waiting).
+                done = self._lane_events.get(lane)
+                if done is None:
+                    done = self._lane_events[lane] = torch.cuda.Event()
+                done.record(lane)
+                stream.wait_event(done)
 
     def _copy_host(self, job: Job, g_ids: array.array[int], c_ids: array.array[int]) -> None:
         """A job on a CPU KV cache: synchronous copies on the calling thread.

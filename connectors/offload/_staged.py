@@ -272,7 +272,9 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
                 _move(plan, groups[k], n, idx, staging, views[k], gather=False)
     finally:
         torch.cuda.set_stream(previous)
-    dma_stream.wait_event(_record(kernel_stream, fence))  # the job ends after its last kernel
+        # The job ends after its last kernel, also when a call above raised: the kernels
+        # it queued still run, and the next job of the direction reuses the staging memory.
+        dma_stream.wait_event(_record(kernel_stream, fence))
 
 
 def _index(plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,

@@ -58,7 +58,9 @@ submission, the issue thread's hand-off and completion.
 
 Failures. Any exception while submitting or completing a job marks that job failed (it
 is logged and reported through :meth:`KVBlockMover.get_finished` with
-``success=False``); nothing is asserted away.
+``success=False``); nothing is asserted away. A job that fails after queueing some of its
+copies is reported only once those have finished (its end event follows them), since its
+caller then reuses the slots, blocks and staging memory the job named.
 """
 
 from __future__ import annotations
@@ -279,12 +281,29 @@ class KVBlockMover(CopyMethods):
             job.end_event = end
         except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
             self._fail(job, exc)
+            if job.start_event is not None and job.end_event is None:
+                self._end_after_queued(job)
         finally:
             if ready is not None:  # waited for above (or never will be): free to record again
                 self._ready_events.put(ready)
             job.issue_seconds = time.perf_counter() - t0
             if job.issued is not None:
                 job.issued.set()  # last: the fields above are complete when it is seen
+
+    def _end_after_queued(self, job: Job) -> None:
+        """Give a job that failed while issuing an end event after what it had queued.
+
+        Copies (and staged kernels) queued before the failure still run; the job must be
+        reported only after them, or its caller reuses what it named (a failed store's CPU
+        slots, a failed load's blocks, the staging memory) while they still write there.
+        """
+        try:
+            end = self._timing_events.get()
+            end.record(self._streams[job.is_store])
+        except Exception as exc:  # noqa: BLE001 - a device error: nothing more can be queued
+            logger.warning("KV transfer job %d: no end event after its failure: %s", job.job_id, exc)
+            return
+        job.end_event = end
 
     @staticmethod
     def _fail(job: Job, exc: Exception) -> None:
@@ -327,11 +346,11 @@ class KVBlockMover(CopyMethods):
             self._await_issued(job)
         for job in self._jobs:
             finished = True
-            if job.error is None and job.end_event is not None:
+            if job.end_event is not None:  # a failed job too: copies it queued may still run
                 try:
                     finished = job.end_event.query()
                 except Exception as exc:  # noqa: BLE001 - a device error fails the job
-                    job.error = f"{type(exc).__name__}: {exc}"
+                    job.error = job.error or f"{type(exc).__name__}: {exc}"
                     logger.warning("KV transfer job %d failed: %s", job.job_id, job.error)
             if finished:
                 done.append(self._result(job))
