@@ -50,9 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OffloadSchedulerSide", "group_suffix"]
 
-# Older names, kept importable.
-_ReqState, _JobRecord = ReqState, JobRecord
-
 
 class OffloadSchedulerSide(LoadPlanning, StorePlanning):
     """Scheduler side of the CPU offloading connector (see the module docstring).
