@@ -9,8 +9,12 @@ covered all planes) or ``, one lane`` (batched jobs on the direction's stream al
 before they were split over several streams), ``, per-job buffers`` (staged copies
 allocate their index and staging memory and their events per job, as before
 :class:`~connectors.offload._staged.StagingBuffers`), ``, 16 MiB stages`` (staged copies
-in stages of 16 MiB, up to 16, as before) or ``, no head`` (a batched job's first blocks
-are not queued ahead of the rest).
+in stages of 16 MiB, up to 16, as before), ``, no head`` (a batched job's first blocks
+are not queued ahead of the rest), ``, int64 words`` (staged kernels move 8-byte words, not
+16-byte ones), ``, even stages`` (no short first and last stage), ``, torch upload`` (the
+gather index uploaded with ``Tensor.copy_`` and its buffer's event recorded at once) or
+``, third-stage staging`` (those three together: the staged copies as the third stage left
+them).
 
 :func:`baseline_mover_class` loads the mover of another checkout (main) beside this one's,
 so that a benchmark measures both in one process, interleaved.
@@ -28,7 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from connectors.offload import _staged
+from connectors.offload import _cudart, _staged
+from connectors.offload._staging import StagingBuffers
 from connectors.offload.transfer import METHODS, KVBlockMover
 
 __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "apply_variant",
@@ -37,7 +42,9 @@ __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "appl
 LAYOUTS = ["cross-layer", "per-layer", "per-layer, one allocation"]
 
 OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane", "per-job buffers",
-           "16 MiB stages", "no head")
+           "16 MiB stages", "no head", "int64 words", "even stages", "torch upload",
+           "third-stage staging")
+_STAGING_OPTIONS = ("int64 words", "even stages", "torch upload", "third-stage staging")
 _STAGES = (_staged._STAGE_BYTES, _staged._MAX_GROUPS)  # this checkout's, for "16 MiB stages"
 
 DEFAULT_VARIANTS = ["per_block", "coalesced", "gather", "batched", "pitched", "auto",
@@ -70,10 +77,29 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
         mover._lanes = {True: [], False: []} if option == "one lane" else lanes
     if staging is not None:
         mover._staging = None if option == "per-job buffers" else staging
+    if option in _STAGING_OPTIONS and gather_plan is not None and hasattr(gather_plan, "taper"):
+        mover._gather_plan, mover._staging = _staging_variant(mover, option, gather_plan)
     if head is not None:
         mover._head_blocks = 0 if option == "no head" else head
     # Module-wide (this checkout's staged copies): the stage size before this branch.
     _staged._STAGE_BYTES, _staged._MAX_GROUPS = (16 << 20, 16) if option == "16 MiB stages" else _STAGES
+
+
+def _staging_variant(mover: KVBlockMover, option: str, plan: _staged.GatherPlan
+                     ) -> tuple[_staged.GatherPlan, dict[bool, StagingBuffers]]:
+    """The gather plan and staging buffers of one of :data:`_STAGING_OPTIONS` (made once)."""
+    made = mover.__dict__.setdefault("_bench_staging", {})
+    if option not in made:
+        off = {"int64 words", "even stages", "torch upload"} if option == "third-stage staging" else {option}
+        if "int64 words" in off:
+            plan = _staged.plan_gather(mover.layout.planes, mover.cpu_planes,
+                                       _cudart.max_pitch(mover._device_index) if mover._stage_2d else 0,
+                                       word_bytes=8, taper=plan.taper)
+        if "even stages" in off:
+            plan = dataclasses.replace(plan, taper=False)
+        memcpy = None if "torch upload" in off else mover._memcpy
+        made[option] = plan, {d: StagingBuffers(mover.device, plan, memcpy) for d in (True, False)}
+    return made[option]
 
 
 def restore(mover: KVBlockMover) -> None:

@@ -5,8 +5,10 @@
 # Run from this checkout's root on the GPU machine, with main's checkout at $BASE
 # (default ../base) and the wheels of pytest (and its needs), msgspec and hypothesis in
 # $WHEELS (default ../.whl; the machine has torch but not these). Stages, as arguments
-# (default: all): tests transfer issue limits interference methods. $METHODS (transfer variants)
-# and $VARIANTS (interference variants besides branch and main) override the defaults.
+# (default: all): tests transfer issue limits interference methods, and roundrobin (one-way
+# transfers of several movers round robin, each beside the contiguous copy; $RR_VARIANTS,
+# $ROUNDS). $METHODS (transfer variants) and $VARIANTS (interference variants besides branch
+# and main) override the defaults.
 # Writes to $OUT.
 set -u
 OUT=${OUT:-/tmp/kvc-gpu-out}
@@ -18,6 +20,8 @@ STEPS=${STEPS:-160}
 TRIALS=${TRIALS:-8}
 IFS=';' read -r -a METHODS_LIST <<< "${METHODS:-auto;auto, per-job buffers;gather;batched}"
 IFS=';' read -r -a VARIANTS_LIST <<< "${VARIANTS:-per-job buffers}"
+IFS=';' read -r -a RR_LIST <<< "${RR_VARIANTS:-auto;auto, third-stage staging}"
+ROUNDS=${ROUNDS:-40}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl || exit 1
@@ -31,7 +35,7 @@ for stage in $STAGES; do
     tests)
         timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_offload_transfer.py \
             tests/test_offload_staged.py tests/test_transfer_reuse.py tests/test_transfer_stats.py \
-            tests/test_offload_connector.py \
+            tests/test_offload_connector.py tests/test_transfer_failures.py \
             2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
     transfer|transfer2)
         timeout 300 python3 benchmarks/bench_transfer.py --reps "$REPS" --baseline-root "$BASE" \
@@ -41,6 +45,10 @@ for stage in $STAGES; do
         timeout 300 python3 benchmarks/bench_interference.py --steps 96 --trials 3 \
             --methods auto batched gather "auto, inline issue" --json /tmp/methods.json > "$OUT/methods.log" 2>&1
         grep -v '^{' "$OUT/methods.log" | tail -16 ;;
+    roundrobin)
+        timeout 420 python3 benchmarks/probe_roundrobin.py --kernels --baseline-root "$BASE" \
+            --rounds "$ROUNDS" --variants "${RR_LIST[@]}" > "$OUT/roundrobin.log" 2>&1
+        grep -v '^{' "$OUT/roundrobin.log"; grep '"kernel"' "$OUT/roundrobin.log" ;;
     issue)
         timeout 200 python3 benchmarks/probe_issue_path.py > "$OUT/issue.log" 2>&1
         tail -9 "$OUT/issue.log" ;;

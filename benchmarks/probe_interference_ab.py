@@ -14,6 +14,8 @@ with the step alone), for the cross-layer and per-layer layouts:
 * ``delay <ms> ms``: the issue thread sleeps that long when woken from idle;
 * ``main-like <option>``: the branch with a ``_transfer_variants`` option (e.g. ``16 MiB
   stages``);
+* ``method <variant>``: the branch running another ``_transfer_variants`` label (e.g.
+  ``method batched``);
 * ``baseline``: with ``--baseline-root``, the mover of another checkout (main), measured in
   the same round robin.
 
@@ -36,6 +38,9 @@ from connectors.offload.transfer import KVBlockMover
 def _patch(mover: KVBlockMover, name: str) -> None:
     if name.startswith("delay "):  # "delay 0.3 ms": the issue thread's start delay
         mover._issuer.delay = float(name.split()[1]) / 1e3
+        return
+    if name.startswith("method "):  # "method batched": another transfer variant on this mover
+        apply_variant(mover, name.removeprefix("method "))
         return
     if name.startswith("main-like "):  # this branch with one of main's settings back
         apply_variant(mover, "auto, " + name.removeprefix("main-like "))

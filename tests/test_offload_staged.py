@@ -52,6 +52,20 @@ def test_group_planes(planes: int, job_bytes: int, expected: list[int]) -> None:
     assert [p for g in groups for p in g] == list(range(planes))
 
 
+@pytest.mark.parametrize(("planes", "job_bytes", "expected"), [
+    (32, 512 << 20, [1, 5, 5, 5, 5, 5, 5, 1]),  # 256 blocks: short first and last stage
+    (32, 128 << 20, [2, 14, 14, 2]),  # 64 blocks
+    (32, 64 << 20, [16, 16]),  # two stages: nothing to taper
+    (3, 1 << 30, [1, 1, 1]),
+    (80, 512 << 20, [2, 13, 13, 13, 13, 13, 11, 2]),  # uneven middle
+], ids=["256-blocks", "64-blocks", "two-stages", "few-planes", "80-planes"])
+def test_group_planes_tapered(planes: int, job_bytes: int, expected: list[int]) -> None:
+    """Short end stages: what nothing overlaps (a store's first gather, a load's last scatter)."""
+    groups = group_planes(planes, job_bytes, taper=True)
+    assert [len(g) for g in groups] == expected
+    assert [p for g in groups for p in g] == list(range(planes))
+
+
 def cpu_plan(planes: list, memory: torch.Tensor, cpu: torch.Tensor, pitch: int | None) -> GatherPlan:
     """A GatherPlan over CPU memory (the span is a plain view), as plan_gather makes on CUDA."""
     base, first, steps, total = span_layout([p.data_ptr() for p in planes],
@@ -107,16 +121,36 @@ def test_one_2d_copy_per_run_covers_a_group_of_planes() -> None:
 
 
 def test_plan_gather_on_cpu_planes_uses_words_and_no_span() -> None:
-    """Kernels move int64 words where rows allow; the span view exists on CUDA only."""
+    """Kernels move 16-byte words where rows allow, else 8-byte, else bytes; the span view
+    exists on CUDA only."""
     _, planes = carved_planes()
     cpu = torch.zeros(3, 7, ROW, dtype=torch.uint8)
     plan = plan_gather(planes, list(cpu.unbind(0)), max_pitch=1 << 30)
-    assert plan.word == torch.int64 and plan.source is None
-    assert plan.planes[0].shape == (NUM_BLOCKS, ROW // 8)
+    assert plan.word == torch.complex128 and plan.source is None and plan.taper
+    assert plan.planes[0].shape == (NUM_BLOCKS, ROW // 16)
     assert plan.cpu_pitch == 7 * ROW
     assert plan_gather(planes, list(cpu.unbind(0)), max_pitch=ROW).cpu_pitch is None  # pitch too large
+    assert plan_gather(planes, list(cpu.unbind(0)), 0, word_bytes=8).word == torch.int64
+    rows_of_8 = torch.zeros(NUM_BLOCKS, 24, dtype=torch.uint8)  # 24 bytes: 8 divides, 16 does not
+    assert plan_gather([rows_of_8], [torch.zeros(2, 24, dtype=torch.uint8)], 0).word == torch.int64
     odd = torch.zeros(NUM_BLOCKS, 12, dtype=torch.uint8)
     assert plan_gather([odd], [torch.zeros(2, 12, dtype=torch.uint8)], 0).word == torch.uint8
+
+
+@pytest.mark.parametrize("word_bytes", [16, 8])
+def test_wide_words_gather_and_scatter_rows_bit_exact(word_bytes: int) -> None:
+    """Rows moved as complex128 (or int64) elements keep every bit, NaN patterns included."""
+    memory, planes = carved_planes()
+    memory.view(torch.int64)[::3] = -1  # all-ones words: NaN patterns of float64
+    cpu = torch.zeros(3, 7, ROW, dtype=torch.uint8)
+    plan = plan_gather(planes, list(cpu.unbind(0)), 0, word_bytes=word_bytes)
+    gpu = torch.tensor([7, 2, 9])
+    for p, plane in enumerate(plan.planes):
+        rows = torch.index_select(plane, 0, gpu)
+        assert torch.equal(rows.view(torch.uint8), planes[p][gpu])
+        target = torch.zeros_like(plane)
+        target.index_copy_(0, gpu, rows)
+        assert torch.equal(target.view(torch.uint8)[gpu], planes[p][gpu])
 
 
 def per_layer_caches(device: str, num_layers: int = 4) -> dict:
@@ -150,7 +184,7 @@ def test_gather_is_byte_exact_on_cuda(span: bool) -> None:
     """Staged copies of separately allocated layers, one kernel per group or per plane."""
     layers = per_layer_caches("cuda")
     mover = KVBlockMover(layers, num_cpu_blocks=8, method="gather")
-    assert mover._gather_plan is not None and mover._gather_plan.word == torch.int64
+    assert mover._gather_plan is not None and mover._gather_plan.word == torch.complex128
     if not span:
         mover._gather_plan = dataclasses.replace(mover._gather_plan, source=None)
     elif mover._gather_plan.source is None:

@@ -8,6 +8,7 @@ different sizes, with many jobs in flight at once.
 
 from __future__ import annotations
 
+import array
 import threading
 
 import pytest
@@ -42,6 +43,20 @@ def test_cpu_runs_and_the_joint_estimate_agree_with_the_full_scan(seed: int) -> 
     joint, runs = scan_runs(gpu, cpu)
     assert cpu_runs(cpu) == runs
     assert estimate_joint_runs(gpu, cpu) == joint
+
+
+@pytest.mark.parametrize("ids", [
+    list(range(7, 263)),  # one run: the fast path
+    [*range(7, 130), 131, *range(130, 131), *range(132, 263)],  # right ends, one swap inside
+    [5, 4, 6, 7],  # right span, wrong order
+    [3],
+], ids=["one-run", "swap-inside", "unordered", "single"])
+def test_cpu_runs_of_arrays_and_lists_match_the_full_scan(ids: list[int]) -> None:
+    """A job whose ends look like one run is one run only if every id follows the last."""
+    expected = scan_runs(ids, ids)[1]
+    assert cpu_runs(ids) == expected
+    assert cpu_runs(array.array("q", ids)) == expected
+    assert (len(expected) == 1) == (ids == list(range(ids[0], ids[0] + len(ids))))
 
 
 def test_joint_estimate_of_long_jobs_tells_runs_from_scattered_ids() -> None:

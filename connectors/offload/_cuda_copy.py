@@ -112,7 +112,7 @@ class CopyMethods:
         # Per direction: staging memory, index buffers and fence events of staged copies,
         # made at the first staged job and reused (None: allocate per job, to measure).
         self._staging: dict[bool, StagingBuffers] | None = (
-            {d: StagingBuffers(self.device, self._gather_plan) for d in (True, False)}
+            {d: StagingBuffers(self.device, self._gather_plan, self._memcpy) for d in (True, False)}
             if self._gather_plan is not None else None)
         self._ready_events = EventPool(timing=False)
         self._lane_events = {}

@@ -54,6 +54,12 @@ __all__ = ["GatherPlan", "StagingBuffers", "group_planes", "plan_gather", "span_
 # (GIL time the engine's step competes for), so 8 stages of >= 32 MiB.
 _STAGE_BYTES = 32 << 20
 _MAX_GROUPS = 8
+# The widest element the gather / scatter kernels move (bytes): complex128 is the only
+# 16-byte dtype that indexing ops copy as one element. Fewer, wider elements mean fewer
+# threads and index computations per byte (SM time taken from the model's kernels).
+_WORD_BYTES = 16
+# Taper: the first and last stages hold fewer planes (see group_planes).
+_TAPER = True
 
 
 def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_blocks: int
@@ -79,11 +85,22 @@ def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_block
     return base, first, steps, total
 
 
-def group_planes(num_planes: int, job_bytes: int) -> list[range]:
-    """Split the planes into pipeline stages of about ``_STAGE_BYTES`` each (1 to 8)."""
+def group_planes(num_planes: int, job_bytes: int, *, taper: bool = False) -> list[range]:
+    """Split the planes into pipeline stages of about ``_STAGE_BYTES`` each (1 to 8).
+
+    With ``taper``, where there are at least three stages, the first and the last hold a
+    quarter of a stage's planes (at least one) and the others share the rest: nothing
+    overlaps a store's first gather or a load's last scatter, so they are made short.
+    """
     groups = max(1, min(_MAX_GROUPS, num_planes, job_bytes // _STAGE_BYTES))
     per = -(-num_planes // groups)
-    return [range(i, min(i + per, num_planes)) for i in range(0, num_planes, per)]
+    end = max(1, per // 4)
+    if not taper or groups < 3 or num_planes < 2 * end + 1:
+        return [range(i, min(i + per, num_planes)) for i in range(0, num_planes, per)]
+    inner = num_planes - 2 * end
+    per = -(-inner // (groups - 2))
+    middle = [range(i, min(i + per, num_planes - end)) for i in range(end, num_planes - end, per)]
+    return [range(end), *middle, range(num_planes - end, num_planes)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +109,15 @@ class GatherPlan:
 
     Attributes:
         row: bytes of one row (one block of one plane).
-        word: element type the kernels move (int64 where rows and addresses allow).
+        word: element type the kernels move: complex128 (16 bytes) or int64 where rows
+            and addresses allow, else uint8.
         planes: the device planes as ``(num_blocks, row / word)`` views.
         source: the span view covering every plane (rows of ``row`` bytes), or None.
         first_row, rows_per_block: int64 ``(planes, 1)`` row arithmetic into ``source``.
         cpu_pitch: bytes between consecutive CPU planes when one 2D copy may move a
             group (planes equally spaced in one allocation, dense rows); else None.
         cpu_planes: the CPU planes (uint8 ``(num_cpu_blocks, row)``), pairwise with ``planes``.
+        taper: shorter first and last stages (see :func:`group_planes`).
     """
 
     row: int
@@ -109,6 +128,7 @@ class GatherPlan:
     rows_per_block: torch.Tensor | None
     cpu_pitch: int | None
     cpu_planes: tuple[torch.Tensor, ...]
+    taper: bool = False
 
     def gather_index(self, gpu_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows to gather, plane-major: ``planes * n`` int64 (span rows), or the block ids.
@@ -140,20 +160,31 @@ class _Span:
                                          "data": (ptr, False), "version": 2, "strides": None}
 
 
+def _word(gpu_planes: Sequence[torch.Tensor], ptrs: Sequence[int], strides: Sequence[int],
+          widest: int) -> torch.dtype:
+    """The widest element (at most ``widest`` bytes) that every row, address and stride fits."""
+    for size, dtype in ((16, torch.complex128), (8, torch.int64)):
+        if size <= widest and all(p.shape[1] % size == 0 for p in gpu_planes) and all(
+                x % size == 0 for x in (*ptrs, *strides)):
+            return dtype
+    return torch.uint8
+
+
 def plan_gather(gpu_planes: Sequence[torch.Tensor], cpu_planes: Sequence[torch.Tensor],
-                max_pitch: int) -> GatherPlan:
+                max_pitch: int, *, word_bytes: int | None = None, taper: bool | None = None
+                ) -> GatherPlan:
     """Prepare staged copies for these planes (uint8 ``(blocks, row)``, pairwise).
 
     Args:
         max_pitch: the largest pitch a 2D copy accepts (0: no 2D copies).
+        word_bytes: the widest element the kernels may move (16, 8 or 1; default 16).
+        taper: shorter first and last stages (default True).
     """
     rows = {p.shape[1] for p in gpu_planes}
     row = rows.pop() if len(rows) == 1 else 0
     ptrs = [p.data_ptr() for p in gpu_planes]
     strides = [p.stride(0) for p in gpu_planes]
-    wide = all(p.shape[1] % 8 == 0 for p in gpu_planes) and all(
-        x % 8 == 0 for x in (*ptrs, *strides))
-    word = torch.int64 if wide else torch.uint8
+    word = _word(gpu_planes, ptrs, strides, _WORD_BYTES if word_bytes is None else word_bytes)
     planes = tuple(p.view(word) for p in gpu_planes)
     source = first = steps = None
     span = None
@@ -161,12 +192,16 @@ def plan_gather(gpu_planes: Sequence[torch.Tensor], cpu_planes: Sequence[torch.T
         span = span_layout(ptrs, strides, row, gpu_planes[0].shape[0])
     if span is not None:
         base, first_rows, step_rows, total = span
-        words = row // word.itemsize if wide else row
-        source = torch.as_tensor(_Span(base, total, words, word), device=gpu_planes[0].device)
+        wide = word != torch.uint8  # the span is made of int64 words, then viewed as ``word``
+        view = torch.int64 if wide else torch.uint8
+        words = row // 8 if wide else row
+        source = torch.as_tensor(_Span(base, total, words, view),
+                                 device=gpu_planes[0].device).view(word)
         first = torch.tensor(first_rows, dtype=torch.int64).view(-1, 1)
         steps = torch.tensor(step_rows, dtype=torch.int64).view(-1, 1)
     return GatherPlan(row or gpu_planes[0].shape[1], word, planes, source, first, steps,
-                      _cpu_pitch(cpu_planes, max_pitch), tuple(cpu_planes))
+                      _cpu_pitch(cpu_planes, max_pitch), tuple(cpu_planes),
+                      _TAPER if taper is None else taper)
 
 
 def _cpu_pitch(cpu_planes: Sequence[torch.Tensor], max_pitch: int) -> int | None:
@@ -230,7 +265,7 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
             None: allocate them for this job (the first versions' way, kept to measure).
     """
     n, device = gpu_ids.numel(), plan.planes[0].device
-    groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes))
+    groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes), taper=plan.taper)
     fence = buffers.fence if buffers is not None else None
     rows = len(plan.planes) * n
     runs_of = cpu_runs if callable(cpu_runs) else (lambda: cpu_runs)
@@ -275,6 +310,8 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
         # The job ends after its last kernel, also when a call above raised: the kernels
         # it queued still run, and the next job of the direction reuses the staging memory.
         dma_stream.wait_event(_record(kernel_stream, fence))
+        if buffers is not None:
+            buffers.end_job(dma_stream)
 
 
 def _index(plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from connectors.offload._cudart import Memcpy
     from connectors.offload._staged import GatherPlan
 
 __all__ = ["StagingBuffers"]
 
-_HOST_SLOTS = 4  # pinned index buffers per direction, used in turn
+_HOST_SLOTS = 8  # pinned index buffers per direction, used in turn
 
 
 class StagingBuffers:
@@ -32,17 +33,22 @@ class StagingBuffers:
     begins with the kernel stream waiting for the DMA stream and ends with the DMA stream
     waiting for the kernel stream, so the next job's first write into staging (a gather
     kernel, or a load's DMA) is ordered after the previous job's last read of it, and
-    likewise for the device index. A pinned index buffer is rewritten only after its last
-    upload has completed (an event).
+    likewise for the device index. A pinned index buffer is rewritten only after the job
+    that last uploaded it has ended (an event recorded at the job's end, by
+    :meth:`end_job`, so that nothing but the upload itself precedes the first DMA).
     Jobs of one direction must be issued one at a time: :attr:`lock`.
 
     Args:
         device: the CUDA device of the KV cache.
         plan: the direction's gather plan (row size and word type of the staging memory).
+        memcpy: ``cudaMemcpyAsync`` by ctypes for the index upload (None: ``Tensor.copy_``,
+            which costs tens of microseconds more before the first DMA: the dispatcher and
+            the caching host allocator's own event record).
     """
 
-    def __init__(self, device: torch.device, plan: GatherPlan) -> None:
+    def __init__(self, device: torch.device, plan: GatherPlan, memcpy: Memcpy | None = None) -> None:
         self.device = device
+        self.memcpy = memcpy
         self.lock = threading.Lock()
         self.fence = torch.cuda.Event()  # every record/wait pair between the two streams
         self._words, self._word = plan.planes[0].shape[1], plan.word
@@ -56,6 +62,7 @@ class StagingBuffers:
         self._uploaded = [torch.cuda.Event() for _ in range(_HOST_SLOTS)]
         self._used = [False] * _HOST_SLOTS
         self._turn = 0
+        self._pending: int | None = None  # the slot uploaded by the job being issued
         # Per job size: each stage's (index rows, staging rows) views, made once (two
         # slicing calls per stage and job otherwise); dropped when a buffer is replaced.
         self._views: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -122,6 +129,23 @@ class StagingBuffers:
         if views is None:  # the two slices, made once per buffer and length
             views = self._index_views[key] = (host[slot, :length], device_index[:length])
         host_part, index = views
-        index.copy_(plan.gather_index(gpu_ids, out=host_part), non_blocking=True)
-        self._uploaded[slot].record(stream)
+        plan.gather_index(gpu_ids, out=host_part)
+        if self.memcpy is None:
+            index.copy_(host_part, non_blocking=True)
+        else:
+            rc = self.memcpy(index.data_ptr(), host_part.data_ptr(), 8 * length, stream.cuda_stream)
+            if rc != 0:
+                msg = f"cudaMemcpyAsync of the gather index returned CUDA error {rc}"
+                raise RuntimeError(msg)
+        self._pending = slot
         return index
+
+    def end_job(self, stream: torch.cuda.Stream) -> None:
+        """Mark the job's pinned index buffer free once ``stream`` reaches this point.
+
+        Called where the job ends (after its last kernel and copy), on its DMA stream:
+        the upload, which ran on one of the job's streams, lies before that point.
+        """
+        slot, self._pending = self._pending, None
+        if slot is not None:
+            self._uploaded[slot].record(stream)

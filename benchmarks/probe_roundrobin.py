@@ -1,0 +1,167 @@
+"""Probe: one-way transfers of several movers, round robin, each paired with the contiguous copy.
+
+``bench_transfer.py`` measures one variant after another, so drift over the run lands on
+whichever row runs at the time (rows of one configuration differ by up to 0.04 there).
+Here every variant is a mover of its own over the same KV cache, and each round times
+every variant once per direction, each right beside a contiguous pinned copy of the same
+bytes (which of the two goes first alternates), in a rotated order. The ratio of the
+pair is one sample; the table gives its median and quartiles over the rounds, so that
+0.95x against 0.94x can be told apart from noise. A control row pairs the contiguous copy
+with itself (the method's own spread).
+
+Variants are ``_transfer_variants`` labels for this checkout's mover, plus ``main`` (the
+mover of ``--baseline-root``, default method).
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/probe_roundrobin.py --baseline-root ../base
+
+CUDA only. Writes ``probe_roundrobin.json`` to ``$OUT`` when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches
+from bench_transfer import _check, _contiguous_fns
+from connectors.offload.transfer import KVBlockMover
+
+_JOBS = iter(range(1 << 30))
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4)
+    return q[1], q[0], q[2]
+
+
+def kernel_times(rows_per_plane: int = 256, planes: int = 4, row: int = 64 << 10) -> None:
+    """GPU time of one stage's gather / scatter (``index_select`` / ``index_copy_`` of
+    ``planes * rows_per_plane`` rows of ``row`` bytes out of a large span) per element width."""
+    span = torch.randint(0, 1 << 62, (4 * planes * rows_per_plane, row // 8), dtype=torch.int64,
+                         device="cuda")
+    idx = torch.randperm(span.shape[0], device="cuda")[:planes * rows_per_plane]
+    for dtype in (torch.int64, torch.complex128):
+        src = span.view(dtype)
+        out = torch.empty((idx.numel(), src.shape[1]), dtype=dtype, device="cuda")
+        for name, fn in (("gather", lambda s=src, o=out: torch.index_select(s, 0, idx, out=o)),
+                         ("scatter", lambda s=src, o=out: s.index_copy_(0, idx, o))):
+            times = []
+            for _ in range(25):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            ms = statistics.median(times[5:])
+            mib = idx.numel() * row / 2**20
+            print(json.dumps({"kernel": name, "dtype": str(dtype), "MiB": mib, "ms": ms,
+                              "GBs_read_plus_write": 2 * mib * 2**20 / ms / 1e6}), flush=True)
+    del span
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    add_kv_args(p)
+    p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--baseline-root", default=None)
+    p.add_argument("--variants", nargs="+", default=["auto"])
+    p.add_argument("--kernels", action="store_true", help="also time one stage's kernels per word")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    if args.kernels:
+        kernel_times()
+    n = args.batch
+    perm = torch.randperm(args.num_gpu_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    store_gpu, load_gpu = perm[:n], perm[n:2 * n]
+    store_cpu, load_cpu = list(range(n)), list(range(n, 2 * n))
+    rows = []
+    for layout in args.layouts:
+        caches = make_kv_caches(args, device, layout)
+        movers: dict[str, KVBlockMover] = {}
+        if args.baseline_root:
+            movers["main"] = baseline_mover_class(args.baseline_root)(caches, num_cpu_blocks=2 * n)
+        for label in args.variants:
+            movers[label] = KVBlockMover(caches, num_cpu_blocks=2 * n)
+            apply_variant(movers[label], label)
+        contig = _contiguous_fns(n * next(iter(movers.values())).layout.block_bytes, device)
+        fns: dict[tuple[str, str], Callable[[], None]] = {}
+        for name, m in movers.items():
+            fns[name, "store"] = (lambda m=m: (m.submit_store(next(_JOBS), store_gpu, store_cpu),
+                                               m.wait()))
+            fns[name, "load"] = lambda m=m: (m.submit_load(next(_JOBS), load_cpu, load_gpu), m.wait())
+        for d in ("store", "load"):
+            fns["contiguous (control)", d] = (lambda f=contig[d]: f())
+        names = ["contiguous (control)", *movers]
+        ratios: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+        secs: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+        for fn in fns.values():  # warm-up
+            fn()
+            fn()
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for d in ("store", "load"):
+                for name in order:
+                    fn, base = fns[name, d], contig[d]
+                    if r % 2:
+                        tb, tf = _timed(base), _timed(fn)
+                    else:
+                        tf, tb = _timed(fn), _timed(base)
+                    ratios[name, d].append(tb / tf)
+                    secs[name, d].append(tf)
+            for m in movers.values():
+                m.get_finished()
+        nbytes = n * next(iter(movers.values())).layout.block_bytes
+        for name in names:
+            ok = True
+            if name in movers:
+                finished = movers[name].get_finished()
+                ok = all(x.success for x in finished) and _check(movers[name], caches, store_gpu, store_cpu)
+            for d in ("store", "load"):
+                med, p25, p75 = _quartiles(ratios[name, d])
+                row = {"layout": layout, "variant": name, "dir": d, "x": med, "p25": p25, "p75": p75,
+                       "GBs": nbytes / statistics.median(secs[name, d]) / 1e9, "ok": ok,
+                       "rounds": args.rounds}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        for m in movers.values():
+            m.shutdown()
+        del caches, movers, fns, contig
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "probe_roundrobin.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\n{torch.cuda.get_device_name()}: {n} scattered blocks per job, {args.rounds} rounds; "
+          "x contig = median [p25, p75] of the per-pair ratio")
+    print("| layout | variant | store x contig | load x contig | store GB/s | load GB/s | ok |")
+    print("|---|---|---|---|---|---|---|")
+    by = {(r["layout"], r["variant"], r["dir"]): r for r in rows}
+    for layout in args.layouts:
+        for name in dict.fromkeys(r["variant"] for r in rows if r["layout"] == layout):
+            s, lo = by[layout, name, "store"], by[layout, name, "load"]
+            print(f"| {layout} | {name} | {s['x']:.3f} [{s['p25']:.3f}, {s['p75']:.3f}] | "
+                  f"{lo['x']:.3f} [{lo['p25']:.3f}, {lo['p75']:.3f}] | {s['GBs']:.1f} | {lo['GBs']:.1f} | "
+                  f"{'yes' if s['ok'] else 'NO'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
