@@ -7,7 +7,7 @@
 # $WHEELS (default ../.whl; the machine has torch but not these). Stages, as arguments
 # (default: all): tests transfer issue limits interference methods, and roundrobin (one-way
 # transfers of several movers round robin, each beside the contiguous copy; $RR_VARIANTS,
-# $ROUNDS). $METHODS (transfer variants) and $VARIANTS (interference variants besides branch
+# $ROUNDS, $RR_ARGS). $METHODS (transfer variants) and $VARIANTS (interference variants besides branch
 # and main) override the defaults.
 # Writes to $OUT.
 set -u
@@ -46,9 +46,10 @@ for stage in $STAGES; do
             --methods auto batched gather "auto, inline issue" --json /tmp/methods.json > "$OUT/methods.log" 2>&1
         grep -v '^{' "$OUT/methods.log" | tail -16 ;;
     roundrobin)
+        # shellcheck disable=SC2086 # RR_ARGS: extra options, split on purpose
         timeout 420 python3 benchmarks/probe_roundrobin.py --kernels --baseline-root "$BASE" \
-            --rounds "$ROUNDS" --variants "${RR_LIST[@]}" > "$OUT/roundrobin.log" 2>&1
-        grep -v '^{' "$OUT/roundrobin.log"; grep '"kernel"' "$OUT/roundrobin.log" ;;
+            --rounds "$ROUNDS" --variants "${RR_LIST[@]}" ${RR_ARGS:-} > "$OUT/roundrobin.log" 2>&1
+        grep -v '^{' "$OUT/roundrobin.log"; grep '"kernel"\|"timeline"' "$OUT/roundrobin.log" ;;
     issue)
         timeout 200 python3 benchmarks/probe_issue_path.py > "$OUT/issue.log" 2>&1
         tail -9 "$OUT/issue.log" ;;

@@ -75,6 +75,58 @@ def kernel_times(rows_per_plane: int = 256, planes: int = 4, row: int = 64 << 10
     del span
 
 
+def timeline(caches: dict[str, torch.Tensor], n: int, jobs: int = 12) -> None:
+    """GPU timeline of the default mover's staged jobs: ms from the job's start event to the
+    end of each DMA call's copies (``dma k``) and of each kernel call (``kernel k``), and to the
+    job's end; median over ``jobs`` inline jobs per direction. Also the host ms from the
+    submission to the job's start event being recorded."""
+    from connectors.offload import _staged
+    marks: list[tuple[str, torch.cuda.Event]] = []
+    orig_dma, orig_move = _staged._dma, _staged._move
+
+    def dma(*args, **kwargs):  # type: ignore[no-untyped-def]
+        orig_dma(*args, **kwargs)
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(args[5])
+        marks.append(("dma", e))
+
+    def move(*args, **kwargs):  # type: ignore[no-untyped-def]
+        orig_move(*args, **kwargs)
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(torch.cuda.current_stream())
+        marks.append(("kernel", e))
+
+    _staged._dma, _staged._move = dma, move
+    try:
+        perm = torch.randperm(4096, generator=torch.Generator().manual_seed(1)).tolist()
+        mover = KVBlockMover(caches, num_cpu_blocks=2 * n, issue_thread=False)
+        for is_store in (True, False):
+            rows: dict[str, list[float]] = {}
+            for j in range(jobs + 2):
+                marks.clear()
+                torch.cuda.synchronize()
+                if is_store:
+                    mover.submit_store(next(_JOBS), perm[:n], list(range(n)))
+                else:
+                    mover.submit_load(next(_JOBS), list(range(n)), perm[:n])
+                mover.wait()
+                job = mover._jobs[-1]
+                if j < 2:
+                    mover.get_finished()
+                    continue
+                counts: dict[str, int] = {}
+                for kind, e in marks:
+                    k = counts[kind] = counts.get(kind, -1) + 1
+                    rows.setdefault(f"{kind} {k}", []).append(job.start_event.elapsed_time(e))
+                rows.setdefault("end", []).append(job.start_event.elapsed_time(job.end_event))
+                mover.get_finished()
+            print(json.dumps({"timeline": "store" if is_store else "load",
+                              **{k: round(statistics.median(v), 3) for k, v in rows.items()}}), flush=True)
+        mover.shutdown()
+    finally:
+        _staged._dma, _staged._move = orig_dma, orig_move
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     add_kv_args(p)
@@ -84,6 +136,7 @@ def main() -> int:
     p.add_argument("--baseline-root", default=None)
     p.add_argument("--variants", nargs="+", default=["auto"])
     p.add_argument("--kernels", action="store_true", help="also time one stage's kernels per word")
+    p.add_argument("--timeline", action="store_true", help="also the GPU timeline of staged jobs")
     args = p.parse_args()
     device = torch.device("cuda")
     if args.kernels:
@@ -95,6 +148,8 @@ def main() -> int:
     rows = []
     for layout in args.layouts:
         caches = make_kv_caches(args, device, layout)
+        if args.timeline and layout != "cross-layer":
+            timeline(caches, n)
         movers: dict[str, KVBlockMover] = {}
         if args.baseline_root:
             movers["main"] = baseline_mover_class(args.baseline_root)(caches, num_cpu_blocks=2 * n)

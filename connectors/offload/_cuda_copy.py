@@ -53,6 +53,9 @@ class CopyMethods:
     _lanes: dict[bool, list[torch.cuda.Stream]]
     _lane_events: dict[torch.cuda.Stream, torch.cuda.Event]
     _head_blocks: int  # blocks of a batched job issued before the rest (0: none)
+    # ``auto`` moves scattered small rows of jobs up to this many bytes as per-row DMAs
+    # (no SM time) instead of gathering them (0: always gather).
+    _dma_only_bytes: int = 0
     _memcpy: _cudart.Memcpy | None
     _memcpy_2d: _cudart.Memcpy2D | None
     _stage_2d: _cudart.Memcpy2D | None
@@ -131,6 +134,7 @@ class CopyMethods:
         # the full scan only where the sample shows runs (then it matters).
         if method == "auto" and self._gather_plan is not None and (
                 len(planes) > 1 or planes[0].shape[1] < SMALL_ROW_BYTES) and (
+                n * self._block_bytes > self._dma_only_bytes or self._batch_memcpy is None) and (
                 self._small_rows(n, estimate_joint_runs(g_ids, c_ids))
                 or self._small_rows(n, scan_runs(g_ids, c_ids)[0])):
             method = "gather"

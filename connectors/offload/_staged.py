@@ -279,15 +279,29 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
     try:
         if is_store:
             torch.cuda.set_stream(dma_stream)
-            idx = _index(plan, gpu_ids, dma_stream, buffers, keep_alive)
             staging = _staging(plan, rows, buffers, keep_alive)
-            views = _views(plan, groups, n, idx, staging, buffers)
-            _move(plan, groups[0], n, idx, staging, views[0], gather=True)
-            ready = _record(dma_stream, fence)  # stage 0 gathered: later kernels may start
-            runs = runs_of()
-            _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
-            kernel_stream.wait_event(ready)
-            torch.cuda.set_stream(kernel_stream)
+            if buffers is not None and buffers.ids_first and plan.source is not None and len(groups) > 1:
+                # Stage 0 gathered plane by plane with the block ids alone: the span index
+                # (a tensor op and a larger upload) waits until the first DMA is queued.
+                ids = buffers.upload_ids(plan, gpu_ids, dma_stream, keep_alive)
+                for p in groups[0]:
+                    torch.index_select(plan.planes[p], 0, ids, out=staging[p * n:(p + 1) * n])
+                ready = _record(dma_stream, fence)  # stage 0 gathered: later kernels may start
+                runs = runs_of()
+                _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+                kernel_stream.wait_event(ready)
+                torch.cuda.set_stream(kernel_stream)
+                idx = _index(plan, gpu_ids, kernel_stream, buffers, keep_alive)
+                views = _views(plan, groups, n, idx, staging, buffers)
+            else:
+                idx = _index(plan, gpu_ids, dma_stream, buffers, keep_alive)
+                views = _views(plan, groups, n, idx, staging, buffers)
+                _move(plan, groups[0], n, idx, staging, views[0], gather=True)
+                ready = _record(dma_stream, fence)  # stage 0 gathered: later kernels may start
+                runs = runs_of()
+                _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+                kernel_stream.wait_event(ready)
+                torch.cuda.set_stream(kernel_stream)
             for k in range(1, len(groups)):
                 _move(plan, groups[k], n, idx, staging, views[k], gather=True)
                 dma_stream.wait_event(_record(kernel_stream, fence))

@@ -7,6 +7,7 @@ mover's lifetime instead of allocated per job.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -44,11 +45,15 @@ class StagingBuffers:
         memcpy: ``cudaMemcpyAsync`` by ctypes for the index upload (None: ``Tensor.copy_``,
             which costs tens of microseconds more before the first DMA: the dispatcher and
             the caching host allocator's own event record).
+        ids_first: a store gathers its first stage by block id (:meth:`upload_ids`) and
+            computes and uploads the span index only after its first DMA is queued.
     """
 
-    def __init__(self, device: torch.device, plan: GatherPlan, memcpy: Memcpy | None = None) -> None:
+    def __init__(self, device: torch.device, plan: GatherPlan, memcpy: Memcpy | None = None,
+                 *, ids_first: bool = True) -> None:
         self.device = device
         self.memcpy = memcpy
+        self.ids_first = ids_first
         self.lock = threading.Lock()
         self.fence = torch.cuda.Event()  # every record/wait pair between the two streams
         self._words, self._word = plan.planes[0].shape[1], plan.word
@@ -56,8 +61,9 @@ class StagingBuffers:
         self._staging_rows: torch.Tensor | None = None
         self._device_index: torch.Tensor | None = None
         # Pinned index buffers (rows of one allocation) used in turn, each with the event
-        # of its last upload: a job waits only for the upload of _HOST_SLOTS jobs ago
-        # (long done), never for the previous job's, which may sit behind the model's work.
+        # recorded at the end of the last job that used it: a job waits only for the job
+        # of _HOST_SLOTS jobs ago (long done), never for the previous one, which may sit
+        # behind the model's work.
         self._host: torch.Tensor | None = None
         self._uploaded = [torch.cuda.Event() for _ in range(_HOST_SLOTS)]
         self._used = [False] * _HOST_SLOTS
@@ -66,7 +72,8 @@ class StagingBuffers:
         # Per job size: each stage's (index rows, staging rows) views, made once (two
         # slicing calls per stage and job otherwise); dropped when a buffer is replaced.
         self._views: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._index_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per (slot, length[, ids]): the pinned and device slices of an upload, made once.
+        self._index_views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def stage_views(self, groups: Sequence[range], n: int, index: torch.Tensor,
                     staging: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -100,44 +107,79 @@ class StagingBuffers:
             self._staging_rows = self._staging[:rows]  # the same job size: the same view
         return self._staging_rows
 
+    def _job_slot(self, length: int, n: int, keep_alive: list[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The job's pinned row and device buffer, each ``length + n`` int64 (index, then ids).
+
+        The first call of a job takes the next slot (waiting, rarely, until the job that
+        last used it has ended); later calls of the same job get the same slot.
+        """
+        need = length + n
+        host, device_buffer = self._host, self._device_index
+        if host is None or host.shape[1] < need:
+            if host is not None:
+                keep_alive.append(host)
+            host = self._host = torch.empty((_HOST_SLOTS, need), dtype=torch.int64, pin_memory=True)
+            self._used = [False] * _HOST_SLOTS
+            self._index_views.clear()
+            self._pending = None
+        if device_buffer is None or device_buffer.numel() < need:
+            if device_buffer is not None:
+                keep_alive.append(device_buffer)
+            device_buffer = self._device_index = torch.empty(need, dtype=torch.int64, device=self.device)
+            self.clear_views()
+        if self._pending is None:
+            slot = self._turn % _HOST_SLOTS
+            self._turn += 1
+            if self._used[slot]:
+                self._uploaded[slot].synchronize()  # the job that last used it has ended
+            self._used[slot] = True
+            self._pending = slot
+        return host[self._pending], device_buffer
+
+    def _upload(self, host: torch.Tensor, device: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        if self.memcpy is None:
+            with torch.cuda.stream(stream):
+                device.copy_(host, non_blocking=True)
+            return
+        rc = self.memcpy(device.data_ptr(), host.data_ptr(), 8 * host.numel(), stream.cuda_stream)
+        if rc != 0:
+            msg = f"cudaMemcpyAsync of the gather index returned CUDA error {rc}"
+            raise RuntimeError(msg)
+
+    def upload_ids(self, plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,
+                   keep_alive: list[torch.Tensor]) -> torch.Tensor:
+        """The job's device block ids alone on the device (``n`` int64), copied on ``stream``.
+
+        Why: a store's first stage can gather its planes by block id (one kernel per
+        plane) before the span index is computed and uploaded, which then happens after
+        the first DMA is queued.
+        """
+        n = gpu_ids.numel()
+        length = plan.index_length(n)
+        host, device_buffer = self._job_slot(length, n, keep_alive)
+        key = (self._pending or 0, length, n)
+        views = self._index_views.get(key)
+        if views is None:
+            views = self._index_views[key] = (host[length:length + n], device_buffer[length:length + n])
+        host_ids, ids = views
+        ctypes.memmove(host_ids.data_ptr(), gpu_ids.data_ptr(), 8 * n)
+        self._upload(host_ids, ids, stream)
+        return ids
+
     def upload_index(self, plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,
                      keep_alive: list[torch.Tensor]) -> torch.Tensor:
         """The job's gather index on the device, copied on ``stream`` from a pinned buffer."""
-        length = plan.index_length(gpu_ids.numel())
-        slot = self._turn % _HOST_SLOTS
-        self._turn += 1
-        host = self._host
-        if host is None or host.shape[1] < length:
-            if host is not None:
-                keep_alive.append(host)
-            host = self._host = torch.empty((_HOST_SLOTS, length), dtype=torch.int64,
-                                            pin_memory=True)
-            self._used = [False] * _HOST_SLOTS
-            self._index_views.clear()
-        elif self._used[slot]:
-            self._uploaded[slot].synchronize()  # its last upload has read it
-        device_index = self._device_index
-        if device_index is None or device_index.numel() < length:
-            if device_index is not None:
-                keep_alive.append(device_index)
-            device_index = self._device_index = torch.empty(length, dtype=torch.int64,
-                                                            device=self.device)
-            self.clear_views()
-        self._used[slot] = True
-        key = (slot, length)
+        n = gpu_ids.numel()
+        length = plan.index_length(n)
+        host, device_buffer = self._job_slot(length, n, keep_alive)
+        key = (self._pending or 0, length)
         views = self._index_views.get(key)
         if views is None:  # the two slices, made once per buffer and length
-            views = self._index_views[key] = (host[slot, :length], device_index[:length])
+            views = self._index_views[key] = (host[:length], device_buffer[:length])
         host_part, index = views
         plan.gather_index(gpu_ids, out=host_part)
-        if self.memcpy is None:
-            index.copy_(host_part, non_blocking=True)
-        else:
-            rc = self.memcpy(index.data_ptr(), host_part.data_ptr(), 8 * length, stream.cuda_stream)
-            if rc != 0:
-                msg = f"cudaMemcpyAsync of the gather index returned CUDA error {rc}"
-                raise RuntimeError(msg)
-        self._pending = slot
+        self._upload(host_part, index, stream)
         return index
 
     def end_job(self, stream: torch.cuda.Stream) -> None:
