@@ -75,11 +75,34 @@ def kernel_times(rows_per_plane: int = 256, planes: int = 4, row: int = 64 << 10
     del span
 
 
-def timeline(caches: dict[str, torch.Tensor], n: int, jobs: int = 12) -> None:
-    """GPU timeline of the default mover's staged jobs: ms from the job's start event to the
+def _dmas_alone(mover: KVBlockMover, n: int) -> dict[str, Callable[[], None]]:
+    """The DMAs of a default staged job (its stages' 2D copies between a dense device buffer
+    and the mover's CPU buffer) with no kernels and no mover: what the copy engines alone do."""
+    from connectors.offload import _cudart
+    from connectors.offload._staged import group_planes, staging_copies
+    plan = mover._gather_plan
+    memcpy_2d = _cudart.memcpy_2d_async()
+    staging = torch.empty(len(plan.planes) * n * plan.row, dtype=torch.uint8, device="cuda")
+    groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes), taper=plan.taper)
+    stream = torch.cuda.Stream()
+    out = {}
+    for d, to_cpu, cpu0 in (("store", True, 0), ("load", False, n)):
+        copies = [c for g in groups for c in staging_copies(plan, g, n, [(0, cpu0, n)],
+                                                             staging.data_ptr(), to_cpu=to_cpu)]
+
+        def run(copies=copies) -> None:
+            stream.wait_stream(torch.cuda.current_stream())
+            for dst, dp, src, sp, w, h in copies:
+                assert memcpy_2d(dst, dp, src, sp, w, h, stream.cuda_stream) == 0
+            torch.cuda.current_stream().wait_stream(stream)
+        out[d] = run
+    return out
+
+
+def timeline(caches: dict[str, torch.Tensor], n: int, label: str, jobs: int = 12) -> None:
+    """GPU timeline of a mover variant's staged jobs: ms from the job's start event to the
     end of each DMA call's copies (``dma k``) and of each kernel call (``kernel k``), and to the
-    job's end; median over ``jobs`` inline jobs per direction. Also the host ms from the
-    submission to the job's start event being recorded."""
+    job's end; median over ``jobs`` inline jobs per direction."""
     from connectors.offload import _staged
     marks: list[tuple[str, torch.cuda.Event]] = []
     orig_dma, orig_move = _staged._dma, _staged._move
@@ -100,6 +123,7 @@ def timeline(caches: dict[str, torch.Tensor], n: int, jobs: int = 12) -> None:
     try:
         perm = torch.randperm(4096, generator=torch.Generator().manual_seed(1)).tolist()
         mover = KVBlockMover(caches, num_cpu_blocks=2 * n, issue_thread=False)
+        apply_variant(mover, label)
         for is_store in (True, False):
             rows: dict[str, list[float]] = {}
             for j in range(jobs + 2):
@@ -120,7 +144,7 @@ def timeline(caches: dict[str, torch.Tensor], n: int, jobs: int = 12) -> None:
                     rows.setdefault(f"{kind} {k}", []).append(job.start_event.elapsed_time(e))
                 rows.setdefault("end", []).append(job.start_event.elapsed_time(job.end_event))
                 mover.get_finished()
-            print(json.dumps({"timeline": "store" if is_store else "load",
+            print(json.dumps({"timeline": "store" if is_store else "load", "variant": label,
                               **{k: round(statistics.median(v), 3) for k, v in rows.items()}}), flush=True)
         mover.shutdown()
     finally:
@@ -149,7 +173,8 @@ def main() -> int:
     for layout in args.layouts:
         caches = make_kv_caches(args, device, layout)
         if args.timeline and layout != "cross-layer":
-            timeline(caches, n)
+            for label in ("auto", "auto, even stages", "auto, third-stage staging"):
+                timeline(caches, n, label)
         movers: dict[str, KVBlockMover] = {}
         if args.baseline_root:
             movers["main"] = baseline_mover_class(args.baseline_root)(caches, num_cpu_blocks=2 * n)
@@ -164,7 +189,13 @@ def main() -> int:
             fns[name, "load"] = lambda m=m: (m.submit_load(next(_JOBS), load_cpu, load_gpu), m.wait())
         for d in ("store", "load"):
             fns["contiguous (control)", d] = (lambda f=contig[d]: f())
-        names = ["contiguous (control)", *movers]
+        extra = []
+        plan = getattr(movers.get("auto"), "_gather_plan", None)
+        if plan is not None and layout != "cross-layer":
+            extra.append("staged DMAs alone")
+            for d, fn in _dmas_alone(movers["auto"], n).items():
+                fns["staged DMAs alone", d] = fn
+        names = ["contiguous (control)", *extra, *movers]
         ratios: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
         secs: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
         for fn in fns.values():  # warm-up
