@@ -13,9 +13,12 @@ in stages of 16 MiB, up to 16, as before), ``, no head`` (a batched job's first 
 are not queued ahead of the rest), ``, int64 words`` (staged kernels move 8-byte words, not
 16-byte ones), ``, even stages`` (no short first and last stage), ``, torch upload`` (the
 gather index uploaded with ``Tensor.copy_`` and its buffer's event recorded at once),
-``, index first`` (a store's first stage waits for the whole span index), ``, third-stage
-staging`` (those four together: the staged copies as the third stage left them) or ``,
-dma-only small jobs`` (``auto`` moves per-layer jobs of up to 128 MiB as per-row DMAs).
+``, index first`` (a store's first stage waits for the whole span index), ``, load index
+on kernel stream`` (a load's index uploaded on the kernel stream, behind every DMA),
+``, third-stage staging`` (those five together: the staged copies as the third stage left
+them), ``, dma-only small jobs`` (``auto`` moves per-layer jobs of up to 128 MiB as per-row
+DMAs) or ``, wake on claimed`` (the issue thread, woken for a job that a waiting caller
+already issued, still sleeps and takes the GIL before it notices).
 
 :func:`baseline_mover_class` loads the mover of another checkout (main) beside this one's,
 so that a benchmark measures both in one process, interleaved.
@@ -44,9 +47,10 @@ LAYOUTS = ["cross-layer", "per-layer", "per-layer, one allocation"]
 
 OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane", "per-job buffers",
            "16 MiB stages", "no head", "int64 words", "even stages", "torch upload",
-           "index first", "third-stage staging", "dma-only small jobs")
+           "index first", "load index on kernel stream", "third-stage staging",
+           "dma-only small jobs", "wake on claimed")
 _STAGING_OPTIONS = ("int64 words", "even stages", "torch upload", "index first",
-                    "third-stage staging")
+                    "load index on kernel stream", "third-stage staging")
 _STAGES = (_staged._STAGE_BYTES, _staged._MAX_GROUPS)  # this checkout's, for "16 MiB stages"
 
 DEFAULT_VARIANTS = ["per_block", "coalesced", "gather", "batched", "pitched", "auto",
@@ -83,6 +87,8 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
         mover._gather_plan, mover._staging = _staging_variant(mover, option, gather_plan)
     if head is not None:
         mover._head_blocks = 0 if option == "no head" else head
+    if hasattr(type(mover), "_skip_claimed"):
+        mover._skip_claimed = option != "wake on claimed"
     if hasattr(mover, "_dma_only_bytes"):
         mover._dma_only_bytes = (128 << 20) if option == "dma-only small jobs" else 0
     # Module-wide (this checkout's staged copies): the stage size before this branch.
@@ -94,8 +100,8 @@ def _staging_variant(mover: KVBlockMover, option: str, plan: _staged.GatherPlan
     """The gather plan and staging buffers of one of :data:`_STAGING_OPTIONS` (made once)."""
     made = mover.__dict__.setdefault("_bench_staging", {})
     if option not in made:
-        off = ({"int64 words", "even stages", "torch upload", "index first"}
-               if option == "third-stage staging" else {option})
+        off = ({"int64 words", "even stages", "torch upload", "index first",
+                "load index on kernel stream"} if option == "third-stage staging" else {option})
         if "int64 words" in off:
             plan = _staged.plan_gather(mover.layout.planes, mover.cpu_planes,
                                        _cudart.max_pitch(mover._device_index) if mover._stage_2d else 0,
@@ -103,9 +109,9 @@ def _staging_variant(mover: KVBlockMover, option: str, plan: _staged.GatherPlan
         if "even stages" in off:
             plan = dataclasses.replace(plan, taper=False)
         memcpy = None if "torch upload" in off else mover._memcpy
-        made[option] = plan, {d: StagingBuffers(mover.device, plan, memcpy,
-                                                ids_first="index first" not in off)
-                              for d in (True, False)}
+        made[option] = plan, {d: StagingBuffers(
+            mover.device, plan, memcpy, ids_first="index first" not in off,
+            load_index_on_dma_stream="load index on kernel stream" not in off) for d in (True, False)}
     return made[option]
 
 

@@ -151,6 +151,43 @@ def timeline(caches: dict[str, torch.Tensor], n: int, label: str, jobs: int = 12
         _staged._dma, _staged._move = orig_dma, orig_move
 
 
+def profile(caches: dict[str, torch.Tensor], n: int, jobs: int = 30) -> None:
+    """Host time of inline staged jobs by function (cProfile, tottime), store and load, to
+    ``$OUT/profile.txt``; the top lines are printed."""
+    import cProfile
+    import io
+    import pstats
+    perm = torch.randperm(4096, generator=torch.Generator().manual_seed(1)).tolist()
+    mover = KVBlockMover(caches, num_cpu_blocks=2 * n, issue_thread=False)
+    text = io.StringIO()
+    for is_store in (True, False):
+        def job() -> None:
+            if is_store:
+                mover.submit_store(next(_JOBS), perm[:n], list(range(n)))
+            else:
+                mover.submit_load(next(_JOBS), list(range(n)), perm[:n])
+            mover.wait()
+            mover.get_finished()
+        for _ in range(3):
+            job()
+        prof = cProfile.Profile()
+        for _ in range(jobs):
+            torch.cuda.synchronize()
+            prof.enable()
+            job()
+            prof.disable()
+        text.write(f"--- {'store' if is_store else 'load'}: {jobs} inline jobs, tottime\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+    mover.shutdown()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "profile.txt"), "w") as f:
+            f.write(text.getvalue())
+    for line in text.getvalue().splitlines():
+        if line.startswith("---") or ("{" in line and "synchronize" not in line) or "_staged" in line:
+            print(line[:150])
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     add_kv_args(p)
@@ -161,6 +198,7 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=["auto"])
     p.add_argument("--kernels", action="store_true", help="also time one stage's kernels per word")
     p.add_argument("--timeline", action="store_true", help="also the GPU timeline of staged jobs")
+    p.add_argument("--profile", action="store_true", help="also a host profile of staged jobs")
     args = p.parse_args()
     device = torch.device("cuda")
     if args.kernels:
@@ -173,8 +211,10 @@ def main() -> int:
     for layout in args.layouts:
         caches = make_kv_caches(args, device, layout)
         if args.timeline and layout != "cross-layer":
-            for label in ("auto", "auto, even stages", "auto, third-stage staging"):
+            for label in ("auto", "auto, third-stage staging"):
                 timeline(caches, n, label)
+        if args.profile and layout == "per-layer":
+            profile(caches, n)
         movers: dict[str, KVBlockMover] = {}
         if args.baseline_root:
             movers["main"] = baseline_mover_class(args.baseline_root)(caches, num_cpu_blocks=2 * n)

@@ -9,12 +9,14 @@ different sizes, with many jobs in flight at once.
 from __future__ import annotations
 
 import array
+import queue
 import threading
+import types
 
 import pytest
 import torch
 
-from connectors.offload import _staged
+from connectors.offload import _issuer, _staged
 from connectors.offload._copy_plan import cpu_runs, estimate_joint_runs, scan_runs
 from connectors.offload.transfer import KVBlockMover
 from test_offload_staged import carved_planes, cpu_plan, per_layer_caches, store_then_load
@@ -152,6 +154,28 @@ def test_a_waiter_issues_a_job_the_delayed_thread_has_not_begun(monkeypatch: pyt
     assert [(r.job_id, r.success) for r in mover.get_finished()] == [(1, True)]
     assert torch.equal(mover.cpu_planes[0][0], mover.layout.planes[0][3])
     mover._issuer.close(join=False)  # the sleeping thread finds the job claimed, then stops
+
+
+class _AlwaysBlockingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
+    """Every get goes the way of a thread woken from idle (never ``get_nowait``)."""
+
+    def get_nowait(self):  # type: ignore[no-untyped-def]
+        raise queue.Empty
+
+
+def test_issue_thread_drops_stale_work_before_its_start_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work a waiting caller already did is dropped at once: no delay, no call."""
+    slept: list[float] = []
+    monkeypatch.setattr(_issuer, "time", types.SimpleNamespace(sleep=slept.append))
+    monkeypatch.setattr(_issuer.queue, "SimpleQueue", _AlwaysBlockingQueue)
+    thread = _issuer.IssueThread(torch.device("cpu"), name="stale-test", delay=0.25)
+    ran: list[str] = []
+    thread.submit(lambda: ran.append("stale"), lambda: True)
+    thread.submit(lambda: ran.append("fresh"), lambda: False)
+    thread.submit(lambda: ran.append("unchecked"))
+    thread.close()
+    assert ran == ["fresh", "unchecked"]
+    assert slept == [0.25, 0.25]  # woken twice for work to do, never for the stale item
 
 
 # ------------------------------------------------------------------ CUDA: reused staging

@@ -16,6 +16,12 @@ thread that takes the GIL at once makes every one of those calls wait for it (ea
 hand-off of the GIL between threads costs tens of microseconds on the H100 machines).
 A caller that blocks on a job meanwhile issues it itself (the mover's ``wait``), so the
 delay never adds latency to a transfer that someone waits for.
+
+Stale work. Work submitted with a ``stale`` check (the mover's: "a waiting caller has
+claimed this job") is dropped when the thread wakes, before the delay: otherwise the thread
+takes the GIL twice more (after waking, after sleeping) while that caller is issuing the
+job, each time at one of the caller's CUDA calls that release it, and each hand-off costs
+the caller tens of microseconds before its first DMA.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import torch
 
 __all__ = ["IssueThread"]
 
+_Work = tuple[Callable[[], None], Callable[[], bool] | None]
+
 
 class IssueThread:
     """One daemon thread that runs submitted callables in submission order.
@@ -45,7 +53,7 @@ class IssueThread:
     """
 
     def __init__(self, device: torch.device, name: str, delay: float = 0.0) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self.delay = delay
         self._thread = threading.Thread(target=self._run, args=(device, self._queue, self),
                                         name=name, daemon=True)
@@ -53,7 +61,7 @@ class IssueThread:
         _LIVE.add(self)
 
     @staticmethod
-    def _run(device: torch.device, work: queue.SimpleQueue[Callable[[], None] | None],
+    def _run(device: torch.device, work: queue.SimpleQueue[_Work | None],
              owner: IssueThread) -> None:
         # A static method holding only the queue and this object: the thread keeps no
         # reference to the mover, so a mover dropped without shutdown() can be collected.
@@ -61,18 +69,27 @@ class IssueThread:
             torch.cuda.set_device(device)
         while True:
             try:
-                fn = work.get_nowait()  # more work queued: no delay
+                item = work.get_nowait()  # more work queued: no delay
             except queue.Empty:
-                fn = work.get()
-                if fn is not None and owner.delay > 0:
+                item = work.get()
+                if item is not None and item[1] is not None and item[1]():
+                    continue  # done by someone else meanwhile: no delay, no call
+                if item is not None and owner.delay > 0:
                     time.sleep(owner.delay)  # woken from idle: let the submitter run on
-            if fn is None:
+            if item is None:
                 return
-            fn()
+            fn, stale = item
+            if stale is None or not stale():
+                fn()
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the thread after everything submitted before it."""
-        self._queue.put(fn)
+    def submit(self, fn: Callable[[], None], stale: Callable[[], bool] | None = None) -> None:
+        """Run ``fn`` on the thread after everything submitted before it.
+
+        Args:
+            stale: if given and true when the thread reaches the work, ``fn`` is skipped
+                (someone else did it); checked without waiting for the start delay.
+        """
+        self._queue.put((fn, stale))
 
     def close(self, *, join: bool = True, timeout: float | None = None) -> None:
         """Stop the thread once the queued work is done (and wait for it when ``join``)."""

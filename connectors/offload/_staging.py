@@ -47,13 +47,16 @@ class StagingBuffers:
             the caching host allocator's own event record).
         ids_first: a store gathers its first stage by block id (:meth:`upload_ids`) and
             computes and uploads the span index only after its first DMA is queued.
+        load_index_on_dma_stream: a load uploads its index on the DMA stream, right after
+            its first DMA (else on the kernel stream, where it waits for every DMA).
     """
 
     def __init__(self, device: torch.device, plan: GatherPlan, memcpy: Memcpy | None = None,
-                 *, ids_first: bool = True) -> None:
+                 *, ids_first: bool = True, load_index_on_dma_stream: bool = True) -> None:
         self.device = device
         self.memcpy = memcpy
         self.ids_first = ids_first
+        self.load_index_on_dma_stream = load_index_on_dma_stream
         self.lock = threading.Lock()
         self.fence = torch.cuda.Event()  # every record/wait pair between the two streams
         self._words, self._word = plan.planes[0].shape[1], plan.word
