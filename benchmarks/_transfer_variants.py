@@ -17,7 +17,7 @@ gather index uploaded with ``Tensor.copy_`` and its buffer's event recorded at o
 on kernel stream`` (a load's index uploaded on the kernel stream, behind every DMA),
 ``, third-stage staging`` (those five together: the staged copies as the third stage left
 them), ``, dma-only small jobs`` (``auto`` moves per-layer jobs of up to 128 MiB as per-row
-DMAs) or ``, wake on claimed`` (the issue thread, woken for a job that a waiting caller
+DMAs), ``, dma-only small stores`` (the same for stores only) or ``, wake on claimed`` (the issue thread, woken for a job that a waiting caller
 already issued, still sleeps and takes the GIL before it notices).
 
 :func:`baseline_mover_class` loads the mover of another checkout (main) beside this one's,
@@ -48,7 +48,7 @@ LAYOUTS = ["cross-layer", "per-layer", "per-layer, one allocation"]
 OPTIONS = ("", "inline issue", "Tensor.copy_", "per-plane kernels", "one lane", "per-job buffers",
            "16 MiB stages", "no head", "int64 words", "even stages", "torch upload",
            "index first", "load index on kernel stream", "third-stage staging",
-           "dma-only small jobs", "wake on claimed")
+           "dma-only small jobs", "dma-only small stores", "wake on claimed")
 _STAGING_OPTIONS = ("int64 words", "even stages", "torch upload", "index first",
                     "load index on kernel stream", "third-stage staging")
 _STAGES = (_staged._STAGE_BYTES, _staged._MAX_GROUPS)  # this checkout's, for "16 MiB stages"
@@ -90,7 +90,9 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
     if hasattr(type(mover), "_skip_claimed"):
         mover._skip_claimed = option != "wake on claimed"
     if hasattr(mover, "_dma_only_bytes"):
-        mover._dma_only_bytes = (128 << 20) if option == "dma-only small jobs" else 0
+        small = option in ("dma-only small jobs", "dma-only small stores")
+        mover._dma_only_bytes = (128 << 20) if small else 0
+        mover._dma_only_loads = option != "dma-only small stores"
     # Module-wide (this checkout's staged copies): the stage size before this branch.
     _staged._STAGE_BYTES, _staged._MAX_GROUPS = (16 << 20, 16) if option == "16 MiB stages" else _STAGES
 

@@ -56,6 +56,7 @@ class CopyMethods:
     # ``auto`` moves scattered small rows of jobs up to this many bytes as per-row DMAs
     # (no SM time) instead of gathering them (0: always gather).
     _dma_only_bytes: int = 0
+    _dma_only_loads = True  # False: the bound above applies to stores only
     _memcpy: _cudart.Memcpy | None
     _memcpy_2d: _cudart.Memcpy2D | None
     _stage_2d: _cudart.Memcpy2D | None
@@ -134,7 +135,8 @@ class CopyMethods:
         # the full scan only where the sample shows runs (then it matters).
         if method == "auto" and self._gather_plan is not None and (
                 len(planes) > 1 or planes[0].shape[1] < SMALL_ROW_BYTES) and (
-                n * self._block_bytes > self._dma_only_bytes or self._batch_memcpy is None) and (
+                n * self._block_bytes > self._dma_only_bytes or self._batch_memcpy is None
+                or not (job.is_store or self._dma_only_loads)) and (
                 self._small_rows(n, estimate_joint_runs(g_ids, c_ids))
                 or self._small_rows(n, scan_runs(g_ids, c_ids)[0])):
             method = "gather"

@@ -10,24 +10,29 @@ scatter it, while the DMA of group ``k + 1`` proceeds.
 
 What makes it fast (measured on an H100, 256 scattered blocks of 2 MiB): the mechanism alone
 reaches 0.96-0.98x of the contiguous copy each way (``benchmarks/probe_transfer_limits.py``),
-the mover's default 0.92-0.95x (``bench_transfer.py``), where the first version of this
-module reached 0.85x:
+the mover's default 0.94-0.96x (``benchmarks/probe_roundrobin.py``), where the first version
+of this module reached 0.85x:
 
-* the kernels move 8-byte words, not bytes (``index_select`` on int64 views): a byte-wise
-  gather of 512 MiB took milliseconds, long enough to stall the pipeline;
+* the kernels move wide words, not bytes (``index_select`` on complex128 or int64 views):
+  a byte-wise gather of 512 MiB took milliseconds, long enough to stall the pipeline
+  (16-byte and 8-byte words measure the same, ~2.3 TB/s read + write);
 * where every plane's rows sit at whole multiples of the row size from the lowest plane
   (true of large allocations), one *span* view covers all planes, so a group of planes is
   one gather kernel and one 2D DMA (rows = planes) instead of one kernel and one DMA per
   plane (with the changes below, the issue thread's time per 64-block job fell from 1.4-2.2
   to 0.6-0.8 ms);
-* the pipeline has one stage per ~16 MiB moved (up to 16), so the first gather and the
-  last scatter, which nothing overlaps, stay short;
+* stages of ~32 MiB (up to 8), the first and the last one shorter (``taper``): nothing
+  overlaps a store's first gather or a load's last scatter;
 * nothing is allocated per job (:class:`StagingBuffers`): the staging memory, the pinned
   index buffer, the device index and the events that order the two streams are kept per
   direction and reused, since every allocation before the first DMA delays it;
-* only the first stage's own work comes before the first DMA: a store gathers stage 0 on
-  the DMA stream itself, a load moves stage 0 into staging first (host time from a
-  submission to the first DMA, H100: 0.5-0.9 ms before this branch, ~0.2-0.3 ms after).
+* only the first stage's own work comes before the first DMA: a store uploads its block
+  ids alone and gathers stage 0 on the DMA stream itself, by id, plane by plane; the span
+  index is computed and uploaded (on the kernel stream) after that DMA is queued. A load
+  moves stage 0 into staging first, then uploads its index on the DMA stream, behind stage 0
+  (on the kernel stream the upload queued on the copy engine behind every stage's DMA, and
+  every scatter ran after the last DMA: 0.4 ms of tail, loads 0.92-0.93x instead of
+  0.955-0.96x).
 
 The span view aliases device memory by address (``__cuda_array_interface__``); only the
 rows of the registered planes are ever indexed, so memory between allocations is never
