@@ -36,6 +36,7 @@ for stage in $STAGES; do
         timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_offload_transfer.py \
             tests/test_offload_staged.py tests/test_transfer_reuse.py tests/test_transfer_stats.py \
             tests/test_offload_connector.py tests/test_transfer_failures.py \
+            tests/test_offload_store_fence.py tests/test_offload_hybrid.py tests/test_offload_recency.py \
             2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
     transfer|transfer2)
         timeout 300 python3 benchmarks/bench_transfer.py --reps "$REPS" --baseline-root "$BASE" \
