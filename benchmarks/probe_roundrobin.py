@@ -24,24 +24,15 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches
-from bench_transfer import _check, _contiguous_fns
+from bench_transfer import _check, _contiguous_fns, _time_once
 from connectors.offload.transfer import KVBlockMover
 
 _JOBS = iter(range(1 << 30))
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -247,9 +238,9 @@ def main() -> int:
                 for name in order:
                     fn, base = fns[name, d], contig[d]
                     if r % 2:
-                        tb, tf = _timed(base), _timed(fn)
+                        tb, tf = _time_once(base, device), _time_once(fn, device)
                     else:
-                        tf, tb = _timed(fn), _timed(base)
+                        tf, tb = _time_once(fn, device), _time_once(base, device)
                     ratios[name, d].append(tb / tf)
                     secs[name, d].append(tf)
             for m in movers.values():

@@ -32,7 +32,7 @@ alone. Methods (``KVBlockMover(method=...)``):
     ``coalesced``  one ``cudaMemcpyAsync`` per run of consecutive ids and plane
     ``per_block``  one copy per block and plane (the baseline the others must beat)
     ``gather``     gather scattered rows on the device into a staging buffer, a group of
-                   planes at a time (8-byte words, one kernel per group where the planes
+                   planes at a time (16- or 8-byte words, one kernel per group where the planes
                    share a span), and move each group with one large (2D) DMA, kernels and
                    DMAs pipelined on two streams (:mod:`._staged`; uses some SM time)
     ``auto``       the default: ``gather`` when the job's copies would average under
