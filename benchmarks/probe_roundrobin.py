@@ -185,6 +185,8 @@ def main() -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--ids", choices=("scattered", "runs"), default="scattered",
+                   help="GPU block ids: a random permutation, or consecutive (one run per job)")
     p.add_argument("--baseline-root", default=None)
     p.add_argument("--variants", nargs="+", default=["auto"])
     p.add_argument("--kernels", action="store_true", help="also time one stage's kernels per word")
@@ -196,6 +198,8 @@ def main() -> int:
         kernel_times()
     n = args.batch
     perm = torch.randperm(args.num_gpu_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    if args.ids == "runs":
+        perm = list(range(args.num_gpu_blocks))
     store_gpu, load_gpu = perm[:n], perm[n:2 * n]
     store_cpu, load_cpu = list(range(n)), list(range(n, 2 * n))
     rows = []
@@ -266,7 +270,7 @@ def main() -> int:
     if out:
         with open(os.path.join(out, "probe_roundrobin.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\n{torch.cuda.get_device_name()}: {n} scattered blocks per job, {args.rounds} rounds; "
+    print(f"\n{torch.cuda.get_device_name()}: {n} {args.ids} blocks per job, {args.rounds} rounds; "
           "x contig = median [p25, p75] of the per-pair ratio")
     print("| layout | variant | store x contig | load x contig | store GB/s | load GB/s | ok |")
     print("|---|---|---|---|---|---|---|")
