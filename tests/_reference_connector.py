@@ -38,10 +38,12 @@ __all__ = [
     "UndeclaredAsyncReferenceConnector",
 ]
 
-BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block")
+BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block",
+        "zero_last_byte")
 """Planted bugs: load another block's data; change one value per loaded block; claim one
 block more than stored; claim a hit while nothing is stored; skip the block in which the
-claim ends when it ends mid-block. The last three ignore the missing data silently."""
+claim ends when it ends mid-block (these three ignore the missing data silently); load
+every block with its last byte zeroed (the high byte of its last KV element)."""
 
 
 class ReferenceMetadata(KVConnectorMetadata, kw_only=True):
@@ -155,6 +157,9 @@ class ReferenceConnector(KVConnectorBase_V1):
             if self.bug == "corrupt_value":
                 data = data.clone()
                 data[0] ^= 1
+            if self.bug == "zero_last_byte":
+                data = data.clone()
+                data[-1] = 0
             self._view[block_id].copy_(data)
             self._add("bytes_loaded", data.numel())
         self._recving.update(meta.async_reqs)

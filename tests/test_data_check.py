@@ -42,6 +42,7 @@ class TestReferenceAsync(DataCheck):
     ("over_claim", "block_aligned"),
     ("empty_store_claim", "eviction"),
     ("partial_last_block", "full_prompt_hit"),
+    ("zero_last_byte", "block_aligned"),
 ])
 @pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
 def test_kit_fails_planted_bug(bug: str, workload: str, load_async: bool) -> None:

@@ -48,6 +48,12 @@ class DataCheckWorkload:
         max_model_len: longest sequence.
         layer_types: the model's layers (``"full"``, ``"sliding:N"``, ``"chunked:N"``); each
             distinct kind is one KV cache group, so more than one kind is a hybrid model.
+        kv_dtype: the KV element type (:data:`~kvconnector_core.worker.model.KV_DTYPES`).
+            ``"int16"`` by default: the model's values are residues below 2**16, so as int32
+            the upper two bytes of every element are always zero and a connector that
+            corrupts them (truncates, zeroes, drops the last byte of a block) would move
+            data equal to the truth; as int16 every byte of every element carries data,
+            as in vLLM's 2-byte KV dtypes.
     """
 
     name: str
@@ -59,11 +65,12 @@ class DataCheckWorkload:
     max_num_seqs: int = 8
     max_model_len: int = 96
     layer_types: tuple[str, ...] = DEFAULT_LAYER_TYPES
+    kv_dtype: str = "int16"
 
     def engine_config(self, connector: KVConnectorConfig | None) -> EngineConfig:
         """The engine config of this workload, with ``connector`` (None = baseline)."""
         model = ModelConfig(vocab_size=_VOCAB, layer_types=self.layer_types, num_kv_heads=1,
-                            head_size=8, mlp_size=16)
+                            head_size=8, mlp_size=16, kv_dtype=self.kv_dtype)
         return EngineConfig(model=model, num_gpu_blocks=self.num_gpu_blocks, block_size=self.block_size,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,

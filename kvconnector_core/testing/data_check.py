@@ -22,11 +22,12 @@ the connector under test, and fails when:
   requests in ``failed_recving``) are exempt: a *reported* failed load is recomputed.
 
 Silent over-claims cannot hide behind stale data: before each step, every block that
-newly joined a request's block table and is not a GPU prefix-cache hit is filled with
-``-1`` (never a value the engine's model writes), so a block the connector claimed but
+newly joined a request's block table and is not a GPU prefix-cache hit is filled with a
+poison value the engine's model never writes, so a block the connector claimed but
 never loaded is caught even when the pool happens to reuse a block holding the same
-prefix. The workloads use a tiny exact-integer model (see ``docs/determinism.md``), so
-equal data means bit-equal rows.
+prefix. The workloads use a tiny exact-integer model (see ``docs/determinism.md``) with
+int16 KV, in which every byte of every element carries data, so equal data means
+bit-equal rows and a corrupted byte anywhere in a block is a differing row.
 
 Every lookup is asked twice in a row (as vLLM may ask again); ``test_lookups_are_repeatable``
 also compares runs with lookups asked once and twice. ``test_hybrid`` runs a model with
