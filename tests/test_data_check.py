@@ -235,3 +235,17 @@ def test_cpu_offload_serves_hits_on_the_hybrid_workload(blocks_per_chunk: int) -
     report = run_data_check(cfg, "hybrid")
     assert report.ok, str(report)
     assert report.checked is not None and report.checked.metrics.connector_hit_tokens == 76
+
+
+@pytest.mark.parametrize("connector", [_OFFLOAD, KVConnectorConfig(name="MultiConnector", extra_config={
+    "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]})], ids=["offload", "multi"])
+def test_quarantine_caused_by_injected_raises_is_not_the_connectors_error(connector: KVConnectorConfig) -> None:
+    """Regression: with start_load_kv raising on every call the guard quarantines the
+    connector, and its 'quarantined' counter was counted as one raise more than injected,
+    so a correct connector failed ("only N of these raises were injected faults")."""
+    cfg = fault_injection_config(connector, FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=1.0),)))
+    report = run_data_check(cfg, "repeated_prefixes")
+    assert report.checked is not None
+    errors = report.checked.metrics.connector_errors
+    assert errors.get("quarantined") == 1 and errors["start_load_kv"] == report.injected_raises, errors
+    assert report.ok, str(report)

@@ -2,7 +2,7 @@
 the faults a fault-injecting wrapper made on purpose.
 
 Primitives: :func:`ask_lookups_twice`, :func:`lookup_side_effects`, :func:`injected_raises`,
-:func:`visible_failed_stores`.
+:func:`connector_raises`, :func:`visible_failed_stores`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvconnector_core.engine.engine import Engine
 
-__all__ = ["MAX_PROBLEMS", "ask_lookups_twice", "injected_raises", "lookup_side_effects", "visible_failed_stores"]
+__all__ = ["GUARD_RESPONSES", "MAX_PROBLEMS", "ask_lookups_twice", "connector_raises", "injected_raises",
+           "lookup_side_effects", "visible_failed_stores"]
 
 MAX_PROBLEMS = 8
 """Problems one report lists: enough to see a pattern; more only buries the first one."""
+
+
+GUARD_RESPONSES = frozenset({"quarantined", "event_gap", "update_connector_output.dropped"})
+"""Keys of ``RunMetrics.connector_errors`` that count what the guard did about raises
+(quarantine, an event gap marker, a dropped report), not raises themselves: counting them
+would blame a correct connector for a quarantine that injected raises caused."""
+
+
+def connector_raises(errors: dict[str, int]) -> int:
+    """How many hook calls raised, from ``RunMetrics.connector_errors``."""
+    return sum(count for key, count in errors.items() if key not in GUARD_RESPONSES)
 
 
 def injected_raises(engine: Engine) -> int:

@@ -53,6 +53,7 @@ from kvconnector_core.engine.workloads import Trace
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.testing._data_probes import (
     ask_lookups_twice,
+    connector_raises,
     injected_raises,
     lookup_side_effects,
     visible_failed_stores,
@@ -169,7 +170,7 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | s
     report.problems = checker.problems + _outputs_problems(baseline, checked)
     errors = checked.metrics.connector_errors
     report.injected_raises = injected_raises(engine)
-    if sum(errors.values()) > report.injected_raises:
+    if connector_raises(errors) > report.injected_raises:
         report.problems.append(
             f"the connector raised (contained by the engine) in: {errors}"
             + (f"; only {report.injected_raises} of these raises were injected faults"
