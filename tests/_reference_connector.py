@@ -39,11 +39,12 @@ __all__ = [
 ]
 
 BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block",
-        "zero_last_byte")
+        "zero_last_byte", "serve_failed_load_stores")
 """Planted bugs: load another block's data; change one value per loaded block; claim one
 block more than stored; claim a hit while nothing is stored; skip the block in which the
 claim ends when it ends mid-block (these three ignore the missing data silently); load
-every block with its last byte zeroed (the high byte of its last KV element)."""
+every block with its last byte zeroed (the high byte of its last KV element); keep the
+stores of a step whose synchronous load failed (its forward ran on blocks never loaded)."""
 
 
 class ReferenceMetadata(KVConnectorMetadata, kw_only=True):
@@ -80,6 +81,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         self._matched: dict[str, int] = {}
         self._planner = StorePlanner(self.block_size)
         self._plan = ReferenceMetadata()
+        self._step_stores: list[tuple[bytes, int]] = []
         # worker side
         self._view: torch.Tensor | None = None
         self._store: dict[bytes, torch.Tensor] = {}
@@ -134,7 +136,19 @@ class ReferenceConnector(KVConnectorBase_V1):
                 self._stored.add(key)  # the worker copies it in this step's wait_for_save
                 self._plan.stores.append((key, block_id))
         plan, self._plan = self._plan, ReferenceMetadata()
+        self._step_stores = plan.stores
         return plan
+
+    def update_connector_output(self, connector_output):
+        # A failed sync load: the step's forward ran on blocks never loaded, so its stores
+        # hold wrong KV and must not be served.
+        failed = connector_output.invalid_block_ids or connector_output.loads_failed
+        if failed and self.bug != "serve_failed_load_stores":
+            self._stored.difference_update(key for key, _ in self._step_stores)
+
+    def plan_failed(self, connector_metadata, *, loads_failed, stores_failed):
+        if (stores_failed or loads_failed) and self.bug != "serve_failed_load_stores":
+            self._stored.difference_update(key for key, _ in connector_metadata.stores)
 
     def request_finished(self, request, block_ids):
         self._planner.forget(request.request_id)

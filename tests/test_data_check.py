@@ -13,6 +13,7 @@ from kvconnector_core.testing import (
     data_check_workloads,
     fault_injection_config,
     run_data_check,
+    run_failed_load_check,
 )
 
 WORKLOADS = data_check_workloads()
@@ -174,9 +175,10 @@ def test_own_raises_still_count_under_fault_injection() -> None:
 
 
 def test_fault_injection_still_catches_wrong_data() -> None:
-    """The reference connector serves saves computed in a step whose sync load failed (it has
-    no such duty check): with start_load_kv raising, DataCheck under faults names the rows."""
-    cfg = fault_injection_config(reference(), FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)))
+    """With the planted bug the reference connector serves saves computed in a step whose
+    sync load failed: with start_load_kv raising, DataCheck under faults names the rows."""
+    cfg = fault_injection_config(reference(bug="serve_failed_load_stores"),
+                                 FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)))
     report = run_data_check(cfg, "repeated_prefixes")
     assert not report.ok
     assert "KV rows" in report.problems[0], str(report)
@@ -249,3 +251,24 @@ def test_quarantine_caused_by_injected_raises_is_not_the_connectors_error(connec
     errors = report.checked.metrics.connector_errors
     assert errors.get("quarantined") == 1 and errors["start_load_kv"] == report.injected_raises, errors
     assert report.ok, str(report)
+
+
+def test_failed_load_check_catches_serving_the_stores_of_a_failed_load_step() -> None:
+    """Regression: a connector that kept the stores of a step whose sync load failed passed
+    DataCheck, and under random start_load_kv raises it was caught for some fault seeds only
+    (4 of 10 on repeated_prefixes). run_failed_load_check fails one step with sync loads at
+    a time on chained_prefixes, where the next request loads what that step stored."""
+    report = run_failed_load_check(reference(bug="serve_failed_load_stores"))
+    assert not report.ok
+    assert report.injected_raises == 1
+    assert "start_load_kv raised (injected) in step" in report.problems[0], str(report)
+    assert "KV rows" in report.problems[0], str(report)
+
+
+@pytest.mark.parametrize("connector", [reference(), reference(load_async=True), _OFFLOAD], ids=["sync", "async", "offload"])
+def test_failed_load_check_passes_correct_connectors(connector: KVConnectorConfig) -> None:
+    """The correct reference connector forgets the failed step's stores; an async one has no
+    step with sync loads (nothing to fail: no fault injected)."""
+    report = run_failed_load_check(connector)
+    assert report.ok, str(report)
+    assert report.injected_raises == (1 if connector.extra_config == {} else 0)

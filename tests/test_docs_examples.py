@@ -56,6 +56,7 @@ def doc_blocks() -> tuple[dict[str, str], list[str]]:
 
 BLOCKS, PROBLEMS = doc_blocks()
 KIT_CLASSES = re.findall(r"^class (\w+)\((ConnectorContract|DataCheck)\):", BLOCKS.get("kit", ""), re.M)
+KIT_FUNCTIONS = re.findall(r"^def (test_\w+)\(", BLOCKS.get("kit", ""), re.M)
 KIT_TESTS = [(cls, method) for cls, base in KIT_CLASSES
              for method in sorted(dir(ConnectorContract if base == "ConnectorContract" else DataCheck))
              if method.startswith("test_")]
@@ -141,6 +142,15 @@ def test_kit_block(package, cls: str, method: str):
     namespace: dict[str, object] = {}
     exec(compile(BLOCKS["kit"], f"{DOC}:kit", "exec", dont_inherit=True), namespace)  # noqa: S102 - the doc's code
     getattr(namespace[cls](), method)()
+
+
+def test_kit_block_functions(package):
+    """The kit block's plain test functions (the hit check) run and pass."""
+    assert KIT_FUNCTIONS == ["test_both_serve_hits"]
+    namespace: dict[str, object] = {}
+    exec(compile(BLOCKS["kit"], f"{DOC}:kit", "exec", dont_inherit=True), namespace)  # noqa: S102 - the doc's code
+    for name in KIT_FUNCTIONS:
+        namespace[name]()
 
 
 @pytest.mark.parametrize(("module", "name"), [("sync_memory", "SyncMemoryConnector"),

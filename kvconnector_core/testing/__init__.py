@@ -3,7 +3,8 @@
 - :class:`ConnectorContract`: subclass it with ``connector_config = ...``.
 - :class:`DataCheck`: subclass it the same way; runs the engine with and without the
   connector on small workloads and compares outputs and KV data block by block
-  (:func:`run_data_check`, :func:`data_check_workloads` without pytest).
+  (:func:`run_data_check`, :func:`run_failed_load_check`, :func:`data_check_workloads`
+  without pytest).
 - :class:`FaultInjectingConnector`: make loads or stores fail, hooks raise, completions come
   late; :func:`fault_injection_config` wraps a connector config with it.
 - :class:`RecordingConnector`: a scriptable test double that records hook calls.
@@ -23,6 +24,7 @@ from kvconnector_core.testing.data_check import (
     DataCheckWorkload,
     data_check_workloads,
     run_data_check,
+    run_failed_load_check,
 )
 from kvconnector_core.testing.factories import (
     BLOCK_SIZE,
@@ -75,5 +77,6 @@ __all__ = [
     "make_kv_caches",
     "make_request",
     "run_data_check",
+    "run_failed_load_check",
     "scheduler_output_for",
 ]
