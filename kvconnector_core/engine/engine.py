@@ -26,7 +26,7 @@ from kvconnector_core.engine._records import (
     RunMetrics,
     RunResult,
     _fold_stats,
-    _gbps,
+    _timed_gbps,
     _numeric_leaves,
 )
 from kvconnector_core.engine.timeline import Timeline
@@ -328,8 +328,7 @@ class Engine:
             num_failed_loads_recovered=stats.num_failed_loads_recovered,
             bytes_loaded=int(std["bytes_loaded"]), bytes_stored=int(std["bytes_stored"]),
             load_seconds=float(std["load_seconds"]), store_seconds=float(std["store_seconds"]),
-            load_gbps=_gbps(std["bytes_loaded"], std["load_seconds"]),
-            store_gbps=_gbps(std["bytes_stored"], std["store_seconds"]),
+            load_gbps=_timed_gbps("load", std, cstats), store_gbps=_timed_gbps("store", std, cstats),
             connector_stats=cstats,
             connector_errors=dict(sorted(errors.items())),
             events=dict(sorted(self.event_counts.items())), steps=steps, wall_seconds=wall,
