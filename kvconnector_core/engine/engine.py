@@ -26,8 +26,8 @@ from kvconnector_core.engine._records import (
     RunMetrics,
     RunResult,
     _fold_stats,
-    _timed_gbps,
     _numeric_leaves,
+    _timed_gbps,
 )
 from kvconnector_core.engine.timeline import Timeline
 from kvconnector_core.engine.workloads import Trace, TraceRequest
