@@ -38,10 +38,13 @@ __all__ = [
     "UndeclaredAsyncReferenceConnector",
 ]
 
-BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block")
+BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "partial_last_block",
+        "zero_last_byte", "serve_failed_load_stores")
 """Planted bugs: load another block's data; change one value per loaded block; claim one
 block more than stored; claim a hit while nothing is stored; skip the block in which the
-claim ends when it ends mid-block. The last three ignore the missing data silently."""
+claim ends when it ends mid-block (these three ignore the missing data silently); load
+every block with its last byte zeroed (the high byte of its last KV element); keep the
+stores of a step whose synchronous load failed (its forward ran on blocks never loaded)."""
 
 
 class ReferenceMetadata(KVConnectorMetadata, kw_only=True):
@@ -78,6 +81,9 @@ class ReferenceConnector(KVConnectorBase_V1):
         self._matched: dict[str, int] = {}
         self._planner = StorePlanner(self.block_size)
         self._plan = ReferenceMetadata()
+        self._loading: dict[str, set[int]] = {}  # request id -> GPU blocks it loads, this step
+        self._step_loading: dict[str, set[int]] = {}  # the same, of the last plan
+        self._step_stores: dict[str, list[bytes]] = {}  # request id -> keys the last plan stores
         # worker side
         self._view: torch.Tensor | None = None
         self._store: dict[bytes, torch.Tensor] = {}
@@ -119,6 +125,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         if self.bug == "wrong_block" and len(keys) > 1:
             keys = keys[1:] + keys[:1]
         loads = [(key, ids[i]) for i, key in zip(range(local // bs, last), keys)]
+        self._loading[rid] = {block_id for _, block_id in loads}
         if self.fail_last_block:
             self._plan.failed.append(loads.pop()[1])
         self._plan.loads += loads
@@ -126,13 +133,30 @@ class ReferenceConnector(KVConnectorBase_V1):
             self._plan.async_reqs.append(rid)
 
     def build_connector_meta(self, scheduler_output):
+        self._step_stores = {}
         for request, index, block_id in self._planner.newly_full(scheduler_output):
             key = bytes(request.block_hashes[index])
             if key not in self._stored:
                 self._stored.add(key)  # the worker copies it in this step's wait_for_save
                 self._plan.stores.append((key, block_id))
+                self._step_stores.setdefault(request.request_id, []).append(key)
+        self._step_loading, self._loading = self._loading, {}
         plan, self._plan = self._plan, ReferenceMetadata()
         return plan
+
+    def update_connector_output(self, connector_output):
+        # A failed sync load: the forward of that request ran on blocks never loaded, so
+        # what the request stored in the step holds wrong KV and must not be served.
+        invalid = set(connector_output.invalid_block_ids)
+        if self.bug == "serve_failed_load_stores" or not (invalid or connector_output.loads_failed):
+            return
+        for rid, blocks in self._step_loading.items():
+            if connector_output.loads_failed or blocks & invalid:
+                self._stored.difference_update(self._step_stores.get(rid, ()))
+
+    def plan_failed(self, connector_metadata, *, loads_failed, stores_failed):
+        if (stores_failed or loads_failed) and self.bug != "serve_failed_load_stores":
+            self._stored.difference_update(key for key, _ in connector_metadata.stores)
 
     def request_finished(self, request, block_ids):
         self._planner.forget(request.request_id)
@@ -155,6 +179,9 @@ class ReferenceConnector(KVConnectorBase_V1):
             if self.bug == "corrupt_value":
                 data = data.clone()
                 data[0] ^= 1
+            if self.bug == "zero_last_byte":
+                data = data.clone()
+                data[-1] = 0
             self._view[block_id].copy_(data)
             self._add("bytes_loaded", data.numel())
         self._recving.update(meta.async_reqs)

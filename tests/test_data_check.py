@@ -13,6 +13,7 @@ from kvconnector_core.testing import (
     data_check_workloads,
     fault_injection_config,
     run_data_check,
+    run_failed_load_check,
 )
 
 WORKLOADS = data_check_workloads()
@@ -42,6 +43,7 @@ class TestReferenceAsync(DataCheck):
     ("over_claim", "block_aligned"),
     ("empty_store_claim", "eviction"),
     ("partial_last_block", "full_prompt_hit"),
+    ("zero_last_byte", "block_aligned"),
 ])
 @pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
 def test_kit_fails_planted_bug(bug: str, workload: str, load_async: bool) -> None:
@@ -173,9 +175,10 @@ def test_own_raises_still_count_under_fault_injection() -> None:
 
 
 def test_fault_injection_still_catches_wrong_data() -> None:
-    """The reference connector serves saves computed in a step whose sync load failed (it has
-    no such duty check): with start_load_kv raising, DataCheck under faults names the rows."""
-    cfg = fault_injection_config(reference(), FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)))
+    """With the planted bug the reference connector serves saves computed in a step whose
+    sync load failed: with start_load_kv raising, DataCheck under faults names the rows."""
+    cfg = fault_injection_config(reference(bug="serve_failed_load_stores"),
+                                 FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)))
     report = run_data_check(cfg, "repeated_prefixes")
     assert not report.ok
     assert "KV rows" in report.problems[0], str(report)
@@ -234,3 +237,38 @@ def test_cpu_offload_serves_hits_on_the_hybrid_workload(blocks_per_chunk: int) -
     report = run_data_check(cfg, "hybrid")
     assert report.ok, str(report)
     assert report.checked is not None and report.checked.metrics.connector_hit_tokens == 76
+
+
+@pytest.mark.parametrize("connector", [_OFFLOAD, KVConnectorConfig(name="MultiConnector", extra_config={
+    "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]})], ids=["offload", "multi"])
+def test_quarantine_caused_by_injected_raises_is_not_the_connectors_error(connector: KVConnectorConfig) -> None:
+    """Regression: with start_load_kv raising on every call the guard quarantines the
+    connector, and its 'quarantined' counter was counted as one raise more than injected,
+    so a correct connector failed ("only N of these raises were injected faults")."""
+    cfg = fault_injection_config(connector, FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=1.0),)))
+    report = run_data_check(cfg, "repeated_prefixes")
+    assert report.checked is not None
+    errors = report.checked.metrics.connector_errors
+    assert errors.get("quarantined") == 1 and errors["start_load_kv"] == report.injected_raises, errors
+    assert report.ok, str(report)
+
+
+def test_failed_load_check_catches_serving_the_stores_of_a_failed_load_step() -> None:
+    """Regression: a connector that kept the stores of a step whose sync load failed passed
+    DataCheck, and under random start_load_kv raises it was caught for some fault seeds only
+    (4 of 10 on repeated_prefixes). run_failed_load_check fails one step with sync loads at
+    a time on chained_prefixes, where the next request loads what that step stored."""
+    report = run_failed_load_check(reference(bug="serve_failed_load_stores"))
+    assert not report.ok
+    assert report.injected_raises == 1
+    assert "start_load_kv raised (injected) in step" in report.problems[0], str(report)
+    assert "KV rows" in report.problems[0], str(report)
+
+
+@pytest.mark.parametrize("connector", [reference(), reference(load_async=True), _OFFLOAD], ids=["sync", "async", "offload"])
+def test_failed_load_check_passes_correct_connectors(connector: KVConnectorConfig) -> None:
+    """The correct reference connector forgets the failed step's stores; an async one has no
+    step with sync loads (nothing to fail: no fault injected)."""
+    report = run_failed_load_check(connector)
+    assert report.ok, str(report)
+    assert report.injected_raises == (1 if connector.extra_config == {} else 0)

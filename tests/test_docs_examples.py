@@ -27,7 +27,7 @@ from kvconnector_core.testing import ConnectorContract, DataCheck, data_check_wo
 DOC = Path(__file__).resolve().parent.parent / "docs" / "writing-a-connector.md"
 _MARKER = re.compile(r"^<!-- docs-test: ([\w-]+) -->$")
 HANDLED = {"sync-connector", "async-connector", "settings", "plugin", "pyproject", "multi-config",
-           "kit", "scheduler-signatures", "worker-signatures"}
+           "kit", "scheduler-signatures", "worker-signatures", "block-bytes"}
 WORKLOADS = data_check_workloads()
 
 
@@ -56,6 +56,7 @@ def doc_blocks() -> tuple[dict[str, str], list[str]]:
 
 BLOCKS, PROBLEMS = doc_blocks()
 KIT_CLASSES = re.findall(r"^class (\w+)\((ConnectorContract|DataCheck)\):", BLOCKS.get("kit", ""), re.M)
+KIT_FUNCTIONS = re.findall(r"^def (test_\w+)\(", BLOCKS.get("kit", ""), re.M)
 KIT_TESTS = [(cls, method) for cls, base in KIT_CLASSES
              for method in sorted(dir(ConnectorContract if base == "ConnectorContract" else DataCheck))
              if method.startswith("test_")]
@@ -143,6 +144,15 @@ def test_kit_block(package, cls: str, method: str):
     getattr(namespace[cls](), method)()
 
 
+def test_kit_block_functions(package):
+    """The kit block's plain test functions (the hit check) run and pass."""
+    assert KIT_FUNCTIONS == ["test_both_serve_hits"]
+    namespace: dict[str, object] = {}
+    exec(compile(BLOCKS["kit"], f"{DOC}:kit", "exec", dont_inherit=True), namespace)  # noqa: S102 - the doc's code
+    for name in KIT_FUNCTIONS:
+        namespace[name]()
+
+
 @pytest.mark.parametrize(("module", "name"), [("sync_memory", "SyncMemoryConnector"),
                                               ("async_memory", "AsyncMemoryConnector")])
 def test_examples_serve_hits(package, module: str, name: str):
@@ -189,6 +199,31 @@ def test_settings_block(package):
         with pytest.raises(ConfigError, match=re.escape(needle)) as info:
             cls(KVConnectorConfig(name="TierConnector", extra_config=bad), KVConnectorRole.SCHEDULER, kvc)
         assert "TierConnector" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int16", "bfloat16"])
+def test_block_bytes_block_round_trips_a_block(dtype: str):
+    """The guide's bytes helpers copy one block (every layer) out and into another block
+    exactly, in the engine's cross-layer tensors and in vLLM-like 2-byte dtypes, without numpy."""
+    import torch
+
+    from kvconnector_core.testing import make_kv_cache_config, make_kv_caches
+
+    namespace: dict[str, object] = {}
+    exec(compile(BLOCKS["block-bytes"], f"{DOC}:block-bytes", "exec", dont_inherit=True), namespace)  # noqa: S102
+    to_bytes, from_bytes = namespace["block_to_bytes"], namespace["bytes_to_block"]
+    kvc = make_kv_cache_config()
+    kv = [t.view(getattr(torch, dtype)) if dtype == "bfloat16" else t.to(getattr(torch, dtype))
+          for t in make_kv_caches(kvc).values()]
+    for t in kv:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    data = to_bytes(kv, 3)
+    assert len(data) == sum(t[3].numel() * t.element_size() for t in kv)
+    from_bytes(kv, 5, bytes(data))
+    for t in kv:
+        assert torch.equal(t[5].view(torch.uint8), t[3].view(torch.uint8))
+    with pytest.raises(ValueError, match="block data has"):
+        from_bytes(kv, 5, bytes(data)[:-1])
 
 
 def test_plugin_and_pyproject_blocks(package):

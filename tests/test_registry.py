@@ -267,3 +267,14 @@ def load_connector_config_dict(path):
     from kvconnector_core.connector import load_connector_config
 
     return load_connector_config(path).to_dict()
+
+
+def test_module_path_with_a_registry_name_names_the_attribute_to_use():
+    """Stranger log (docs16): {"name": "cpu_offload", "module_path": ...} said only "has no
+    attribute 'cpu_offload'" and listed the imported abstract base among the connector
+    classes; it now says that name is the attribute name and which one to use."""
+    with pytest.raises(UnknownConnectorError) as info:
+        get_connector_class(KVConnectorConfig(name="cpu_offload", module_path="connectors.offload.connector"))
+    message = str(info.value)
+    assert "not its registry name or alias: use 'OffloadingConnector'" in message, message
+    assert "KVConnectorBase_V1" not in message, message

@@ -42,3 +42,13 @@ def test_identical_runs_compare_equal():
     cmp = compare_outputs(result({"b": [], "a": [1, 2]}), base)
     assert cmp.identical and cmp.num_requests == 2
     assert "outputs identical to baseline: yes (2 requests)" in format_report(base, base)
+
+
+def test_connector_stats_print_whole_numbers_in_full():
+    """Stranger log (docs16): byte counters of a MultiConnector's children printed as
+    1.16326e+06 (the :g format), losing digits; whole numbers now print in full."""
+    run = RunResult("w", "c", "cpu", {"a": [1]}, {"a": "FINISHED_LENGTH_CAPPED"},
+                    RunMetrics(connector_stats={"children.X.bytes_loaded": 1163264.0, "x.load_seconds": 0.000215221}))
+    text = format_report(run, None)
+    assert "1163264" in text and "e+06" not in text
+    assert "0.000215221" in text

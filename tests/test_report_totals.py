@@ -64,3 +64,22 @@ def test_multiconnector_report_has_per_child_stats_and_errors():
     assert stats["children.ReferenceConnector.bytes_stored"] > 0
     assert errors["ReferenceConnector.get_num_new_matched_tokens"] == len(workload.requests)
     assert totals(metrics) == metrics.num_prompt_tokens
+
+
+def test_multiconnector_gbps_counts_only_children_that_report_time():
+    """Stranger log (docs16): a MultiConnector summed every child's bytes but only the timed
+    children's seconds, so a child without load_seconds (the reference connector, or a
+    stranger's file connector) made the report's GB/s too high. GB/s now covers the timed
+    children only."""
+    workload = WORKLOADS["block_aligned"]
+    multi = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [
+        reference(), {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]})
+    with Engine(workload.engine_config(multi)) as engine:
+        metrics = engine.run(Trace(workload.name, list(workload.requests))).metrics
+    stats = metrics.connector_stats
+    untimed = stats.get("children.ReferenceConnector.bytes_stored", 0)
+    assert untimed > 0 and "children.ReferenceConnector.store_seconds" not in stats
+    timed, seconds = stats["children.OffloadingConnector.bytes_stored"], metrics.store_seconds
+    assert seconds == stats["children.OffloadingConnector.store_seconds"] > 0
+    assert metrics.bytes_stored == untimed + timed
+    assert metrics.store_gbps == timed / seconds / 1e9

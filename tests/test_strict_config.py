@@ -140,3 +140,15 @@ def test_offload_demo_settings_size_the_cpu_tier():
     from connectors.offload.connector import OffloadingConnector
 
     assert OffloadingConnector.demo_extra_config(64) == {"num_cpu_blocks": 256}
+
+
+def test_a_bad_boolean_lists_the_valid_values():
+    """Stranger log (docs16): fsync="maybe" said only "Expected `bool`, got `str`"; the
+    message now lists true and false, as it lists a Literal's choices."""
+
+    class Flags(ConnectorSettings):
+        fsync: bool = False
+
+    with pytest.raises(ConfigError, match=r"fsync='maybe' is not valid: .*; valid: true, false"):
+        convert_settings("FileConnector", Flags, {"fsync": "maybe"})
+    assert convert_settings("FileConnector", Flags, {"fsync": "true"}).fsync is True

@@ -209,3 +209,20 @@ def test_connector_pair_fixture_reports_a_failing_shutdown(tmp_path):
     assert re.search(r"2 passed, (1 warning, )?1 error", out), out
     assert "1 connector(s) failed to shut down" in out and "BadShutdown (scheduler side)" in out
     assert "shutdown exploded" in out
+
+
+def test_plugin_import_is_cheap_and_a_warnings_as_errors_session_runs_the_kit(tmp_path):
+    """Stranger log (docs16): loading the kit's pytest plugin imported kvconnector_core.testing,
+    which imported torch and the engine in every pytest session; with the common
+    ``filterwarnings = ["error"]``, torch's "Failed to initialize NumPy" notice then failed a
+    connector author's session before any test ran. The package's names now load on first
+    use and the plugin ignores that one notice."""
+    code = "import sys, kvconnector_core.testing.plugin; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings =\n    error\n")
+    (tmp_path / "test_author.py").write_text(
+        "from kvconnector_core.testing import make_kv_cache_config\n\n\n"
+        "def test_kit_works():\n    assert make_kv_cache_config().kv_cache_groups\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr

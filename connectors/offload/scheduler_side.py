@@ -69,6 +69,8 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         Job completions come from ``connector_output.kv_connector_worker_meta`` (an
         :class:`OffloadWorkerMetadata`); a job reported twice is ignored.
         """
+        if connector_output.invalid_block_ids:
+            self._fail_stores_of_failed_loads(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, OffloadWorkerMetadata):
             if not (connector_output.failed_recving or connector_output.finished_sending):
@@ -120,6 +122,16 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         if connector_output.finished_sending and self._delayed_free:
             # A delayed free re-sent by plan_failed but reported meanwhile: nothing to send.
             self._delayed_free = [r for r in self._delayed_free if r not in connector_output.finished_sending]
+
+    def _fail_stores_of_failed_loads(self, invalid_block_ids: set[int]) -> None:
+        """A sync load into these blocks failed in the last step (in a MultiConnector, maybe
+        a sibling's), so that step's forward ran on blocks never loaded: the step's stores
+        of the requests holding them copied wrong KV. They fail when they complete."""
+        for job in self._step_store_jobs:
+            state = self._reqs.get(job.req_id)
+            if job.job_id in self._jobs and (
+                    state is None or any(b in invalid_block_ids for ids in state.block_ids for b in ids)):
+                self._poisoned.add(job.job_id)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

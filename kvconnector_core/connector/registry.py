@@ -332,11 +332,16 @@ def get_connector_class(
             lambda exc: f"cannot import connector module_path {module_path!r}: {type(exc).__name__}: {exc}")
         cls = getattr(module, config.name, None)
         if cls is None:
-            found = sorted(
-                k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, KVConnectorBase_V1)
-            )
+            concrete = {k: v for k, v in vars(module).items()
+                        if isinstance(v, type) and issubclass(v, KVConnectorBase_V1) and not inspect.isabstract(v)}
+            # A registry name or alias given with module_path: name the attribute to use.
+            named = [k for k, v in concrete.items()
+                     if config.name in (getattr(v, "name", None), *getattr(v, "aliases", ()))
+                     or v is _registered_class(config.name, registry)]
+            hint = (f"; with module_path, name is the class's attribute name in the module, "
+                    f"not its registry name or alias: use {named[0]!r}" if named else "")
             msg = (f"module {config.module_path!r} has no attribute {config.name!r}; "
-                   f"connector classes in it: {found or 'none'}")
+                   f"connector classes in it: {sorted(concrete) or 'none'}{hint}")
             raise UnknownConnectorError(msg)
         if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)) or inspect.isabstract(cls):
             msg = (
@@ -346,6 +351,14 @@ def get_connector_class(
             raise InvalidConnectorError(msg)
         return cls
     return (registry if registry is not None else get_registry()).get(config.name)
+
+
+def _registered_class(name: str, registry: ConnectorRegistry | None) -> type | None:
+    """The class ``name`` resolves to in the registry, or None (for an error message only)."""
+    try:
+        return (registry if registry is not None else get_registry()).get(name)
+    except Exception:  # noqa: BLE001 - a hint must never replace the error being reported
+        return None
 
 
 def create_connector(

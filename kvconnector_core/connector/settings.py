@@ -47,8 +47,11 @@ class ConnectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 def _literal_choices(settings_type: type, key: str) -> tuple[Any, ...]:
-    """The allowed values of ``key`` when it is typed as a ``Literal`` (else ``()``)."""
+    """The allowed values of ``key`` when it is typed as a ``Literal`` or a bool (as JSON
+    writes them; ``"true"``/``"false"`` strings convert too), else ``()``."""
     hint = typing.get_type_hints(settings_type).get(key)
+    if hint is bool:
+        return ("true", "false")
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 

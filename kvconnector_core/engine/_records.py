@@ -56,8 +56,9 @@ class RunMetrics(msgspec.Struct):
         bytes_stored: bytes the connector stored out of it.
         load_seconds: time the connector reports for loads.
         store_seconds: time the connector reports for stores.
-        load_gbps: ``bytes_loaded / load_seconds / 1e9`` (0 without time).
-        store_gbps: ``bytes_stored / store_seconds / 1e9``.
+        load_gbps: ``bytes_loaded / load_seconds / 1e9`` (0 without time); for a
+            MultiConnector, over the children that report ``load_seconds`` only.
+        store_gbps: ``bytes_stored / store_seconds / 1e9``, likewise.
         connector_stats: every other connector stats number, summed over steps; nested
             dicts give dotted keys (a MultiConnector's ``children.<child>.<key>``).
         connector_errors: per hook name, how many times the connector raised (contained);
@@ -141,3 +142,19 @@ def _fold_stats(into: dict[str, float], stats: dict[str, float]) -> None:
 
 def _gbps(num_bytes: float, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _timed_gbps(direction: str, std: dict[str, Any], stats: dict[str, Any]) -> float:
+    """GB/s of ``direction`` (``"load"`` or ``"store"``): the standard keys' bytes over
+    their seconds, or, for a wrapper with per-child stats (``...children.<child>.``), the
+    bytes of the children that report seconds over those seconds: a MultiConnector sums
+    every child's bytes but only the timed children's seconds, so the plain quotient
+    would count an untimed child's bytes as moved in no time."""
+    bytes_key = "bytes_loaded" if direction == "load" else "bytes_stored"
+    seconds_key = f"{direction}_seconds"
+    prefixes = [k[:-len(bytes_key)] for k in stats if k.endswith("." + bytes_key) and ".children." in "." + k]
+    leaves = [p for p in prefixes if not any(q != p and q.startswith(p + "children.") for q in prefixes)]
+    if not leaves:
+        return _gbps(std[bytes_key], std[seconds_key])
+    timed = [p for p in leaves if stats.get(p + seconds_key, 0) > 0]
+    return _gbps(sum(stats[p + bytes_key] for p in timed), sum(stats[p + seconds_key] for p in timed))

@@ -26,8 +26,8 @@ from kvconnector_core.engine._records import (
     RunMetrics,
     RunResult,
     _fold_stats,
-    _gbps,
     _numeric_leaves,
+    _timed_gbps,
 )
 from kvconnector_core.engine.timeline import Timeline
 from kvconnector_core.engine.workloads import Trace, TraceRequest
@@ -328,8 +328,7 @@ class Engine:
             num_failed_loads_recovered=stats.num_failed_loads_recovered,
             bytes_loaded=int(std["bytes_loaded"]), bytes_stored=int(std["bytes_stored"]),
             load_seconds=float(std["load_seconds"]), store_seconds=float(std["store_seconds"]),
-            load_gbps=_gbps(std["bytes_loaded"], std["load_seconds"]),
-            store_gbps=_gbps(std["bytes_stored"], std["store_seconds"]),
+            load_gbps=_timed_gbps("load", std, cstats), store_gbps=_timed_gbps("store", std, cstats),
             connector_stats=cstats,
             connector_errors=dict(sorted(errors.items())),
             events=dict(sorted(self.event_counts.items())), steps=steps, wall_seconds=wall,

@@ -91,6 +91,11 @@ def report_dict(result: RunResult, baseline: RunResult | None = None) -> dict[st
     return out
 
 
+def _fmt_stat(value: float) -> str:
+    """A connector stats number: whole numbers in full (byte counts), others to 6 digits."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -121,7 +126,7 @@ def _rows(result: RunResult) -> list[tuple[str, str]]:
             ("loaded (connector -> GPU)", f"{_fmt_bytes(m.bytes_loaded)} at {m.load_gbps:.2f} GB/s"),
             ("stored (GPU -> connector)", f"{_fmt_bytes(m.bytes_stored)} at {m.store_gbps:.2f} GB/s"),
         ]
-        rows += [(f"connector: {k}", f"{v:g}") for k, v in sorted(m.connector_stats.items())]
+        rows += [(f"connector: {k}", _fmt_stat(v)) for k, v in sorted(m.connector_stats.items())]
         if m.connector_errors:
             rows.append(("connector errors (contained)",
                          ", ".join(f"{k}={v}" for k, v in m.connector_errors.items())))

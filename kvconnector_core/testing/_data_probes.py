@@ -2,7 +2,7 @@
 the faults a fault-injecting wrapper made on purpose.
 
 Primitives: :func:`ask_lookups_twice`, :func:`lookup_side_effects`, :func:`injected_raises`,
-:func:`visible_failed_stores`.
+:func:`connector_raises`, :func:`visible_failed_stores`, :func:`fail_nth_sync_load`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,28 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvconnector_core.engine.engine import Engine
+    from kvconnector_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["MAX_PROBLEMS", "ask_lookups_twice", "injected_raises", "lookup_side_effects", "visible_failed_stores"]
+__all__ = ["GUARD_RESPONSES", "MAX_PROBLEMS", "NEVER", "ask_lookups_twice", "connector_raises",
+           "fail_nth_sync_load", "injected_raises", "lookup_side_effects", "visible_failed_stores"]
+
+NEVER = 2**62
+"""A ``HookFault.at_step`` no run reaches: the fault stays unarmed until
+:func:`fail_nth_sync_load` arms it."""
 
 MAX_PROBLEMS = 8
 """Problems one report lists: enough to see a pattern; more only buries the first one."""
+
+
+GUARD_RESPONSES = frozenset({"quarantined", "event_gap", "update_connector_output.dropped"})
+"""Keys of ``RunMetrics.connector_errors`` that count what the guard did about raises
+(quarantine, an event gap marker, a dropped report), not raises themselves: counting them
+would blame a correct connector for a quarantine that injected raises caused."""
+
+
+def connector_raises(errors: dict[str, int]) -> int:
+    """How many hook calls raised, from ``RunMetrics.connector_errors``."""
+    return sum(count for key, count in errors.items() if key not in GUARD_RESPONSES)
 
 
 def injected_raises(engine: Engine) -> int:
@@ -24,6 +41,39 @@ def injected_raises(engine: Engine) -> int:
 
     return sum(c.num_injected_raises for c in (engine.scheduler_connector, engine.worker_connector)
                if isinstance(c, FaultInjectingConnector))
+
+
+def fail_nth_sync_load(engine: Engine, n: int, armed: list[int]) -> None:
+    """Make the worker's ``start_load_kv`` raise once, in the ``n``-th (from 0) step whose
+    scheduler output has synchronous loads; the step's number goes into ``armed``.
+
+    ``engine`` runs a ``fault_injection_config`` whose ``start_load_kv`` fault has
+    ``at_step=NEVER``; this moves it to the plan the step is about to bind.
+    """
+    from kvconnector_core.testing.fault_settings import HookFault
+    from kvconnector_core.testing.faults import FaultInjectingConnector
+
+    worker = engine.worker_connector
+    if not isinstance(worker, FaultInjectingConnector):
+        msg = f"fail_nth_sync_load needs a fault-injecting worker, got {type(worker).__qualname__}"
+        raise TypeError(msg)
+    runner = engine.model_runner
+    inner = runner.execute_model
+    seen = 0
+    step = 0
+
+    def execute_model(so: SchedulerOutput) -> ModelRunnerOutput:
+        nonlocal seen, step
+        step += 1
+        if so.has_sync_kv_loads and so.kv_connector_metadata is not None:
+            if seen == n:
+                # bind_connector_metadata counts this step's plan first: raise at that count.
+                worker._hook_faults["start_load_kv"] = HookFault(hook="start_load_kv", at_step=worker._step + 1)  # noqa: SLF001
+                armed.append(step)
+            seen += 1
+        return inner(so)
+
+    runner.execute_model = execute_model  # type: ignore[method-assign,assignment]
 
 
 def visible_failed_stores(engine: Engine) -> int:

@@ -1,7 +1,8 @@
 """The KV-row bookkeeping of :func:`~kvconnector_core.testing.run_data_check` (private):
 the baseline's rows, the poisoning of fresh blocks, the comparison after every step.
 
-Primitives: :data:`POISON`, :class:`Recorder`, :class:`Checker`, :func:`observe`.
+Primitives: :data:`POISON`, :func:`poison_for`, :class:`Recorder`, :class:`Checker`,
+:func:`observe`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ if TYPE_CHECKING:
     from kvconnector_core.engine.engine import Engine
     from kvconnector_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["POISON", "Checker", "Recorder", "observe"]
+__all__ = ["POISON", "Checker", "Recorder", "observe", "poison_for"]
 
 POISON = -1
-"""What the kit writes into freshly allocated blocks (the model's KV values are residues >= 0)."""
+"""What the kit writes into freshly allocated int32 blocks (the model's int32 KV values are
+residues >= 0)."""
+
+_INT16_POISON = 2**15 - 1
+"""The int16 poison: the model stores residue ``r < 65521`` as ``r - 2**15 <= 32752``, so
+32767 is never written (-1 would be: it is residue 32767)."""
+
+
+def poison_for(dtype: torch.dtype) -> int:
+    """The value the kit fills fresh blocks of this KV dtype with: one the model never writes."""
+    import torch
+
+    return _INT16_POISON if dtype == torch.int16 else POISON
 
 _NULL_BLOCK = 0  # never read or written; a window group's blocks that left the window become it
 
@@ -120,7 +133,8 @@ class Checker:
         self._reported: set[str] = set()
 
     def before(self, so: SchedulerOutput) -> None:
-        """Fill blocks that newly joined a request and hold no cached prefix with POISON.
+        """Fill blocks that newly joined a request and hold no cached prefix with the poison
+        (:func:`poison_for`).
 
         Blocks freed by this step's preemptions are left alone: the connector may still
         read them in ``handle_preemptions`` (a pending save), before anything rewrites them.
@@ -138,7 +152,7 @@ class Checker:
                 fresh = [b.block_id for b in blocks
                          if not b.is_null and b.block_hash is None and b.block_id not in old]
                 if fresh:
-                    tensors[g][fresh] = POISON
+                    tensors[g][fresh] = poison_for(tensors[g].dtype)
         self._seen = seen
 
     def after(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
@@ -181,7 +195,7 @@ class Checker:
         ext = getattr(req, "num_external_computed_tokens", 0) if req is not None else 0
         first = bad[0] // bs
         rows = self.book.read(ids, group, end)[[t for t in bad if t // bs == first]]
-        poisoned = int((rows == POISON).all(dim=1).sum())
+        poisoned = int((rows == poison_for(rows.dtype)).all(dim=1).sum())
         # Per bad row of that block: a row still all poison was never written at all.
         if poisoned == len(rows):
             what = "was never written (its bad rows still hold the kit's poison)"

@@ -48,6 +48,12 @@ class DataCheckWorkload:
         max_model_len: longest sequence.
         layer_types: the model's layers (``"full"``, ``"sliding:N"``, ``"chunked:N"``); each
             distinct kind is one KV cache group, so more than one kind is a hybrid model.
+        kv_dtype: the KV element type (:data:`~kvconnector_core.worker.model.KV_DTYPES`).
+            ``"int16"`` by default: the model's values are residues below 2**16, so as int32
+            the upper two bytes of every element are always zero and a connector that
+            corrupts them (truncates, zeroes, drops the last byte of a block) would move
+            data equal to the truth; as int16 every byte of every element carries data,
+            as in vLLM's 2-byte KV dtypes.
     """
 
     name: str
@@ -59,11 +65,12 @@ class DataCheckWorkload:
     max_num_seqs: int = 8
     max_model_len: int = 96
     layer_types: tuple[str, ...] = DEFAULT_LAYER_TYPES
+    kv_dtype: str = "int16"
 
     def engine_config(self, connector: KVConnectorConfig | None) -> EngineConfig:
         """The engine config of this workload, with ``connector`` (None = baseline)."""
         model = ModelConfig(vocab_size=_VOCAB, layer_types=self.layer_types, num_kv_heads=1,
-                            head_size=8, mlp_size=16)
+                            head_size=8, mlp_size=16, kv_dtype=self.kv_dtype)
         return EngineConfig(model=model, num_gpu_blocks=self.num_gpu_blocks, block_size=self.block_size,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
@@ -99,6 +106,10 @@ def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
       almost nothing, so repeats come from the connector.
     - ``preemption``: long generations on a tiny pool; preempted requests are admitted
       again with their output tokens as part of the prefix.
+    - ``chained_prefixes``: each prompt extends the previous one by whole blocks, one
+      request at a time, prefix caching off: every request loads all of the previous
+      one's blocks and stores its own new ones, which the next request loads. What
+      :func:`~kvconnector_core.testing.run_failed_load_check` fails loads in.
     - ``hybrid``: a model with three KV cache groups (:data:`HYBRID_LAYER_TYPES`),
       repeated and extended prompts with prefix caching off. Only for connectors that
       declare ``supports_multiple_kv_cache_groups``; others must be refused on it.
@@ -120,6 +131,10 @@ def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
     preempt = _trace([(0, p, 24) for p in long_prompts] + [(40, p, 8) for p in long_prompts])
     # Drawn last, so adding it left the other workloads' tokens unchanged.
     h24, h19 = _tokens(rng, 24), _tokens(rng, 19)
+    chain = _tokens(rng, 8)
+    links = [chain := chain + _tokens(rng, 8) for _ in range(3)]
+    chained = _trace([(0, links[0][:8], 2)] + [(10 * (i + 1), p, 2) for i, p in enumerate(links)]
+                     + [(40, links[-1] + _tokens(rng, 3), 2)])
     hybrid = _trace([(0, h24, 3), (0, h19, 3), (10, h24, 3), (10, h19 + _tokens(rng, 9), 3),
                      (20, h24 + _tokens(rng, 12), 4), (20, h19, 2)])
     workloads = [
@@ -128,6 +143,7 @@ def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
         DataCheckWorkload("repeated_prefixes", prefixes, num_gpu_blocks=14, max_model_len=48),
         DataCheckWorkload("eviction", evict, num_gpu_blocks=10, max_model_len=32, max_num_seqs=2),
         DataCheckWorkload("preemption", preempt, num_gpu_blocks=30, max_model_len=64),
+        DataCheckWorkload("chained_prefixes", chained, enable_prefix_caching=False),
         DataCheckWorkload("hybrid", hybrid, enable_prefix_caching=False, layer_types=HYBRID_LAYER_TYPES),
     ]
     return {w.name: w for w in workloads}

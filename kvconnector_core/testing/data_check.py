@@ -22,11 +22,12 @@ the connector under test, and fails when:
   requests in ``failed_recving``) are exempt: a *reported* failed load is recomputed.
 
 Silent over-claims cannot hide behind stale data: before each step, every block that
-newly joined a request's block table and is not a GPU prefix-cache hit is filled with
-``-1`` (never a value the engine's model writes), so a block the connector claimed but
+newly joined a request's block table and is not a GPU prefix-cache hit is filled with a
+poison value the engine's model never writes, so a block the connector claimed but
 never loaded is caught even when the pool happens to reuse a block holding the same
-prefix. The workloads use a tiny exact-integer model (see ``docs/determinism.md``), so
-equal data means bit-equal rows.
+prefix. The workloads use a tiny exact-integer model (see ``docs/determinism.md``) with
+int16 KV, in which every byte of every element carries data, so equal data means
+bit-equal rows and a corrupted byte anywhere in a block is a differing row.
 
 Every lookup is asked twice in a row (as vLLM may ask again); ``test_lookups_are_repeatable``
 also compares runs with lookups asked once and twice. ``test_hybrid`` runs a model with
@@ -36,14 +37,19 @@ of your choice. A ``fault_injection_config`` may be checked too: the faults it i
 are not counted as the connector's errors.
 
 :func:`run_data_check` does the same without pytest and returns a
-:class:`DataCheckReport`.
+:class:`DataCheckReport`. ``test_failed_sync_loads`` (:func:`run_failed_load_check`) makes
+``start_load_kv`` raise once in each of the first steps with synchronous loads, one run
+per step: that step's forward runs on blocks that were never loaded, so a connector that
+later serves the stores planned in that step is caught deterministically, not by the luck
+of a random fault rate.
 
 Primitives: :class:`DataCheck`, :class:`DataCheckWorkload`, :class:`DataCheckReport`,
-:func:`data_check_workloads`, :func:`run_data_check`.
+:func:`data_check_workloads`, :func:`run_data_check`, :func:`run_failed_load_check`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -51,7 +57,10 @@ from kvconnector_core.engine.engine import Engine, RunResult
 from kvconnector_core.engine.workloads import Trace
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.testing._data_probes import (
+    NEVER,
     ask_lookups_twice,
+    connector_raises,
+    fail_nth_sync_load,
     injected_raises,
     lookup_side_effects,
     visible_failed_stores,
@@ -60,9 +69,15 @@ from kvconnector_core.testing._data_rows import POISON, Checker, Recorder, obser
 from kvconnector_core.testing._data_workloads import DataCheckWorkload, data_check_workloads
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvconnector_core.connector.config import KVConnectorConfig
 
-__all__ = ["DataCheck", "DataCheckReport", "DataCheckWorkload", "data_check_workloads", "run_data_check"]
+__all__ = ["DataCheck", "DataCheckReport", "DataCheckWorkload", "data_check_workloads", "run_data_check",
+           "run_failed_load_check"]
+
+FAILED_LOAD_STEPS = 4
+"""How many steps with synchronous loads :func:`run_failed_load_check` fails, one run each."""
 
 
 @dataclass
@@ -115,14 +130,16 @@ def _outputs_problems(baseline: RunResult, checked: RunResult) -> list[str]:
     return problems
 
 
-def _resolve(workload: DataCheckWorkload | str) -> DataCheckWorkload:
+def _resolve(workload: DataCheckWorkload | str, layer_types: tuple[str, ...] | None = None) -> DataCheckWorkload:
     if isinstance(workload, DataCheckWorkload):
-        return workload
-    known = data_check_workloads()
-    if workload not in known:
-        msg = f"unknown data check workload {workload!r}; valid names: {', '.join(known)}"
-        raise ConfigError(msg)
-    return known[workload]
+        work = workload
+    else:
+        known = data_check_workloads()
+        if workload not in known:
+            msg = f"unknown data check workload {workload!r}; valid names: {', '.join(known)}"
+            raise ConfigError(msg)
+        work = known[workload]
+    return work if layer_types is None else replace(work, layer_types=tuple(layer_types))
 
 
 def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | str, *,
@@ -151,9 +168,13 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | s
         ConfigError: an unknown workload name, or the connector refused the model (a
             connector without ``supports_multiple_kv_cache_groups`` on a hybrid model).
     """
-    work = _resolve(workload)
-    if layer_types is not None:
-        work = replace(work, layer_types=tuple(layer_types))
+    return _check(connector, _resolve(workload, layer_types))
+
+
+def _check(connector: KVConnectorConfig, work: DataCheckWorkload,
+           prepare: Callable[[Engine], None] | None = None) -> DataCheckReport:
+    """:func:`run_data_check` of a resolved workload; ``prepare`` sees the checked engine
+    before it runs."""
     trace = Trace(work.name, list(work.requests))
     with Engine(work.engine_config(None)) as engine:
         recorder = Recorder(engine)
@@ -163,12 +184,14 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | s
         checker = Checker(engine, recorder.book)
         observe(engine, checker)
         ask_lookups_twice(engine, checker.problems)
+        if prepare is not None:
+            prepare(engine)
         checked = engine.run(trace)
     report = DataCheckReport(work.name, baseline=baseline, checked=checked)
     report.problems = checker.problems + _outputs_problems(baseline, checked)
     errors = checked.metrics.connector_errors
     report.injected_raises = injected_raises(engine)
-    if sum(errors.values()) > report.injected_raises:
+    if connector_raises(errors) > report.injected_raises:
         report.problems.append(
             f"the connector raised (contained by the engine) in: {errors}"
             + (f"; only {report.injected_raises} of these raises were injected faults"
@@ -176,6 +199,43 @@ def run_data_check(connector: KVConnectorConfig, workload: DataCheckWorkload | s
     if visible := visible_failed_stores(engine):
         report.problems.append(f"{visible} lookup(s) claimed blocks whose store failed (injected): a "
                                f"failed store must never become visible to lookups")
+    return report
+
+
+def run_failed_load_check(connector: KVConnectorConfig, workload: DataCheckWorkload | str = "chained_prefixes",
+                          *, layer_types: tuple[str, ...] | None = None,
+                          max_steps: int = FAILED_LOAD_STEPS) -> DataCheckReport:
+    """:func:`run_data_check` with ``start_load_kv`` raising once, in a step with
+    synchronous loads; one run for each of the first ``max_steps`` such steps.
+
+    The engine recomputes the failed loads, but that step's forward already ran on blocks
+    that were never loaded, so the stores the connector planned for the step hold wrong
+    KV: a connector that serves them later fails (writing-a-connector.md, "When a
+    synchronous load fails"). A connector that never loads synchronously passes at once.
+    The fault is armed while the run goes (at the n-th step whose scheduler output has
+    synchronous loads), so no earlier run has to find those steps first: a persistent
+    tier would keep that run's stores and serve them instead of the faulted step's.
+
+    Returns:
+        The first failing run's report (its problems name the step), else the last one's.
+    """
+    from kvconnector_core.testing.fault_settings import FaultSettings, HookFault
+    from kvconnector_core.testing.faults import fault_injection_config
+
+    work = _resolve(workload, layer_types)
+    # Armed by fail_nth_sync_load, never by the step count.
+    faults = FaultSettings(raise_in=(HookFault(hook="start_load_kv", at_step=NEVER),))
+    report = DataCheckReport(work.name)
+    for n in range(max_steps):
+        armed: list[int] = []
+        report = _check(fault_injection_config(connector, faults), work,
+                        prepare=functools.partial(fail_nth_sync_load, n=n, armed=armed))
+        if not armed:
+            break  # fewer than n + 1 steps with synchronous loads: the last run had no fault
+        if not report.ok:
+            report.problems = [f"start_load_kv raised (injected) in step {armed[0]}, the step with "
+                               f"synchronous loads number {n + 1}: {problem}" for problem in report.problems]
+            break
     return report
 
 
@@ -217,6 +277,16 @@ class DataCheck:
     def test_preemption(self) -> None:
         """Preempted requests admitted again: same outputs, same KV rows."""
         self.check("preemption")
+
+    def test_failed_sync_loads(self) -> None:
+        """``start_load_kv`` raising once in a step with synchronous loads: the stores of
+        that step (computed on blocks never loaded) are never served later."""
+        if self.connector_config.name == "FaultInjector":
+            import pytest  # the kit's pytest part; run_data_check works without pytest
+
+            pytest.skip("connector_config injects faults already; test_failed_sync_loads needs the bare connector")
+        report = run_failed_load_check(self.connector_config, layer_types=self.layer_types)
+        assert report.ok, str(report)
 
     def test_lookups_are_repeatable(self) -> None:
         """The ``eviction`` workload with lookups asked once and twice: same outputs, hits

@@ -13,6 +13,11 @@ Installed with kvconnector, so these fixtures exist in every test session:
 
 The kit's modules are imported inside the fixtures, so loading the plugin
 costs nothing in sessions that do not use them.
+
+It also ignores torch's "Failed to initialize NumPy" notice: the CPU build of torch comes
+without NumPy, which neither kvconnector nor the kit uses, and a session that turns
+warnings into errors (``-W error``, ``filterwarnings = ["error"]``) would otherwise fail
+at the first import of torch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ if TYPE_CHECKING:
     from kvconnector_core.request import Request
 
 __all__ = ["block_pool", "connector_pair", "kv_cache_config", "kv_cache_manager", "make_request"]
+
+
+TORCH_NUMPY_NOTICE = "ignore:Failed to initialize NumPy:UserWarning"
+"""The warnings filter the plugin adds (see the module docstring)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ignore torch's notice that the optional NumPy is absent (after the project's filters)."""
+    config.addinivalue_line("filterwarnings", TORCH_NUMPY_NOTICE)
 
 
 @pytest.fixture

@@ -5,6 +5,10 @@ whose files exist; admission plans their loads; every step plans stores for the 
 that became full. Worker side: loads read files into the GPU blocks before the forward
 (synchronous loads); stores copy GPU blocks to files in ``wait_for_save``, with the
 forward's KV already written.
+
+A step whose loads failed ran its forward on blocks that were never loaded, so the blocks
+it stored hold wrong KV: the scheduler side deletes that step's files when the step's
+report names a failed load (and when the guard reports the step's plan failed).
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
-from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorTransferResults
+from kvconnector_core.connector import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorTransferResults,
+)
 from kvconnector_core.connector.planning import StorePlanner
 from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import ConfigError
@@ -84,6 +93,7 @@ class DiskConnector(KVConnectorBase_V1):
         self._planner = StorePlanner(self.block_size)
         self._planned: set[str] = set()  # stored this run (files appear at the step's end)
         self._plan = DiskMetadata()
+        self._step_stores: list[tuple[str, int]] = []  # the last plan's stores
         # worker side
         self._view: torch.Tensor | None = None
         self._errors: set[int] = set()
@@ -131,7 +141,32 @@ class DiskConnector(KVConnectorBase_V1):
                 self._planned.add(name)
                 self._plan.stores.append((name, block_id))
         plan, self._plan = self._plan, DiskMetadata()
+        self._step_stores = plan.stores
         return plan
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A failed load in the step: its forward ran on blocks never loaded, so delete the
+        blocks it stored (a later step stores them again, recomputed)."""
+        if connector_output.invalid_block_ids or connector_output.loads_failed:
+            self._unstore(self._step_stores)
+
+    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+                    stores_failed: bool) -> None:
+        """A worker hook raised: the plan's stores are wrong (failed loads) or may be
+        missing (failed stores); neither may be served."""
+        if (loads_failed or stores_failed) and isinstance(connector_metadata, DiskMetadata):
+            self._unstore(connector_metadata.stores)
+
+    def forget_requests(self, request_ids: set[str]) -> None:
+        """Plan nothing more for these requests."""
+        for rid in request_ids:
+            self._planner.forget(rid)
+            self._matched.pop(rid, None)
+
+    def _unstore(self, stores: list[tuple[str, int]]) -> None:
+        for name, _ in stores:
+            self._planned.discard(name)
+            (self.directory / name).unlink(missing_ok=True)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """Stores are synchronous: nothing holds the blocks."""
