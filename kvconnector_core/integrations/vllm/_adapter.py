@@ -5,9 +5,10 @@ connector; the adapter creates the kvconnector connector named in
 ``kv_connector_extra_config["kvconnector"]`` through kvconnector's registry
 (built-ins and third-party entry points alike) and forwards every hook,
 translating the records at the boundary (see ``_records``) and passing thin
-views of vLLM's live objects (see ``_views``). The members vLLM reads that
-kvconnector's base lacks come from vLLM's base class, except those whose value
-depends on the wrapped connector, which are overridden here.
+views of vLLM's live objects (see ``_views``). The worker role's per-step hooks
+come from the base class :class:`~._worker_side.AdapterWorkerHooks`. The members
+vLLM reads that kvconnector's base lacks come from vLLM's base class, except those
+whose value depends on the wrapped connector, which are overridden here.
 
 Every hook reaches the wrapped connector through kvconnector's guard
 (:class:`~kvconnector_core.connector.guard.GuardedScheduler` /
@@ -35,13 +36,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1 as VllmConnectorBase,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole as VllmRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorTransferResults as VllmTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
@@ -51,16 +46,15 @@ from kvconnector_core.connector.registry import create_connector, get_connector_
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.integrations.vllm._layouts import block_dense_views
 from kvconnector_core.integrations.vllm._records import (
-    AdapterKVEvents,
     AdapterMetadata,
     AdapterStats,
-    AdapterWorkerMetadata,
     connector_config_from_vllm,
     kv_cache_config_from_vllm,
     output_from_vllm,
     to_vllm_events,
 )
 from kvconnector_core.integrations.vllm._views import BlockPoolView, SchedulerOutputView
+from kvconnector_core.integrations.vllm._worker_side import AdapterWorkerHooks
 
 if TYPE_CHECKING:
     import torch
@@ -73,16 +67,12 @@ __all__ = ["KVConnectorAdapter", "KVConnectorAdapterHMA"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_REPORTED_RECVING = 100_000
-"""Receive ids remembered to drop a second report (a load failed by the adapter that the
-connector also reports later)."""
-
 
 def _wrapped_class(vllm_config: VllmConfig) -> type[KVConnectorBase_V1]:
     return get_connector_class(connector_config_from_vllm(vllm_config))
 
 
-class KVConnectorAdapter(VllmConnectorBase):
+class KVConnectorAdapter(AdapterWorkerHooks):
     """Runs the kvconnector connector named in ``kv_connector_extra_config["kvconnector"]``.
 
     Select it with ``kv_connector="KVConnectorAdapter"`` and
@@ -300,17 +290,6 @@ class KVConnectorAdapter(VllmConnectorBase):
             raise InvariantError(msg)
         return self._sched
 
-    def _guard(self) -> GuardedWorker:
-        if self._worker is None:
-            msg = "worker-side hook called on the adapter's scheduler-role instance"
-            raise InvariantError(msg)
-        return self._worker
-
-    def _begin_step(self) -> None:
-        if not self._step_begun:
-            self._step_begun = True
-            self._guard().begin_step()
-
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -319,89 +298,6 @@ class KVConnectorAdapter(VllmConnectorBase):
         for name, tensor in kv_caches.items():
             views.update(block_dense_views(name, tensor))
         self._guard().register_kv_caches(views)
-
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        """Bind the wrapped plan (none when the scheduler side failed to build one)."""
-        super().bind_connector_metadata(connector_metadata)
-        self._begin_step()
-        if connector_metadata.inner is not None:
-            self._guard().bind_connector_metadata(connector_metadata.inner)
-
-    def clear_connector_metadata(self) -> None:
-        """Unbind; the next hook starts the guard's next step."""
-        super().clear_connector_metadata()
-        self._guard().clear_connector_metadata()
-        self._step_begun = False
-
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
-        self._begin_step()
-        if kv_connector_metadata.inner is not None:
-            self._guard().handle_preemptions(kv_connector_metadata.inner)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Forwarded (model runner V2's extra keyword arguments are dropped)."""
-        self._guard().start_load_kv(forward_context)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Forwarded."""
-        self._guard().wait_for_layer_load(layer_name)
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Forwarded."""
-        self._guard().save_kv_layer(layer_name, kv_layer, attn_metadata)
-
-    def wait_for_save(self) -> None:
-        """Forwarded."""
-        self._guard().wait_for_save()
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> VllmTransferResults:
-        """The wrapped results in vLLM's record, plus the receives the plan says failed.
-
-        The load errors are read here too (kvconnector's order: results, then errors):
-        vLLM takes ``failed_recving`` from this call, and when the errors hook raised
-        every receive of the step must count as failed.
-        """
-        guard = self._guard()
-        res = guard.get_transfer_results(set(finished_req_ids))
-        self._step_invalid = set(guard.get_block_ids_with_load_errors())
-        failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
-        recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
-        meta = self._connector_metadata
-        if isinstance(meta, AdapterMetadata):
-            recving |= meta.failed_recving
-            failed |= meta.failed_recving
-            self._step_invalid |= meta.invalid_block_ids
-            for rid in meta.failed_recving:
-                self._failed_for_connector[rid] = None
-            while len(self._failed_for_connector) > _MAX_REPORTED_RECVING:
-                self._failed_for_connector.popitem(last=False)
-        return VllmTransferResults(finished_sending=set(res.finished_sending),
-                                   finished_recving=recving, failed_recving=failed & recving)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Legacy form of :meth:`get_transfer_results`."""
-        res = self.get_transfer_results(finished_req_ids)
-        return res.finished_sending or None, res.finished_recving or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """The step's load errors (read in :meth:`get_transfer_results`)."""
-        errors, self._step_invalid = self._step_invalid, set()
-        return errors
-
-    def get_kv_connector_kv_cache_events(self) -> AdapterKVEvents | None:
-        """The wrapped worker's events (its optional hook of that name), or None."""
-        events = to_vllm_events(self._guard().get_kv_connector_kv_cache_events())
-        return AdapterKVEvents(events) if events else None
-
-    def build_connector_worker_meta(self) -> AdapterWorkerMetadata | None:
-        """The wrapped worker metadata and the guard's step flags, foldable across
-        workers (None when there is nothing)."""
-        guard = self._guard()
-        meta = guard.build_connector_worker_meta()
-        if meta is None and not (guard.loads_failed or guard.stores_failed):
-            return None
-        return AdapterWorkerMetadata(meta, guard.loads_failed, guard.stores_failed)
 
 
 class KVConnectorAdapterHMA(KVConnectorAdapter, SupportsHMA):
