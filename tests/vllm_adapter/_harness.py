@@ -9,6 +9,7 @@ against its hash (:meth:`VllmRig.check_blocks`).
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
@@ -85,19 +86,23 @@ class VllmRig:
         sliding_window: a hybrid model: odd layers use sliding-window attention of this
             many tokens, a second KV cache group (with HMA on, vLLM's hybrid KV cache
             manager; select ``KVConnectorAdapterHMA`` with ``kv_transfer``).
+        serialize: pickle the scheduler output on its way to the workers and each
+            worker's output on its way back, as vLLM's multiprocess executor does, so
+            the two sides share no object.
     """
 
     def __init__(self, extra_config: dict[str, Any], *, layout: str = "LBHNC", num_gpu_blocks: int = 64,
                  block_size: int = 16, num_layers: int = 4, num_heads: int = 2, head_size: int = 8,
                  num_workers: int = 1, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  check_every_step: bool = True, sliding_window: int | None = None,
-                 **config_kw: Any) -> None:
+                 serialize: bool = False, **config_kw: Any) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.cfg = make_vllm_config(extra_config, block_size=block_size, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens, **config_kw)
         self.cfg.parallel_config.tensor_parallel_size = num_workers
         self.block_size = block_size
+        self.serialize = serialize
         self.check_every_step = check_every_step
         cache = self.cfg.cache_config
         cache.kv_cache_layout = layout
@@ -262,7 +267,10 @@ class VllmRig:
         self.stats.preemptions += len(so.preempted_req_ids or ())
         for rid, n in so.num_scheduled_tokens.items():
             self.stats.scheduled_tokens[rid] = self.stats.scheduled_tokens.get(rid, 0) + n
-        outputs = [self._worker_step(so, w) for w in range(len(self.workers))]
+        if self.serialize:  # as vLLM's multiprocess executor: pickled both ways
+            outputs = [_copy(self._worker_step(_copy(so), w)) for w in range(len(self.workers))]
+        else:
+            outputs = [self._worker_step(so, w) for w in range(len(self.workers))]
         out = self.aggregator.aggregate(outputs) if self.aggregator else outputs[0]
         self._async_ids |= {r.request_id for r in sched.requests.values()
                             if r.status.name == "WAITING_FOR_REMOTE_KVS"}
@@ -285,6 +293,15 @@ class VllmRig:
             self.step()
         raise AssertionError(f"still stepping after {max_steps} steps")
 
+    def abort(self, request_id: str) -> None:
+        """Abort a request, as vLLM does when its client goes away."""
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def status(self, request_id: str) -> str:
+        """A request's vLLM status name (``"FREED"`` once vLLM dropped it)."""
+        req = self.scheduler.requests.get(request_id)
+        return "FREED" if req is None else req.status.name
+
     def free_blocks(self) -> int:
         """Free blocks in vLLM's pool."""
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -294,6 +311,10 @@ class VllmRig:
         self.connector.shutdown()
         for w in self.workers:
             w.shutdown()
+
+
+def _copy(obj: Any) -> Any:
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))  # noqa: S301 - our own objects
 
 
 def prompt(seed: int, n: int) -> list[int]:

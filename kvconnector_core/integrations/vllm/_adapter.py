@@ -106,6 +106,8 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._worker = None if is_scheduler else GuardedWorker(self.connector)
         groups = self._kvc_kv_cache_config.kv_cache_groups if self._kvc_kv_cache_config else []
         self._block_size = groups[0].kv_cache_spec.block_size if groups else 1
+        # vLLM takes load errors by block id only with one KV cache group.
+        self._several_groups = len(groups) > 1
         # scheduler side: the last plan (update_connector_output's step), this step's
         # answers, and loads that will not happen because planning them raised
         self._last_plan: Any = None
@@ -114,6 +116,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._last_loads: dict[str, tuple[bool, list[int]]] = {}
         self._unplanned_recving: set[str] = set()
         self._unplanned_blocks: set[int] = set()
+        self._warned_sync_hma = False
         # worker side
         self._step_begun = False
         self._step_invalid: set[int] = set()
@@ -190,10 +193,20 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         pool.reset_prefix_cache = reset_prefix_cache
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load."""
+        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load,
+        and for a synchronous hit when the model has several KV cache groups (vLLM could
+        not be told which of its blocks failed to load)."""
         if request.request_id in self._recompute_only:
             return 0, False
         num, is_async = self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        if num and not is_async and self._several_groups:
+            if not self._warned_sync_hma:
+                self._warned_sync_hma = True
+                logger.error("connector %r answered a synchronous load under vLLM's hybrid KV cache "
+                             "manager, where a failed one cannot be reported; its synchronous hits "
+                             "are recomputed instead (load asynchronously to serve them)",
+                             self._kvc_config.name)
+            return 0, False
         self._answers[request.request_id] = bool(is_async)
         return num, is_async
 
@@ -311,3 +324,23 @@ class KVConnectorAdapterHMA(KVConnectorAdapter, SupportsHMA):
         """``request_finished`` with the first group's block ids (kvconnector's contract)."""
         return self.request_finished(request, block_ids[0])
 
+
+def _register_with_vllm() -> None:
+    """Register both adapters by name in vLLM's connector factory.
+
+    vLLM's own MultiConnector rebuilds its children's shipped stats by class name
+    (``KVConnectorFactory.get_connector_class_by_name``, in the stats logger); an
+    adapter only loaded through ``kv_connector_module_path`` would not be found
+    there, and the logger would raise. Registering also lets a config name the
+    adapter without the module path once this module is imported.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for cls in (KVConnectorAdapter, KVConnectorAdapterHMA):
+        try:
+            KVConnectorFactory.register_connector(cls.__name__, "kvconnector_core.integrations.vllm", cls.__name__)
+        except ValueError:  # already registered (this module imported again)
+            continue
+
+
+_register_with_vllm()

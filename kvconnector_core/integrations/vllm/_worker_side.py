@@ -45,6 +45,7 @@ class AdapterWorkerHooks(VllmConnectorBase):
     """The worker-role hooks of a step, forwarded through the guard (see the module)."""
 
     _worker: GuardedWorker | None
+    _several_groups: bool
     _step_begun: bool
     _step_invalid: set[int]
     _failed_for_connector: OrderedDict[str, None]
@@ -100,7 +101,9 @@ class AdapterWorkerHooks(VllmConnectorBase):
 
         The load errors are read here too (kvconnector's order: results, then errors):
         vLLM takes ``failed_recving`` from this call, and when the errors hook raised
-        every receive of the step must count as failed.
+        every receive of the step must count as failed. With several KV cache groups
+        (HMA), load errors by block fail the step's receives instead (vLLM refuses
+        them by block).
         """
         guard = self._guard()
         res = guard.get_transfer_results(set(finished_req_ids))
@@ -116,6 +119,14 @@ class AdapterWorkerHooks(VllmConnectorBase):
                 self._failed_for_connector[rid] = None
             while len(self._failed_for_connector) > _MAX_REPORTED_RECVING:
                 self._failed_for_connector.popitem(last=False)
+        if self._several_groups and self._step_invalid:
+            # With several KV cache groups vLLM cannot map block ids back to requests
+            # and raises on any load error reported by block. Every load is
+            # asynchronous there (the scheduler side refuses synchronous ones), so the
+            # receives finishing now carry the failure instead, all of them: which one
+            # the blocks belong to is unknown (costs hits, never data).
+            failed |= recving
+            self._step_invalid = set()
         return VllmTransferResults(finished_sending=set(res.finished_sending),
                                    finished_recving=recving, failed_recving=failed & recving)
 

@@ -1,0 +1,234 @@
+"""vLLM paths the adapter must survive: failure policies, aborts during transfers,
+vLLM's own MultiConnector around the adapter, the stats and events round trips, and
+the plan pickled between the scheduler and its workers (vLLM's multiprocess executor).
+
+Every test runs vLLM 0.33's own Scheduler and worker-side connector code on CPU
+(``_harness.VllmRig``), byte-checks every full block of every running request each
+step, and ends with vLLM's block pool free count back where it started.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
+
+from _harness import (  # noqa: E402
+    VllmRig,
+    assert_no_leak,
+    connector,
+    offload,
+    prompt,
+)
+
+from kvconnector_core.testing import FaultInjectingConnector  # noqa: E402
+
+TTL = connector("ttl", {"ttl_seconds": 1e6, "max_pinned_blocks": 8})
+HMA = {"kv_connector": "KVConnectorAdapterHMA"}
+
+
+def _wrap_faulty(rig: VllmRig, **faults) -> list[FaultInjectingConnector]:
+    """Wrap the connector behind every adapter of ``rig`` in a fault injector."""
+    wrapped = []
+    for adapter in (rig.connector, *rig.workers):
+        guard = adapter._sched or adapter._worker  # noqa: SLF001
+        adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, **faults)
+        wrapped.append(adapter.connector)
+    return wrapped
+
+
+def _stored_then_reset(rig: VllmRig, prompts: list[list[int]]) -> None:
+    for p in prompts:
+        rig.add(p, max_tokens=2)
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache() is True
+    rig.wipe()  # only loads (or recomputation) can bring the bytes back
+
+
+# ------------------------------------------------------------------ failed loads
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_async_loads_follow_vllms_failure_policy(policy):
+    """A connector that reports its loads failed (failed receives and their blocks in
+    get_block_ids_with_load_errors): under ``recompute`` vLLM recomputes and the request
+    completes with the right bytes; under ``fail`` vLLM ends it with an error. Either way
+    the scheduler loop survives and every block returns."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40, load_failure_policy=policy)
+    p = prompt(31, 67)
+    _stored_then_reset(rig, [p])
+    faulty = _wrap_faulty(rig, load_failure_rate=1.0)
+    rid = rig.add(p, max_tokens=2)
+    other = rig.add(prompt(32, 40), max_tokens=2)  # no hit: unaffected either way
+    finish = {}
+    forward = rig.scheduler.update_from_output
+
+    def spy(so, out):
+        eco = forward(so, out)
+        for client in eco.values():
+            for o in client.outputs:
+                if o.finish_reason is not None:
+                    finish[o.request_id] = o.finish_reason.name
+        return eco
+
+    rig.scheduler.update_from_output = spy
+    rig.run()
+    assert faulty[0].num_injected["loads"] == 1
+    assert finish[other] == "LENGTH"
+    if policy == "recompute":
+        assert finish[rid] == "LENGTH" and len(rig.stats.outputs[rid]) == 2
+        assert rig.stats.scheduled_tokens[rid] == 67 + 1  # all of it recomputed
+    else:
+        assert finish[rid] == "ERROR"
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+def test_failed_async_loads_under_hma_are_recomputed_not_a_crash():
+    """With several KV cache groups vLLM cannot map block ids back to requests and raises
+    on any ``invalid_block_ids``; a failed async load must reach it as a failed receive
+    only, and be recomputed."""
+    rig = VllmRig(offload(128), num_gpu_blocks=64, sliding_window=40, hma=True, kv_transfer=HMA)
+    p = prompt(33, 99)
+    _stored_then_reset(rig, [p])
+    faulty = _wrap_faulty(rig, load_failure_rate=1.0)
+    rid = rig.add(p, max_tokens=2)
+    rig.run()
+    assert faulty[0].num_injected["loads"] == 1
+    assert rig.stats.scheduled_tokens[rid] == 99 + 1
+    assert len(rig.stats.outputs[rid]) == 2
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+# ------------------------------------------------------------------------ aborts
+def test_abort_while_waiting_for_an_async_load_frees_every_block():
+    """vLLM holds an aborted request's blocks until its load reports finished; the
+    adapter must report it, so vLLM drops the request and frees the blocks."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40)
+    p = prompt(34, 67)
+    _stored_then_reset(rig, [p])
+    rid = rig.add(p, max_tokens=4)
+    for _ in range(20):
+        rig.step()
+        if rig.status(rid) == "WAITING_FOR_REMOTE_KVS":
+            break
+    assert rig.status(rid) == "WAITING_FOR_REMOTE_KVS"
+    rig.abort(rid)
+    rig.run()
+    assert rig.status(rid) == "FREED"
+    assert_no_leak(rig)
+    # The tier still serves the prompt afterwards.
+    again = rig.add(p, max_tokens=1)
+    rig.run()
+    assert rig.stats.scheduled_tokens[again] == 67 - 64
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+def test_abort_while_a_store_is_in_flight_waits_for_it_then_frees():
+    """Aborting a running request whose store is in flight: vLLM keeps its blocks until
+    the store reports sent, then frees them; the stored prefix is served later."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40)
+    p = prompt(35, 67)
+    rid = rig.add(p, max_tokens=50)
+    rig.step()  # the prefill: its stores go out with the next step
+    assert rig.status(rid) == "RUNNING"
+    rig.abort(rid)
+    assert rig.connector.has_pending_block_frees()  # the free waits for the store
+    rig.run()
+    assert not rig.connector.has_pending_block_frees()
+    assert_no_leak(rig)
+    assert rig.scheduler.reset_prefix_cache() is True
+    rig.wipe()
+    again = rig.add(p, max_tokens=1)
+    rig.run()
+    assert rig.stats.scheduled_tokens[again] == 67 - 64  # loaded, byte-checked
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+# ------------------------------------------------- the plan crosses a process boundary
+def test_a_pickled_plan_and_pickled_outputs_run_the_same():
+    """vLLM's multiprocess executor pickles the scheduler output (with our plan) to the
+    workers and their outputs back: loads stay byte-exact and nothing leaks."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40, num_workers=2, serialize=True)
+    prompts = [prompt(36, 67), prompt(37, 35)]
+    _stored_then_reset(rig, prompts)
+    for p in prompts:
+        rig.add(p, max_tokens=2)
+    rig.run()
+    assert rig.stats.hit_tokens == 64 + 32
+    assert rig.stats.loaded_layer_blocks_checked == (4 + 2) * 4 * 2
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+# ---------------------------------------------------------- vLLM's MultiConnector
+def _vllm_multi(*children):
+    child = {"kv_connector": "KVConnectorAdapter", "kv_connector_module_path": "kvconnector_core.integrations.vllm",
+             "kv_role": "kv_both"}
+    return {"kv_connector": "MultiConnector", "kv_connector_module_path": None,
+            "kv_connector_extra_config": {"connectors": [{**child, "kv_connector_extra_config": c}
+                                                         for c in children]}}
+
+
+def test_vllms_own_multi_connector_runs_adapters():
+    """vLLM's MultiConnector with two adapters (TTL, then cpu_offload): hits load byte-exact,
+    vLLM's stats logger rebuilds the shipped stats, and nothing leaks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    rig = VllmRig({}, num_gpu_blocks=40, kv_transfer=_vllm_multi(TTL, offload(64)))
+    assert type(rig.connector).__name__ == "MultiConnector"
+    shipped = []
+    forward = rig.connector.get_kv_connector_stats
+
+    def spy():
+        stats = forward()
+        if stats is not None and not stats.is_empty():
+            shipped.append(stats.to_dict())
+        return stats
+
+    rig.connector.get_kv_connector_stats = spy
+    p = prompt(38, 67)
+    _stored_then_reset(rig, [p])
+    rid = rig.add(p, max_tokens=2)
+    rig.run()
+    assert rig.stats.scheduled_tokens[rid] == 67 - 64 + 1  # the rest of the prompt, one decode
+    assert rig.stats.loaded_layer_blocks_checked == 4 * 4
+    assert_no_leak(rig)
+    logging = KVConnectorLogging(rig.cfg.kv_transfer_config)
+    assert shipped
+    for data in shipped:
+        logging.observe(data)
+    reduced = logging.transfer_stats_accumulator.reduce()
+    assert reduced  # the adapter's counters, as vLLM logs them
+    rig.connector.shutdown()
+    for w in rig.workers:
+        w.shutdown()
+
+
+def test_synchronous_hits_under_hma_are_recomputed(caplog):
+    """Under HMA vLLM cannot be told which blocks of a synchronous load failed, so the
+    adapter turns a synchronous hit into a miss (logged once): the request recomputes,
+    and every block still holds the right bytes."""
+    rig = VllmRig(offload(128), num_gpu_blocks=64, sliding_window=40, hma=True, kv_transfer=HMA)
+    prompts = [prompt(39, 99), prompt(40, 70)]
+    _stored_then_reset(rig, prompts)
+    guard = rig.connector._sched  # noqa: SLF001
+    ask = guard.get_num_new_matched_tokens
+    answers = []
+
+    def synchronous(request, num_computed_tokens):
+        num, _ = ask(request, num_computed_tokens)
+        answers.append(num)
+        return num, False
+
+    guard.get_num_new_matched_tokens = synchronous
+    rids = [rig.add(p, max_tokens=2) for p in prompts]
+    with caplog.at_level("ERROR", logger="kvconnector_core.integrations.vllm._adapter"):
+        rig.run()
+    assert max(answers) > 0  # the connector had hits
+    assert rig.stats.hit_tokens == 0
+    assert [rig.stats.scheduled_tokens[r] for r in rids] == [99 + 1, 70 + 1]
+    assert len([r for r in caplog.records if "synchronous load" in r.getMessage()]) == 1
+    assert_no_leak(rig)
+    rig.shutdown()
