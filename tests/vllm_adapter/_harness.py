@@ -247,12 +247,20 @@ class VllmRig:
             self.workers[w].handle_preemptions(so.kv_connector_metadata)
         if so.total_num_scheduled_tokens == 0:
             return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.cfg)
+        conn = self.workers[w]
         with set_forward_context(None, self.cfg), \
                 KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kvo:
+            # The per-layer hooks, as vLLM's attention layers call them
+            # (kv_transfer_utils.maybe_transfer_kv_layer): wait before, save after.
+            layered = conn.has_connector_metadata()
+            for name in self.layer_names if layered else ():
+                conn.wait_for_layer_load(name)
             if w == 0:
                 req_ids, sampled = self._fake_forward(so)
             else:
                 req_ids, sampled = self._last_forward
+            for name in self.layer_names if layered else ():
+                conn.save_kv_layer(name, self.kv_caches[w][name], None)
         self._last_forward = (req_ids, sampled)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kvo)

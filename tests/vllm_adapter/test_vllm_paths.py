@@ -232,3 +232,71 @@ def test_synchronous_hits_under_hma_are_recomputed(caplog):
     assert len([r for r in caplog.records if "synchronous load" in r.getMessage()]) == 1
     assert_no_leak(rig)
     rig.shutdown()
+
+
+# ------------------------------------------------------------------------ events
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, num_workers):
+    """cpu_offload with a disk tier behind a small CPU tier: the tier's lookups answer
+    "ask again" (None) to vLLM's scheduler, prefixes evicted from the CPU tier come back
+    from disk byte for byte, and vLLM publishes the CPU tier's events (scheduler side)
+    and the disk tier's (worker side, folded across workers) in its KVEventBatch."""
+    extra = offload(8, tiers=[{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 24}])
+    rig = VllmRig(extra, num_gpu_blocks=40, kv_events=True, num_workers=num_workers)
+    published = []
+    rig.scheduler.kv_event_publisher.publish = published.append
+    prompts = [prompt(50 + i, 67) for i in range(4)]  # 16 blocks through an 8-block CPU tier
+    _stored_then_reset(rig, prompts)
+    for _ in range(200):  # the disk writes run on the tier's threads
+        rig.step()
+        if any(getattr(e, "medium", None) == "DISK" for b in published for e in b.events):
+            break
+    first = rig.add(prompts[0], max_tokens=1)
+    rig.run()
+    assert rig.stats.scheduled_tokens[first] == 67 - 64
+    assert rig.stats.loaded_layer_blocks_checked == 4 * 4 * num_workers
+    media = {f"{type(e).__name__}:{getattr(e, 'medium', None)}" for b in published for e in b.events}
+    assert {"BlockStored:CPU", "BlockStored:DISK", "BlockStored:GPU"} <= media, media
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+def _apply(replica: set, batch) -> None:
+    """A consumer of vLLM's event stream, CPU medium: stored adds, removed drops, a clear
+    (vLLM's has no medium) drops everything."""
+    for e in batch.events:
+        kind = type(e).__name__
+        if kind == "AllBlocksCleared":
+            replica.clear()
+        elif e.medium == "CPU":
+            (replica.update if kind == "BlockStored" else replica.difference_update)(e.block_hashes)
+
+
+def test_a_resync_after_take_events_raises_reaches_vllms_publisher_decodable():
+    """take_events raising (half the calls, seeded) with KV events on: the guard's resync
+    (a clear of the CPU medium, then every block held) goes through vLLM's publisher
+    without crashing its scheduler loop, decodes with vLLM's decoder, and a consumer
+    that applies the stream ends up holding exactly the CPU tier's blocks."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    rig = VllmRig(offload(16), num_gpu_blocks=40, kv_events=True)
+    replica: set = set()
+
+    def publish(batch):
+        wire = msgspec.msgpack.encode(batch)
+        _apply(replica, msgspec.msgpack.decode(wire, type=KVEventBatch))
+
+    rig.scheduler.kv_event_publisher.publish = publish
+    prompts = [prompt(60 + i, 67) for i in range(6)]  # 24 blocks through a 16-block tier
+    _stored_then_reset(rig, prompts[:3])
+    faulty = _wrap_faulty(rig, raise_in={"take_events": 0.5}, seed=3)
+    for p in prompts:
+        rig.add(p, max_tokens=2)
+    rig.run()
+    assert faulty[0].num_injected_raises > 0
+    held = {h for e in rig.connector.connector.get_event_snapshot()
+            if type(e).__name__ == "BlockStored" for h in e.block_hashes}
+    assert held and replica == held
+    assert_no_leak(rig)
+    rig.shutdown()

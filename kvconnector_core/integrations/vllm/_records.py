@@ -132,14 +132,22 @@ def output_from_vllm(output: VllmOutput) -> KVConnectorOutput:
 
 
 def to_vllm_events(events: Any) -> list[Any]:
-    """kvconnector KV events as vLLM's event classes (same fields, same wire encoding)."""
+    """kvconnector KV events as vLLM's event classes (same fields, same wire encoding).
+
+    Fields vLLM's class lacks are dropped: kvconnector's ``AllBlocksCleared`` may name
+    one ``medium`` (a connector's reset, or the guard's resync), vLLM's clears every
+    medium. A consumer then drops more than was cleared, never holds a block that is
+    gone, and the ``BlockStored`` events of a resync that follow restore the
+    connector's blocks.
+    """
     out = []
     for event in events or ():
         cls = getattr(vllm_events, type(event).__name__, None)
         if cls is None:
             msg = f"KV event {type(event).__name__} has no vLLM counterpart"
             raise InvariantError(msg)
-        out.append(cls(**msgspec.structs.asdict(event)))
+        fields = cls.__struct_fields__
+        out.append(cls(**{k: v for k, v in msgspec.structs.asdict(event).items() if k in fields}))
     return out
 
 
