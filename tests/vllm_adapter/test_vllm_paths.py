@@ -300,3 +300,60 @@ def test_a_resync_after_take_events_raises_reaches_vllms_publisher_decodable():
     assert held and replica == held
     assert_no_leak(rig)
     rig.shutdown()
+
+
+# ------------------------------------------------------------- randomized aborts
+def _randomized_with_aborts(rig: VllmRig, seed: int, num_requests: int) -> dict[str, int]:
+    """Requests on shared prefixes in a small pool (preemptions), the GPU prefix cache
+    dropped now and then (async loads from the CPU tier), and requests aborted at
+    random steps: half of the async loads while they run, others while waiting or
+    running (their stores in flight)."""
+    import random
+
+    rng = random.Random(seed)
+    prefixes = [prompt(200 + i, 16 * rng.randrange(2, 6)) for i in range(4)]
+    statuses: dict[str, int] = {}
+    live: list[str] = []
+    for i in range(num_requests):
+        live.append(rig.add(rng.choice(prefixes) + prompt(2000 + i, rng.randrange(1, 40)),
+                            max_tokens=rng.randrange(1, 48)))
+        for _ in range(rng.randrange(0, 3)):
+            rig.step()
+            loading = [r for r in live if rig.status(r) == "WAITING_FOR_REMOTE_KVS"]
+            if loading and rng.random() < 0.5:
+                victim = rng.choice(loading)
+            elif live and rng.random() < 0.2:
+                victim = rng.choice(live)
+            else:
+                continue
+            live.remove(victim)
+            status = rig.status(victim)
+            statuses[status] = statuses.get(status, 0) + 1
+            rig.abort(victim)
+        if i % 16 == 15:
+            rig.run()
+            assert rig.scheduler.reset_prefix_cache() is True
+            rig.wipe()
+    rig.run()
+    return statuses
+
+
+@pytest.mark.parametrize("kv", ["offload", "multi", "vllm_multi"])
+def test_randomized_aborts_leak_nothing_and_corrupt_nothing(kv):
+    from _harness import multi
+
+    extra, transfer = {"offload": (offload(24), None), "multi": (multi(TTL, offload(24)), None),
+                       "vllm_multi": ({}, _vllm_multi(TTL, offload(24)))}[kv]
+    rig = VllmRig(extra, layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
+                  kv_transfer=transfer)
+    statuses = _randomized_with_aborts(rig, seed=11, num_requests=80)
+    s = rig.stats
+    assert s.preemptions > 0 and s.async_loads > 0 and s.hit_tokens > 0 and s.loaded_layer_blocks_checked > 0
+    assert statuses.get("RUNNING", 0) > 0 and statuses.get("WAITING_FOR_REMOTE_KVS", 0) > 0, statuses
+    assert_no_leak(rig)
+    if kv == "vllm_multi":
+        rig.connector.shutdown()
+        for w in rig.workers:
+            w.shutdown()
+    else:
+        rig.shutdown()
