@@ -22,6 +22,7 @@ from _harness import (  # noqa: E402
 )
 
 from kvconnector_core.testing import FaultInjectingConnector  # noqa: E402
+from kvconnector_core.testing.fault_settings import hook_faults  # noqa: E402
 
 TTL = connector("ttl", {"ttl_seconds": 1e6, "max_pinned_blocks": 8})
 HMA = {"kv_connector": "KVConnectorAdapterHMA"}
@@ -95,6 +96,26 @@ def test_failed_async_loads_under_hma_are_recomputed_not_a_crash():
     assert faulty[0].num_injected["loads"] == 1
     assert rig.stats.scheduled_tokens[rid] == 99 + 1
     assert len(rig.stats.outputs[rid]) == 2
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+@pytest.mark.parametrize("hook", ["update_state_after_alloc", "build_connector_meta", "update_connector_output",
+                                  "bind_connector_metadata", "start_load_kv", "get_block_ids_with_load_errors"])
+def test_under_the_fail_policy_a_raising_hook_fails_requests_never_vllm(hook):
+    """vLLM's default policy ``fail``: a load the guard turned into a failure ends its
+    request with an error (vLLM's choice), the other requests complete, the scheduler
+    loop survives, and every block returns."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40, load_failure_policy="fail")
+    prompts = [prompt(41 + i, 67) for i in range(3)]
+    _stored_then_reset(rig, prompts)
+    faulty = _wrap_faulty(rig, raise_in={hook})
+    for p in prompts:
+        rig.add(p, max_tokens=2)
+    rig.add(prompt(45, 30), max_tokens=2)  # no hit: never fails
+    rig.run()
+    assert sum(f.num_injected["raises"] for f in faulty) > 0
+    assert rig.stats.finished == 3 + 4
     assert_no_leak(rig)
     rig.shutdown()
 
@@ -357,3 +378,27 @@ def test_randomized_aborts_leak_nothing_and_corrupt_nothing(kv):
             w.shutdown()
     else:
         rig.shutdown()
+
+
+# ------------------------------------------------------- one worker of two failing
+@pytest.mark.parametrize("hook", ["bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
+                                  "save_kv_layer", "wait_for_save", "get_block_ids_with_load_errors",
+                                  "build_connector_worker_meta"])
+def test_one_tp_worker_raising_is_contained(hook):
+    """Only the second of two TP workers raises: vLLM's KVOutputAggregator folds a failed
+    and a good report of the same load or store; the request recomputes what did not
+    arrive on every worker (byte-checked on both), and nothing leaks."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40, num_workers=2)
+    prompts = [prompt(70 + i, 67) for i in range(3)]
+    _stored_then_reset(rig, prompts)
+    _wrap_faulty(rig)  # every side speaks the injector's plan; only worker 1 raises
+    faulty = rig.workers[1].connector
+    faulty._hook_faults = {f.hook: f for f in hook_faults({hook})}  # noqa: SLF001
+    for p in prompts:
+        rig.add(p, max_tokens=2)
+    rig.run()
+    assert rig.workers[1].connector.num_injected["raises"] > 0
+    assert rig.workers[0].connector.num_injected["raises"] == 0
+    assert rig.stats.finished == 6
+    assert_no_leak(rig)
+    rig.shutdown()
