@@ -167,6 +167,55 @@ def test_abort_while_a_store_is_in_flight_waits_for_it_then_frees():
     rig.shutdown()
 
 
+# ------------------------------------------------------------ prefix-cache reset
+@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("reset_running_requests", [False, True])
+def test_a_prefix_cache_reset_right_after_a_finish_succeeds(num_workers, reset_running_requests):
+    """Right after a request finishes, its blocks wait for its stores (a delayed free);
+    vLLM's pool reset failed then, and its weight-update path (reset_running_requests)
+    raised RuntimeError. The reset now succeeds: the stores are forgotten (never
+    visible), the blocks freed; the engine drains, and the prompt is recomputed with
+    the right bytes."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40, num_workers=num_workers)
+    p = prompt(46, 67)
+    rid = rig.add(p, max_tokens=1)
+    rig.step()
+    assert rig.status(rid) == "FINISHED_LENGTH_CAPPED" and rig.connector.has_pending_block_frees()
+    assert rig.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests,
+                                            reset_connector=True) is True
+    assert not rig.connector.has_pending_block_frees()
+    rig.wipe()
+    rig.run()  # the finished request leaves once its stores report
+    assert_no_leak(rig)
+    again = rig.add(p, max_tokens=1)
+    rig.run()  # byte-checked: nothing of the forgotten stores is served
+    assert rig.stats.scheduled_tokens[again] == 67
+    assert_no_leak(rig)
+    assert not rig.connector.connector.scheduler_side._jobs  # noqa: SLF001
+    rig.shutdown()
+
+
+def test_a_reset_while_a_request_runs_keeps_the_delayed_frees():
+    """While another request holds blocks the pool reset fails anyway: the stores of a
+    finished request are kept, and its prefix is served after the engine drains."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40)
+    p = prompt(47, 67)
+    done = rig.add(p, max_tokens=1)
+    rig.add(prompt(48, 30), max_tokens=20)
+    rig.step()
+    assert rig.status(done) == "FINISHED_LENGTH_CAPPED" and rig.connector.has_pending_block_frees()
+    assert rig.scheduler.reset_prefix_cache() is False
+    assert rig.connector.has_pending_block_frees()
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache() is True
+    rig.wipe()
+    again = rig.add(p, max_tokens=1)
+    rig.run()
+    assert rig.stats.scheduled_tokens[again] == 67 - 64  # stored, loaded, byte-checked
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
 # ------------------------------------------------- the plan crosses a process boundary
 def test_a_pickled_plan_and_pickled_outputs_run_the_same():
     """vLLM's multiprocess executor pickles the scheduler output (with our plan) to the

@@ -125,8 +125,9 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # it has forgotten, and such a request never loads again: it recomputes).
         # Bounded, oldest dropped.
         self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
-        # Finished requests whose free the wrapped connector delayed, until reported sent.
-        self._delayed_frees: set[str] = set()
+        # Finished requests whose free the wrapped connector delayed, until reported sent
+        # (or their blocks were released for a prefix-cache reset).
+        self._delayed_frees: dict[str, Any] = {}
         self._worker_events: list[Any] = []
         # Requests whose load failed: vLLM asks the connector again when it
         # re-admits them; they recompute instead (as kvconnector's scheduler does),
@@ -188,9 +189,31 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         def reset_prefix_cache() -> bool:
             if not self._scheduler().reset_cache():
                 return False
+            self._release_delayed_frees()
             return pool_reset()
 
         pool.reset_prefix_cache = reset_prefix_cache
+
+    def _release_delayed_frees(self) -> None:
+        """Before a prefix-cache reset, free the blocks of finished requests whose stores
+        are in flight, when nothing else holds blocks.
+
+        The pool reset fails while any block is in use (vLLM's weight-update path,
+        ``reset_running_requests=True``, then raises), and vLLM's own offloading
+        connector never holds a finished request's blocks. Their stores are forgotten
+        first, so they never become visible (from now on the blocks may be reused);
+        vLLM still drops each request when its ``finished_sending`` arrives.
+        """
+        if not self._delayed_frees:
+            return
+        managers = self._kv_cache_manager.coordinator.single_type_managers
+        holders = {rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks}
+        if not holders <= self._delayed_frees.keys():
+            return  # the reset fails anyway (running or loading requests): keep the stores
+        self._scheduler().forget_requests(self._delayed_frees)
+        for request in self._delayed_frees.values():
+            self._kv_cache_manager.free(request)
+        self._delayed_frees = {}
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load,
@@ -251,7 +274,8 @@ class KVConnectorAdapter(AdapterWorkerHooks):
     def update_connector_output(self, connector_output: Any) -> None:
         """Translate vLLM's output (None sets, wrapped worker metadata) and forward it."""
         out = output_from_vllm(connector_output)
-        self._delayed_frees -= out.finished_sending
+        for rid in out.finished_sending:
+            self._delayed_frees.pop(rid, None)
         self._recompute_only |= out.failed_recving
         events = connector_output.kv_cache_events
         if events is not None:
@@ -270,7 +294,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._recompute_only.discard(request.request_id)
         delay, params = self._scheduler().request_finished(request, block_ids)
         if delay:
-            self._delayed_frees.add(request.request_id)
+            self._delayed_frees[request.request_id] = request
         return bool(delay), params
 
     def take_events(self) -> list[Any]:
