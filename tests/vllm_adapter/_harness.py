@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,13 +90,17 @@ class VllmRig:
         serialize: pickle the scheduler output on its way to the workers and each
             worker's output on its way back, as vLLM's multiprocess executor does, so
             the two sides share no object.
+        async_scheduling: vLLM's default where the executor supports it (the GPU
+            executors): its ``AsyncScheduler``, and steps run as
+            ``EngineCore.step_with_batch_queue`` runs them, two in flight: step N+1 is
+            scheduled (its connector plan built) before step N's output is processed.
     """
 
     def __init__(self, extra_config: dict[str, Any], *, layout: str = "LBHNC", num_gpu_blocks: int = 64,
                  block_size: int = 16, num_layers: int = 4, num_heads: int = 2, head_size: int = 8,
                  num_workers: int = 1, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  check_every_step: bool = True, sliding_window: int | None = None,
-                 serialize: bool = False, **config_kw: Any) -> None:
+                 serialize: bool = False, async_scheduling: bool = False, **config_kw: Any) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.cfg = make_vllm_config(extra_config, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -120,9 +125,15 @@ class VllmRig:
         self.group_layers = [[(self.layer_names.index(n), n) for n in g.layer_names] for g in groups]
         self.kv_cache_config = get_kv_cache_config_from_groups(self.cfg, groups, available_memory=1 << 30)
         cache.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.scheduler = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config,
-                                   structured_output_manager=StructuredOutputManager(self.cfg),
-                                   block_size=block_size, log_stats=True)
+        self.cfg.scheduler_config.async_scheduling = async_scheduling
+        scheduler_cls = self.cfg.scheduler_config.get_scheduler_cls() if async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config,
+                                       structured_output_manager=StructuredOutputManager(self.cfg),
+                                       block_size=block_size, log_stats=True)
+        self._in_flight: deque[tuple[Any, Any]] = deque()  # async scheduling: (output, runner output)
+        # async scheduling: blocks a step filled before their last token was known (so
+        # before their hash): (request id, group, block index, block id), written once known
+        self._unhashed: list[tuple[str, int, int, int]] = []
         self.workers = []
         self.kv_caches = []
         for _ in range(num_workers):
@@ -237,6 +248,8 @@ class VllmRig:
                 for i in range(start // self.block_size, -(-end // self.block_size)):
                     full = i < len(req.block_hashes) and (i + 1) * self.block_size <= end
                     self._write(block_ids[i], req.block_hashes[i] if full else None, g)
+                    if not full and (i + 1) * self.block_size <= end:
+                        self._unhashed.append((rid, g, i, block_ids[i]))
             req_ids.append(rid)
             sampled.append([1000 + len(req.output_token_ids)] if end >= req.num_tokens else [])
         return req_ids, sampled
@@ -266,7 +279,27 @@ class VllmRig:
                                  sampled_token_ids=sampled, kv_connector_output=kvo)
 
     def step(self) -> Any:
-        """One EngineCore-like step: schedule, the workers, update_from_output."""
+        """One EngineCore-like step: schedule, the workers, update_from_output (with
+        async scheduling as ``step_with_batch_queue``: schedule and execute, and process
+        the oldest output only once two steps are in flight or nothing more can be
+        scheduled)."""
+        if not self._in_flight or self.scheduler.has_requests():
+            so, out = self._schedule_and_execute()
+            if not self._async:
+                self._update(so, out)
+                return so
+            self._in_flight.appendleft((so, out))
+            if len(self._in_flight) < 2 and (so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
+                return so
+        so, out = self._in_flight.pop()
+        self._update(so, out)
+        return so
+
+    @property
+    def _async(self) -> bool:
+        return bool(self.cfg.scheduler_config.async_scheduling)
+
+    def _schedule_and_execute(self) -> tuple[Any, Any]:
         sched = self.scheduler
         so = sched.schedule()
         self.stats.steps += 1
@@ -283,20 +316,38 @@ class VllmRig:
         self._async_ids |= {r.request_id for r in sched.requests.values()
                             if r.status.name == "WAITING_FOR_REMOTE_KVS"}
         self.stats.async_loads = len(self._async_ids)
+        return so, out
+
+    def _update(self, so: Any, out: Any) -> None:
         if self.check_every_step:  # before update_from_output: finishing requests still run
             self.check_blocks()
-        eco = sched.update_from_output(so, out)
+        eco = self.scheduler.update_from_output(so, out)
         for client_out in eco.values():
             for o in client_out.outputs:
                 self.stats.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.stats.finished += 1
-        return so
+        self._write_hashed()
+
+    def _write_hashed(self) -> None:
+        """Async scheduling: give blocks whose hash is now known their bytes (the model
+        wrote them in the step that filled them; the harness learns the hash later)."""
+        waiting = []
+        for rid, g, i, bid in self._unhashed:
+            req = self.scheduler.requests.get(rid)
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[g] if req is not None else []
+            if i >= len(ids) or ids[i] != bid:
+                continue  # freed or preempted: nothing to write
+            if i < len(req.block_hashes):
+                self._write(bid, req.block_hashes[i], g)
+            else:
+                waiting.append((rid, g, i, bid))
+        self._unhashed = waiting
 
     def run(self, max_steps: int = 10_000) -> Stats:
-        """Step while vLLM has requests (as ``EngineCore.step`` would)."""
+        """Step while vLLM has requests or steps in flight (as ``EngineCore`` would)."""
         for _ in range(max_steps):
-            if not self.scheduler.has_requests():
+            if not (self.scheduler.has_requests() or self._in_flight):
                 return self.stats
             self.step()
         raise AssertionError(f"still stepping after {max_steps} steps")

@@ -48,6 +48,7 @@ from kvconnector_core.integrations.vllm._layouts import block_dense_views
 from kvconnector_core.integrations.vllm._records import (
     AdapterMetadata,
     AdapterStats,
+    AdapterWorkerMetadata,
     connector_config_from_vllm,
     kv_cache_config_from_vllm,
     output_from_vllm,
@@ -66,6 +67,9 @@ if TYPE_CHECKING:
 __all__ = ["KVConnectorAdapter", "KVConnectorAdapterHMA"]
 
 logger = logging.getLogger(__name__)
+
+_MAX_PLANS_IN_FLIGHT = 64
+"""Plans kept for their step's report (vLLM has at most a few steps in flight)."""
 
 
 def _wrapped_class(vllm_config: VllmConfig) -> type[KVConnectorBase_V1]:
@@ -110,10 +114,12 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._several_groups = len(groups) > 1
         # scheduler side: the last plan (update_connector_output's step), this step's
         # answers, and loads that will not happen because planning them raised
-        self._last_plan: Any = None
+        # Plans by step, until their step's report: with async scheduling (vLLM's
+        # default) the next plan is built before a step's output is processed.
+        self._step = 0
+        self._plans: OrderedDict[int, tuple[Any, dict[str, tuple[bool, list[int]]]]] = OrderedDict()
         self._answers: dict[str, bool] = {}
         self._step_loads: dict[str, tuple[bool, list[int]]] = {}  # rid -> (async, block ids)
-        self._last_loads: dict[str, tuple[bool, list[int]]] = {}
         self._unplanned_recving: set[str] = set()
         self._unplanned_blocks: set[int] = set()
         self._warned_sync_hma = False
@@ -261,12 +267,15 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # The view carries every SchedulerOutput field a connector reads (duck-typed).
         view = cast("SchedulerOutput", SchedulerOutputView(scheduler_output))
         plan = self._scheduler().build_connector_meta(view)
-        self._last_plan = plan
-        self._last_loads, self._step_loads = self._step_loads, {}
+        loads, self._step_loads = self._step_loads, {}
         if plan is None:  # the step's loads are never planned: they fail now
-            self._fail_loads(self._last_loads)
-            self._last_loads = {}
-        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks)
+            self._fail_loads(loads)
+            loads = {}
+        self._step += 1
+        self._plans[self._step] = (plan, loads)
+        while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
+            self._plans.popitem(last=False)
+        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step)
         self._unplanned_recving, self._unplanned_blocks = set(), set()
         self._answers.clear()
         return meta
@@ -280,14 +289,25 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         events = connector_output.kv_cache_events
         if events is not None:
             self._worker_events += events.aggregate().get_all_events()
-        self._scheduler().update_connector_output(out, self._last_plan)
+        plan, loads = self._plan_of(connector_output.kv_connector_worker_meta)
+        self._scheduler().update_connector_output(out, plan)
         if out.loads_failed:
             # The worker could not run the step's loads: the connector may never report
             # the ones it has not reported yet (as kvconnector's scheduler does, they
             # fail; reported next step).
-            self._fail_loads({rid: load for rid, load in self._last_loads.items()
-                              if rid not in out.finished_recving})
-        self._last_loads = {}
+            self._fail_loads({rid: load for rid, load in loads.items() if rid not in out.finished_recving})
+
+    def _plan_of(self, worker_meta: Any) -> tuple[Any, dict[str, tuple[bool, list[int]]]]:
+        """The plan and loads of the step a report names (its worker metadata carries the
+        step; a report without it has no failure flags, so needs no plan). Plans of that
+        step and older are dropped: reports arrive in step order."""
+        step = worker_meta.step if isinstance(worker_meta, AdapterWorkerMetadata) else None
+        if step is None:
+            return None, {}
+        found = self._plans.get(step, (None, {}))
+        while self._plans and next(iter(self._plans)) <= step:
+            self._plans.popitem(last=False)
+        return found
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forwarded; a delayed free is remembered until it is reported sent."""

@@ -163,11 +163,15 @@ class AdapterMetadata(VllmMetadata):
             them finished and failed, so vLLM stops waiting and recomputes.
         invalid_block_ids: blocks of synchronous loads that will not happen, for the
             same reason; the worker reports them as load errors.
+        step: the scheduler side's step number of this plan; the worker names it in
+            its report, so that a failure reaches the plan of its own step (with
+            async scheduling the next plan is built before a step is reported).
     """
 
     inner: Any = None
     failed_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    step: int = 0
 
 
 @dataclass
@@ -182,11 +186,13 @@ class AdapterWorkerMetadata(VllmWorkerMetadata):
         inner: the wrapped connector's ``build_connector_worker_meta()`` result.
         loads_failed: a worker hook failed so that the step's loads may not have run.
         stores_failed: likewise for the step's stores.
+        step: the step of the plan the worker ran (:attr:`AdapterMetadata.step`).
     """
 
     inner: Any = None
     loads_failed: bool = False
     stores_failed: bool = False
+    step: int | None = None
 
     def aggregate(self, other: VllmWorkerMetadata) -> AdapterWorkerMetadata:
         """Fold another worker's record of the same step into this one.
@@ -206,8 +212,10 @@ class AdapterWorkerMetadata(VllmWorkerMetadata):
                        "it cannot be combined across several vLLM workers (TP/PP > 1)")
                 raise InvariantError(msg)
             inner = fold(theirs)
+        steps = [s for s in (self.step, other.step) if s is not None]
         return AdapterWorkerMetadata(inner, self.loads_failed or other.loads_failed,
-                                     self.stores_failed or other.stores_failed)
+                                     self.stores_failed or other.stores_failed,
+                                     max(steps) if steps else None)
 
 
 class AdapterKVEvents(KVConnectorKVEvents):

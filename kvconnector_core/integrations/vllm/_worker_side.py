@@ -152,5 +152,7 @@ class AdapterWorkerHooks(VllmConnectorBase):
         meta = guard.build_connector_worker_meta()
         if meta is None and not (guard.loads_failed or guard.stores_failed):
             return None
-        return AdapterWorkerMetadata(meta, guard.loads_failed, guard.stores_failed)
+        plan = self._connector_metadata
+        step = plan.step if isinstance(plan, AdapterMetadata) else None
+        return AdapterWorkerMetadata(meta, guard.loads_failed, guard.stores_failed, step)
 
