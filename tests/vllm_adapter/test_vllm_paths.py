@@ -9,6 +9,8 @@ step, and ends with vLLM's block pool free count back where it started.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
@@ -481,3 +483,26 @@ def test_async_scheduling_a_flaky_worker_hook_fails_its_own_steps_plan(hook):
     faulty = _wrap_faulty(rig, raise_in={hook: 0.3}, seed=1)
     check_randomized_run(rig, seed=5, num_requests=48, min_layer_blocks=2_000)
     assert sum(f.num_injected["raises"] for f in faulty) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("hook", ["bind_connector_metadata", "wait_for_save"])
+def test_a_worker_whose_stores_always_fail_does_not_stall_vllm(hook, async_scheduling):
+    """vLLM finishes a request (the connector delays its free for stores in flight)
+    before it delivers the step's report; when that report says the stores failed the
+    free is re-sent, and a worker whose bind or wait_for_save always raises never
+    learns it: vLLM held the blocks, and every request needing them waited, forever.
+    The worker now reports such frees sent once nothing of it is in flight."""
+    from _harness import randomized
+
+    rig = VllmRig(offload(24), layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
+                  async_scheduling=async_scheduling)
+    faulty = _wrap_faulty(rig, raise_in={hook})
+    rig.run = functools.partial(rig.run, max_steps=2_000)  # stalled runs fail fast
+    randomized(rig, seed=5, num_requests=48)  # byte-checked every step
+    assert rig.stats.finished == 48 and rig.stats.preemptions > 0
+    assert rig.stats.hit_tokens == 0  # nothing the failing worker stored became visible
+    assert rig.workers[0]._worker.quarantined  # noqa: SLF001 - cut off, and the run still drained
+    assert sum(f.num_injected["raises"] for f in faulty) >= 8
+    assert_no_leak(rig)
+    rig.shutdown()

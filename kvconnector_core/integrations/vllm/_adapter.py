@@ -131,6 +131,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # it has forgotten, and such a request never loads again: it recomputes).
         # Bounded, oldest dropped.
         self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
+        self._reported_sent: OrderedDict[str, None] = OrderedDict()  # sends reported (one each)
         # Finished requests whose free the wrapped connector delayed, until reported sent
         # (or their blocks were released for a prefix-cache reset).
         self._delayed_frees: dict[str, Any] = {}
@@ -275,7 +276,8 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._plans[self._step] = (plan, loads)
         while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
             self._plans.popitem(last=False)
-        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step)
+        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step,
+                               delayed_frees=set(self._delayed_frees))
         self._unplanned_recving, self._unplanned_blocks = set(), set()
         self._answers.clear()
         return meta

@@ -166,12 +166,16 @@ class AdapterMetadata(VllmMetadata):
         step: the scheduler side's step number of this plan; the worker names it in
             its report, so that a failure reaches the plan of its own step (with
             async scheduling the next plan is built before a step is reported).
+        delayed_frees: finished requests whose blocks vLLM holds for the connector's
+            stores, not reported sent yet (the worker reports them itself when its
+            step's stores failed and it has nothing in flight).
     """
 
     inner: Any = None
     failed_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     step: int = 0
+    delayed_frees: set[str] = field(default_factory=set)
 
 
 @dataclass

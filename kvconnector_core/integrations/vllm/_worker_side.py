@@ -37,8 +37,16 @@ if TYPE_CHECKING:
 __all__ = ["AdapterWorkerHooks"]
 
 _MAX_REPORTED_RECVING = 100_000
-"""Receive ids remembered to drop a second report (a load failed by the adapter that the
-connector also reports later)."""
+"""Request ids remembered to drop a second report: a load failed by the adapter that the
+connector also reports later, a delayed free reported twice (vLLM asserts on both)."""
+
+
+def _remember(seen: OrderedDict[str, None], ids: set[str]) -> None:
+    """Add ``ids`` to a bounded record of reported request ids (oldest dropped)."""
+    for rid in ids:
+        seen[rid] = None
+    while len(seen) > _MAX_REPORTED_RECVING:
+        seen.popitem(last=False)
 
 
 class AdapterWorkerHooks(VllmConnectorBase):
@@ -49,6 +57,8 @@ class AdapterWorkerHooks(VllmConnectorBase):
     _step_begun: bool
     _step_invalid: set[int]
     _failed_for_connector: OrderedDict[str, None]
+    _reported_sent: OrderedDict[str, None]
+    connector: Any
 
     def _guard(self) -> GuardedWorker:
         if self._worker is None:
@@ -115,10 +125,7 @@ class AdapterWorkerHooks(VllmConnectorBase):
             recving |= meta.failed_recving
             failed |= meta.failed_recving
             self._step_invalid |= meta.invalid_block_ids
-            for rid in meta.failed_recving:
-                self._failed_for_connector[rid] = None
-            while len(self._failed_for_connector) > _MAX_REPORTED_RECVING:
-                self._failed_for_connector.popitem(last=False)
+            _remember(self._failed_for_connector, meta.failed_recving)
         if self._several_groups and self._step_invalid:
             # With several KV cache groups vLLM cannot map block ids back to requests
             # and raises on any load error reported by block. Every load is
@@ -127,8 +134,30 @@ class AdapterWorkerHooks(VllmConnectorBase):
             # the blocks belong to is unknown (costs hits, never data).
             failed |= recving
             self._step_invalid = set()
-        return VllmTransferResults(finished_sending=set(res.finished_sending),
-                                   finished_recving=recving, failed_recving=failed & recving)
+        sending = set(res.finished_sending)
+        if guard.stores_failed and isinstance(meta, AdapterMetadata) and meta.delayed_frees:
+            sending |= self._frees_it_may_never_learn(meta.delayed_frees)
+        sending = {r for r in sending if r not in self._reported_sent}
+        _remember(self._reported_sent, sending)
+        return VllmTransferResults(finished_sending=sending, finished_recving=recving,
+                                   failed_recving=failed & recving)
+
+    def _frees_it_may_never_learn(self, delayed_frees: set[str]) -> set[str]:
+        """Delayed frees to report sent for a worker whose step's stores failed.
+
+        vLLM finishes a request (and asks to delay its free) before it delivers the
+        step's report, so a store failure there re-sends the free with the next plan;
+        a worker whose bind or ``wait_for_save`` keeps raising never learns it, and
+        vLLM would hold the blocks (and wait for them) forever. Once the connector
+        has nothing in flight (``has_pending_work`` says no; absent or raising counts
+        as busy), no store still reads those blocks: they are reported sent now.
+        """
+        pending = getattr(self.connector, "has_pending_work", None)
+        try:
+            busy = pending is None or bool(pending())
+        except Exception:  # noqa: BLE001 - a raising answer counts as busy
+            busy = True
+        return set() if busy else set(delayed_frees)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Legacy form of :meth:`get_transfer_results`."""
