@@ -9,7 +9,9 @@ against its hash (:meth:`VllmRig.check_blocks`).
 from __future__ import annotations
 
 import os
+import pickle
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
@@ -85,19 +87,27 @@ class VllmRig:
         sliding_window: a hybrid model: odd layers use sliding-window attention of this
             many tokens, a second KV cache group (with HMA on, vLLM's hybrid KV cache
             manager; select ``KVConnectorAdapterHMA`` with ``kv_transfer``).
+        serialize: pickle the scheduler output on its way to the workers and each
+            worker's output on its way back, as vLLM's multiprocess executor does, so
+            the two sides share no object.
+        async_scheduling: vLLM's default where the executor supports it (the GPU
+            executors): its ``AsyncScheduler``, and steps run as
+            ``EngineCore.step_with_batch_queue`` runs them, two in flight: step N+1 is
+            scheduled (its connector plan built) before step N's output is processed.
     """
 
     def __init__(self, extra_config: dict[str, Any], *, layout: str = "LBHNC", num_gpu_blocks: int = 64,
                  block_size: int = 16, num_layers: int = 4, num_heads: int = 2, head_size: int = 8,
                  num_workers: int = 1, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  check_every_step: bool = True, sliding_window: int | None = None,
-                 **config_kw: Any) -> None:
+                 serialize: bool = False, async_scheduling: bool = False, **config_kw: Any) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.cfg = make_vllm_config(extra_config, block_size=block_size, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens, **config_kw)
         self.cfg.parallel_config.tensor_parallel_size = num_workers
         self.block_size = block_size
+        self.serialize = serialize
         self.check_every_step = check_every_step
         cache = self.cfg.cache_config
         cache.kv_cache_layout = layout
@@ -115,9 +125,15 @@ class VllmRig:
         self.group_layers = [[(self.layer_names.index(n), n) for n in g.layer_names] for g in groups]
         self.kv_cache_config = get_kv_cache_config_from_groups(self.cfg, groups, available_memory=1 << 30)
         cache.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.scheduler = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config,
-                                   structured_output_manager=StructuredOutputManager(self.cfg),
-                                   block_size=block_size, log_stats=True)
+        self.cfg.scheduler_config.async_scheduling = async_scheduling
+        scheduler_cls = self.cfg.scheduler_config.get_scheduler_cls() if async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config,
+                                       structured_output_manager=StructuredOutputManager(self.cfg),
+                                       block_size=block_size, log_stats=True)
+        self._in_flight: deque[tuple[Any, Any]] = deque()  # async scheduling: (output, runner output)
+        # async scheduling: blocks a step filled before their last token was known (so
+        # before their hash): (request id, group, block index, block id), written once known
+        self._unhashed: list[tuple[str, int, int, int]] = []
         self.workers = []
         self.kv_caches = []
         for _ in range(num_workers):
@@ -168,22 +184,24 @@ class VllmRig:
         return rid
 
     # ------------------------------------------------------------------- bytes
-    def pattern(self, block_hash: bytes, layer: int, numel: int) -> torch.Tensor:
-        """The bytes a block with this hash holds in this layer."""
+    def pattern(self, block_hash: bytes, layer: int, numel: int, worker: int = 0) -> torch.Tensor:
+        """The bytes a block with this hash holds in this layer on this worker (TP ranks
+        hold different shards of a block, so a load from another rank's copy shows)."""
         seed = torch.frombuffer(bytearray(bytes(block_hash)[:32]), dtype=torch.int8).clone()
         seed[0] = seed[0] + layer
+        seed[1] = seed[1] + worker
         return seed.repeat(-(-numel // seed.numel()))[:numel]
 
     def _write(self, block_id: int, block_hash: bytes | None, group: int = 0) -> None:
         if block_id == 0:  # vLLM's null block (a sliding-window position out of the window)
             return
-        for caches in self.kv_caches:
+        for w, caches in enumerate(self.kv_caches):
             for layer, name in self.group_layers[group]:
                 view = caches[name][block_id]
                 if block_hash is None:
                     view.fill_(-1)
                 else:
-                    view.copy_(self.pattern(block_hash, layer, view.numel()).view(view.shape))
+                    view.copy_(self.pattern(block_hash, layer, view.numel(), w).view(view.shape))
 
     def wipe(self) -> None:
         """Zero every KV byte (after a prefix-cache reset: only loads can restore them)."""
@@ -211,7 +229,7 @@ class VllmRig:
             for w, caches in enumerate(self.kv_caches):
                 for layer, name in self.group_layers[g]:
                     view = caches[name][bid]
-                    want = self.pattern(req.block_hashes[i], layer, view.numel()).view(view.shape)
+                    want = self.pattern(req.block_hashes[i], layer, view.numel(), w).view(view.shape)
                     assert torch.equal(view, want), (
                         f"request {req.request_id} block #{i} (id {bid}) layer {name} worker {w}: "
                         "bytes differ from what the model wrote for its hash")
@@ -232,6 +250,8 @@ class VllmRig:
                 for i in range(start // self.block_size, -(-end // self.block_size)):
                     full = i < len(req.block_hashes) and (i + 1) * self.block_size <= end
                     self._write(block_ids[i], req.block_hashes[i] if full else None, g)
+                    if not full and (i + 1) * self.block_size <= end:
+                        self._unhashed.append((rid, g, i, block_ids[i]))
             req_ids.append(rid)
             sampled.append([1000 + len(req.output_token_ids)] if end >= req.num_tokens else [])
         return req_ids, sampled
@@ -242,18 +262,46 @@ class VllmRig:
             self.workers[w].handle_preemptions(so.kv_connector_metadata)
         if so.total_num_scheduled_tokens == 0:
             return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.cfg)
+        conn = self.workers[w]
         with set_forward_context(None, self.cfg), \
                 KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kvo:
+            # The per-layer hooks, as vLLM's attention layers call them
+            # (kv_transfer_utils.maybe_transfer_kv_layer): wait before, save after.
+            layered = conn.has_connector_metadata()
+            for name in self.layer_names if layered else ():
+                conn.wait_for_layer_load(name)
             if w == 0:
                 req_ids, sampled = self._fake_forward(so)
             else:
                 req_ids, sampled = self._last_forward
+            for name in self.layer_names if layered else ():
+                conn.save_kv_layer(name, self.kv_caches[w][name], None)
         self._last_forward = (req_ids, sampled)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kvo)
 
     def step(self) -> Any:
-        """One EngineCore-like step: schedule, the workers, update_from_output."""
+        """One EngineCore-like step: schedule, the workers, update_from_output (with
+        async scheduling as ``step_with_batch_queue``: schedule and execute, and process
+        the oldest output only once two steps are in flight or nothing more can be
+        scheduled)."""
+        if not self._in_flight or self.scheduler.has_requests():
+            so, out = self._schedule_and_execute()
+            if not self._async:
+                self._update(so, out)
+                return so
+            self._in_flight.appendleft((so, out))
+            if len(self._in_flight) < 2 and (so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
+                return so
+        so, out = self._in_flight.pop()
+        self._update(so, out)
+        return so
+
+    @property
+    def _async(self) -> bool:
+        return bool(self.cfg.scheduler_config.async_scheduling)
+
+    def _schedule_and_execute(self) -> tuple[Any, Any]:
         sched = self.scheduler
         so = sched.schedule()
         self.stats.steps += 1
@@ -262,28 +310,58 @@ class VllmRig:
         self.stats.preemptions += len(so.preempted_req_ids or ())
         for rid, n in so.num_scheduled_tokens.items():
             self.stats.scheduled_tokens[rid] = self.stats.scheduled_tokens.get(rid, 0) + n
-        outputs = [self._worker_step(so, w) for w in range(len(self.workers))]
+        if self.serialize:  # as vLLM's multiprocess executor: pickled both ways
+            outputs = [_copy(self._worker_step(_copy(so), w)) for w in range(len(self.workers))]
+        else:
+            outputs = [self._worker_step(so, w) for w in range(len(self.workers))]
         out = self.aggregator.aggregate(outputs) if self.aggregator else outputs[0]
         self._async_ids |= {r.request_id for r in sched.requests.values()
                             if r.status.name == "WAITING_FOR_REMOTE_KVS"}
         self.stats.async_loads = len(self._async_ids)
+        return so, out
+
+    def _update(self, so: Any, out: Any) -> None:
         if self.check_every_step:  # before update_from_output: finishing requests still run
             self.check_blocks()
-        eco = sched.update_from_output(so, out)
+        eco = self.scheduler.update_from_output(so, out)
         for client_out in eco.values():
             for o in client_out.outputs:
                 self.stats.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.stats.finished += 1
-        return so
+        self._write_hashed()
+
+    def _write_hashed(self) -> None:
+        """Async scheduling: give blocks whose hash is now known their bytes (the model
+        wrote them in the step that filled them; the harness learns the hash later)."""
+        waiting = []
+        for rid, g, i, bid in self._unhashed:
+            req = self.scheduler.requests.get(rid)
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[g] if req is not None else []
+            if i >= len(ids) or ids[i] != bid:
+                continue  # freed or preempted: nothing to write
+            if i < len(req.block_hashes):
+                self._write(bid, req.block_hashes[i], g)
+            else:
+                waiting.append((rid, g, i, bid))
+        self._unhashed = waiting
 
     def run(self, max_steps: int = 10_000) -> Stats:
-        """Step while vLLM has requests (as ``EngineCore.step`` would)."""
+        """Step while vLLM has requests or steps in flight (as ``EngineCore`` would)."""
         for _ in range(max_steps):
-            if not self.scheduler.has_requests():
+            if not (self.scheduler.has_requests() or self._in_flight):
                 return self.stats
             self.step()
         raise AssertionError(f"still stepping after {max_steps} steps")
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request, as vLLM does when its client goes away."""
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def status(self, request_id: str) -> str:
+        """A request's vLLM status name (``"FREED"`` once vLLM dropped it)."""
+        req = self.scheduler.requests.get(request_id)
+        return "FREED" if req is None else req.status.name
 
     def free_blocks(self) -> int:
         """Free blocks in vLLM's pool."""
@@ -294,6 +372,10 @@ class VllmRig:
         self.connector.shutdown()
         for w in self.workers:
             w.shutdown()
+
+
+def _copy(obj: Any) -> Any:
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))  # noqa: S301 - our own objects
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -274,9 +274,11 @@ def test_failed_loads_are_reported_and_recomputed_by_vllm():
 
 
 @pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                                  "update_connector_output", "request_finished", "bind_connector_metadata",
-                                  "start_load_kv", "wait_for_save", "get_block_ids_with_load_errors",
-                                  "build_connector_worker_meta"])
+                                  "update_connector_output", "request_finished", "take_events",
+                                  "get_kv_connector_stats", "bind_connector_metadata", "handle_preemptions",
+                                  "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+                                  "get_block_ids_with_load_errors", "build_connector_worker_meta",
+                                  "clear_connector_metadata"])
 def test_a_raising_hook_is_contained_inside_vllm(hook):
     """Through the guard, a connector hook that raises (every time) inside vLLM costs hits,
     never data: every request finishes, every block holds the right bytes, nothing leaks.

@@ -5,9 +5,10 @@ connector; the adapter creates the kvconnector connector named in
 ``kv_connector_extra_config["kvconnector"]`` through kvconnector's registry
 (built-ins and third-party entry points alike) and forwards every hook,
 translating the records at the boundary (see ``_records``) and passing thin
-views of vLLM's live objects (see ``_views``). The members vLLM reads that
-kvconnector's base lacks come from vLLM's base class, except those whose value
-depends on the wrapped connector, which are overridden here.
+views of vLLM's live objects (see ``_views``). The worker role's per-step hooks
+come from the base class :class:`~._worker_side.AdapterWorkerHooks`. The members
+vLLM reads that kvconnector's base lacks come from vLLM's base class, except those
+whose value depends on the wrapped connector, which are overridden here.
 
 Every hook reaches the wrapped connector through kvconnector's guard
 (:class:`~kvconnector_core.connector.guard.GuardedScheduler` /
@@ -35,13 +36,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1 as VllmConnectorBase,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole as VllmRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorTransferResults as VllmTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
@@ -51,7 +46,6 @@ from kvconnector_core.connector.registry import create_connector, get_connector_
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.integrations.vllm._layouts import block_dense_views
 from kvconnector_core.integrations.vllm._records import (
-    AdapterKVEvents,
     AdapterMetadata,
     AdapterStats,
     AdapterWorkerMetadata,
@@ -61,6 +55,7 @@ from kvconnector_core.integrations.vllm._records import (
     to_vllm_events,
 )
 from kvconnector_core.integrations.vllm._views import BlockPoolView, SchedulerOutputView
+from kvconnector_core.integrations.vllm._worker_side import AdapterWorkerHooks
 
 if TYPE_CHECKING:
     import torch
@@ -73,16 +68,15 @@ __all__ = ["KVConnectorAdapter", "KVConnectorAdapterHMA"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_REPORTED_RECVING = 100_000
-"""Receive ids remembered to drop a second report (a load failed by the adapter that the
-connector also reports later)."""
+_MAX_PLANS_IN_FLIGHT = 64
+"""Plans kept for their step's report (vLLM has at most a few steps in flight)."""
 
 
 def _wrapped_class(vllm_config: VllmConfig) -> type[KVConnectorBase_V1]:
     return get_connector_class(connector_config_from_vllm(vllm_config))
 
 
-class KVConnectorAdapter(VllmConnectorBase):
+class KVConnectorAdapter(AdapterWorkerHooks):
     """Runs the kvconnector connector named in ``kv_connector_extra_config["kvconnector"]``.
 
     Select it with ``kv_connector="KVConnectorAdapter"`` and
@@ -116,14 +110,19 @@ class KVConnectorAdapter(VllmConnectorBase):
         self._worker = None if is_scheduler else GuardedWorker(self.connector)
         groups = self._kvc_kv_cache_config.kv_cache_groups if self._kvc_kv_cache_config else []
         self._block_size = groups[0].kv_cache_spec.block_size if groups else 1
+        # vLLM takes load errors by block id only with one KV cache group.
+        self._several_groups = len(groups) > 1
         # scheduler side: the last plan (update_connector_output's step), this step's
         # answers, and loads that will not happen because planning them raised
-        self._last_plan: Any = None
+        # Plans by step, until their step's report: with async scheduling (vLLM's
+        # default) the next plan is built before a step's output is processed.
+        self._step = 0
+        self._plans: OrderedDict[int, tuple[Any, dict[str, tuple[bool, list[int]]]]] = OrderedDict()
         self._answers: dict[str, bool] = {}
         self._step_loads: dict[str, tuple[bool, list[int]]] = {}  # rid -> (async, block ids)
-        self._last_loads: dict[str, tuple[bool, list[int]]] = {}
         self._unplanned_recving: set[str] = set()
         self._unplanned_blocks: set[int] = set()
+        self._warned_sync_hma = False
         # worker side
         self._step_begun = False
         self._step_invalid: set[int] = set()
@@ -132,8 +131,10 @@ class KVConnectorAdapter(VllmConnectorBase):
         # it has forgotten, and such a request never loads again: it recomputes).
         # Bounded, oldest dropped.
         self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
-        # Finished requests whose free the wrapped connector delayed, until reported sent.
-        self._delayed_frees: set[str] = set()
+        self._reported_sent: OrderedDict[str, None] = OrderedDict()  # sends reported (one each)
+        # Finished requests whose free the wrapped connector delayed, until reported sent
+        # (or their blocks were released for a prefix-cache reset).
+        self._delayed_frees: dict[str, Any] = {}
         self._worker_events: list[Any] = []
         # Requests whose load failed: vLLM asks the connector again when it
         # re-admits them; they recompute instead (as kvconnector's scheduler does),
@@ -195,15 +196,47 @@ class KVConnectorAdapter(VllmConnectorBase):
         def reset_prefix_cache() -> bool:
             if not self._scheduler().reset_cache():
                 return False
+            self._release_delayed_frees()
             return pool_reset()
 
         pool.reset_prefix_cache = reset_prefix_cache
 
+    def _release_delayed_frees(self) -> None:
+        """Before a prefix-cache reset, free the blocks of finished requests whose stores
+        are in flight, when nothing else holds blocks.
+
+        The pool reset fails while any block is in use (vLLM's weight-update path,
+        ``reset_running_requests=True``, then raises), and vLLM's own offloading
+        connector never holds a finished request's blocks. Their stores are forgotten
+        first, so they never become visible (from now on the blocks may be reused);
+        vLLM still drops each request when its ``finished_sending`` arrives.
+        """
+        if not self._delayed_frees:
+            return
+        managers = self._kv_cache_manager.coordinator.single_type_managers
+        holders = {rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks}
+        if not holders <= self._delayed_frees.keys():
+            return  # the reset fails anyway (running or loading requests): keep the stores
+        self._scheduler().forget_requests(self._delayed_frees)
+        for request in self._delayed_frees.values():
+            self._kv_cache_manager.free(request)
+        self._delayed_frees = {}
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load."""
+        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load,
+        and for a synchronous hit when the model has several KV cache groups (vLLM could
+        not be told which of its blocks failed to load)."""
         if request.request_id in self._recompute_only:
             return 0, False
         num, is_async = self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        if num and not is_async and self._several_groups:
+            if not self._warned_sync_hma:
+                self._warned_sync_hma = True
+                logger.error("connector %r answered a synchronous load under vLLM's hybrid KV cache "
+                             "manager, where a failed one cannot be reported; its synchronous hits "
+                             "are recomputed instead (load asynchronously to serve them)",
+                             self._kvc_config.name)
+            return 0, False
         self._answers[request.request_id] = bool(is_async)
         return num, is_async
 
@@ -235,12 +268,16 @@ class KVConnectorAdapter(VllmConnectorBase):
         # The view carries every SchedulerOutput field a connector reads (duck-typed).
         view = cast("SchedulerOutput", SchedulerOutputView(scheduler_output))
         plan = self._scheduler().build_connector_meta(view)
-        self._last_plan = plan
-        self._last_loads, self._step_loads = self._step_loads, {}
+        loads, self._step_loads = self._step_loads, {}
         if plan is None:  # the step's loads are never planned: they fail now
-            self._fail_loads(self._last_loads)
-            self._last_loads = {}
-        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks)
+            self._fail_loads(loads)
+            loads = {}
+        self._step += 1
+        self._plans[self._step] = (plan, loads)
+        while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
+            self._plans.popitem(last=False)
+        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step,
+                               delayed_frees=set(self._delayed_frees))
         self._unplanned_recving, self._unplanned_blocks = set(), set()
         self._answers.clear()
         return meta
@@ -248,26 +285,38 @@ class KVConnectorAdapter(VllmConnectorBase):
     def update_connector_output(self, connector_output: Any) -> None:
         """Translate vLLM's output (None sets, wrapped worker metadata) and forward it."""
         out = output_from_vllm(connector_output)
-        self._delayed_frees -= out.finished_sending
+        for rid in out.finished_sending:
+            self._delayed_frees.pop(rid, None)
         self._recompute_only |= out.failed_recving
         events = connector_output.kv_cache_events
         if events is not None:
             self._worker_events += events.aggregate().get_all_events()
-        self._scheduler().update_connector_output(out, self._last_plan)
+        plan, loads = self._plan_of(connector_output.kv_connector_worker_meta)
+        self._scheduler().update_connector_output(out, plan)
         if out.loads_failed:
             # The worker could not run the step's loads: the connector may never report
             # the ones it has not reported yet (as kvconnector's scheduler does, they
             # fail; reported next step).
-            self._fail_loads({rid: load for rid, load in self._last_loads.items()
-                              if rid not in out.finished_recving})
-        self._last_loads = {}
+            self._fail_loads({rid: load for rid, load in loads.items() if rid not in out.finished_recving})
+
+    def _plan_of(self, worker_meta: Any) -> tuple[Any, dict[str, tuple[bool, list[int]]]]:
+        """The plan and loads of the step a report names (its worker metadata carries the
+        step; a report without it has no failure flags, so needs no plan). Plans of that
+        step and older are dropped: reports arrive in step order."""
+        step = worker_meta.step if isinstance(worker_meta, AdapterWorkerMetadata) else None
+        if step is None:
+            return None, {}
+        found = self._plans.get(step, (None, {}))
+        while self._plans and next(iter(self._plans)) <= step:
+            self._plans.popitem(last=False)
+        return found
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forwarded; a delayed free is remembered until it is reported sent."""
         self._recompute_only.discard(request.request_id)
         delay, params = self._scheduler().request_finished(request, block_ids)
         if delay:
-            self._delayed_frees.add(request.request_id)
+            self._delayed_frees[request.request_id] = request
         return bool(delay), params
 
     def take_events(self) -> list[Any]:
@@ -300,17 +349,6 @@ class KVConnectorAdapter(VllmConnectorBase):
             raise InvariantError(msg)
         return self._sched
 
-    def _guard(self) -> GuardedWorker:
-        if self._worker is None:
-            msg = "worker-side hook called on the adapter's scheduler-role instance"
-            raise InvariantError(msg)
-        return self._worker
-
-    def _begin_step(self) -> None:
-        if not self._step_begun:
-            self._step_begun = True
-            self._guard().begin_step()
-
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -319,89 +357,6 @@ class KVConnectorAdapter(VllmConnectorBase):
         for name, tensor in kv_caches.items():
             views.update(block_dense_views(name, tensor))
         self._guard().register_kv_caches(views)
-
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        """Bind the wrapped plan (none when the scheduler side failed to build one)."""
-        super().bind_connector_metadata(connector_metadata)
-        self._begin_step()
-        if connector_metadata.inner is not None:
-            self._guard().bind_connector_metadata(connector_metadata.inner)
-
-    def clear_connector_metadata(self) -> None:
-        """Unbind; the next hook starts the guard's next step."""
-        super().clear_connector_metadata()
-        self._guard().clear_connector_metadata()
-        self._step_begun = False
-
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
-        self._begin_step()
-        if kv_connector_metadata.inner is not None:
-            self._guard().handle_preemptions(kv_connector_metadata.inner)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Forwarded (model runner V2's extra keyword arguments are dropped)."""
-        self._guard().start_load_kv(forward_context)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Forwarded."""
-        self._guard().wait_for_layer_load(layer_name)
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Forwarded."""
-        self._guard().save_kv_layer(layer_name, kv_layer, attn_metadata)
-
-    def wait_for_save(self) -> None:
-        """Forwarded."""
-        self._guard().wait_for_save()
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> VllmTransferResults:
-        """The wrapped results in vLLM's record, plus the receives the plan says failed.
-
-        The load errors are read here too (kvconnector's order: results, then errors):
-        vLLM takes ``failed_recving`` from this call, and when the errors hook raised
-        every receive of the step must count as failed.
-        """
-        guard = self._guard()
-        res = guard.get_transfer_results(set(finished_req_ids))
-        self._step_invalid = set(guard.get_block_ids_with_load_errors())
-        failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
-        recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
-        meta = self._connector_metadata
-        if isinstance(meta, AdapterMetadata):
-            recving |= meta.failed_recving
-            failed |= meta.failed_recving
-            self._step_invalid |= meta.invalid_block_ids
-            for rid in meta.failed_recving:
-                self._failed_for_connector[rid] = None
-            while len(self._failed_for_connector) > _MAX_REPORTED_RECVING:
-                self._failed_for_connector.popitem(last=False)
-        return VllmTransferResults(finished_sending=set(res.finished_sending),
-                                   finished_recving=recving, failed_recving=failed & recving)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Legacy form of :meth:`get_transfer_results`."""
-        res = self.get_transfer_results(finished_req_ids)
-        return res.finished_sending or None, res.finished_recving or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """The step's load errors (read in :meth:`get_transfer_results`)."""
-        errors, self._step_invalid = self._step_invalid, set()
-        return errors
-
-    def get_kv_connector_kv_cache_events(self) -> AdapterKVEvents | None:
-        """The wrapped worker's events (its optional hook of that name), or None."""
-        events = to_vllm_events(self._guard().get_kv_connector_kv_cache_events())
-        return AdapterKVEvents(events) if events else None
-
-    def build_connector_worker_meta(self) -> AdapterWorkerMetadata | None:
-        """The wrapped worker metadata and the guard's step flags, foldable across
-        workers (None when there is nothing)."""
-        guard = self._guard()
-        meta = guard.build_connector_worker_meta()
-        if meta is None and not (guard.loads_failed or guard.stores_failed):
-            return None
-        return AdapterWorkerMetadata(meta, guard.loads_failed, guard.stores_failed)
 
 
 class KVConnectorAdapterHMA(KVConnectorAdapter, SupportsHMA):
@@ -415,3 +370,23 @@ class KVConnectorAdapterHMA(KVConnectorAdapter, SupportsHMA):
         """``request_finished`` with the first group's block ids (kvconnector's contract)."""
         return self.request_finished(request, block_ids[0])
 
+
+def _register_with_vllm() -> None:
+    """Register both adapters by name in vLLM's connector factory.
+
+    vLLM's own MultiConnector rebuilds its children's shipped stats by class name
+    (``KVConnectorFactory.get_connector_class_by_name``, in the stats logger); an
+    adapter only loaded through ``kv_connector_module_path`` would not be found
+    there, and the logger would raise. Registering also lets a config name the
+    adapter without the module path once this module is imported.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for cls in (KVConnectorAdapter, KVConnectorAdapterHMA):
+        try:
+            KVConnectorFactory.register_connector(cls.__name__, "kvconnector_core.integrations.vllm", cls.__name__)
+        except ValueError:  # already registered (this module imported again)
+            continue
+
+
+_register_with_vllm()

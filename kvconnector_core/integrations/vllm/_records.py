@@ -132,14 +132,22 @@ def output_from_vllm(output: VllmOutput) -> KVConnectorOutput:
 
 
 def to_vllm_events(events: Any) -> list[Any]:
-    """kvconnector KV events as vLLM's event classes (same fields, same wire encoding)."""
+    """kvconnector KV events as vLLM's event classes (same fields, same wire encoding).
+
+    Fields vLLM's class lacks are dropped: kvconnector's ``AllBlocksCleared`` may name
+    one ``medium`` (a connector's reset, or the guard's resync), vLLM's clears every
+    medium. A consumer then drops more than was cleared, never holds a block that is
+    gone, and the ``BlockStored`` events of a resync that follow restore the
+    connector's blocks.
+    """
     out = []
     for event in events or ():
         cls = getattr(vllm_events, type(event).__name__, None)
         if cls is None:
             msg = f"KV event {type(event).__name__} has no vLLM counterpart"
             raise InvariantError(msg)
-        out.append(cls(**msgspec.structs.asdict(event)))
+        fields = cls.__struct_fields__
+        out.append(cls(**{k: v for k, v in msgspec.structs.asdict(event).items() if k in fields}))
     return out
 
 
@@ -155,11 +163,19 @@ class AdapterMetadata(VllmMetadata):
             them finished and failed, so vLLM stops waiting and recomputes.
         invalid_block_ids: blocks of synchronous loads that will not happen, for the
             same reason; the worker reports them as load errors.
+        step: the scheduler side's step number of this plan; the worker names it in
+            its report, so that a failure reaches the plan of its own step (with
+            async scheduling the next plan is built before a step is reported).
+        delayed_frees: finished requests whose blocks vLLM holds for the connector's
+            stores, not reported sent yet (the worker reports them itself when its
+            step's stores failed and it has nothing in flight).
     """
 
     inner: Any = None
     failed_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    step: int = 0
+    delayed_frees: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -174,11 +190,13 @@ class AdapterWorkerMetadata(VllmWorkerMetadata):
         inner: the wrapped connector's ``build_connector_worker_meta()`` result.
         loads_failed: a worker hook failed so that the step's loads may not have run.
         stores_failed: likewise for the step's stores.
+        step: the step of the plan the worker ran (:attr:`AdapterMetadata.step`).
     """
 
     inner: Any = None
     loads_failed: bool = False
     stores_failed: bool = False
+    step: int | None = None
 
     def aggregate(self, other: VllmWorkerMetadata) -> AdapterWorkerMetadata:
         """Fold another worker's record of the same step into this one.
@@ -198,8 +216,10 @@ class AdapterWorkerMetadata(VllmWorkerMetadata):
                        "it cannot be combined across several vLLM workers (TP/PP > 1)")
                 raise InvariantError(msg)
             inner = fold(theirs)
+        steps = [s for s in (self.step, other.step) if s is not None]
         return AdapterWorkerMetadata(inner, self.loads_failed or other.loads_failed,
-                                     self.stores_failed or other.stores_failed)
+                                     self.stores_failed or other.stores_failed,
+                                     max(steps) if steps else None)
 
 
 class AdapterKVEvents(KVConnectorKVEvents):

@@ -1,0 +1,187 @@
+"""The adapter's per-step worker-role hooks, as vLLM's model runner calls them.
+
+:class:`AdapterWorkerHooks` is the base of
+:class:`~kvconnector_core.integrations.vllm.KVConnectorAdapter`: it forwards the
+hooks of a step (bind, preemptions, loads, saves, results, load errors, events,
+worker metadata, clear) to the wrapped connector through its
+:class:`~kvconnector_core.connector.guard.GuardedWorker`, and reports the loads
+the scheduler side already knows failed (carried in :class:`AdapterMetadata`) as
+failed receives / load errors. The adapter's ``__init__`` sets the state declared
+here; registration (``register_kv_caches``) stays with the adapter.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1 as VllmConnectorBase,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults as VllmTransferResults,
+)
+
+from kvconnector_core.connector.guard import GuardedWorker
+from kvconnector_core.errors import InvariantError
+from kvconnector_core.integrations.vllm._records import (
+    AdapterKVEvents,
+    AdapterMetadata,
+    AdapterWorkerMetadata,
+    to_vllm_events,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AdapterWorkerHooks"]
+
+_MAX_REPORTED_RECVING = 100_000
+"""Request ids remembered to drop a second report: a load failed by the adapter that the
+connector also reports later, a delayed free reported twice (vLLM asserts on both)."""
+
+
+def _remember(seen: OrderedDict[str, None], ids: set[str]) -> None:
+    """Add ``ids`` to a bounded record of reported request ids (oldest dropped)."""
+    for rid in ids:
+        seen[rid] = None
+    while len(seen) > _MAX_REPORTED_RECVING:
+        seen.popitem(last=False)
+
+
+class AdapterWorkerHooks(VllmConnectorBase):
+    """The worker-role hooks of a step, forwarded through the guard (see the module)."""
+
+    _worker: GuardedWorker | None
+    _several_groups: bool
+    _step_begun: bool
+    _step_invalid: set[int]
+    _failed_for_connector: OrderedDict[str, None]
+    _reported_sent: OrderedDict[str, None]
+    connector: Any
+
+    def _guard(self) -> GuardedWorker:
+        if self._worker is None:
+            msg = "worker-side hook called on the adapter's scheduler-role instance"
+            raise InvariantError(msg)
+        return self._worker
+
+    def _begin_step(self) -> None:
+        if not self._step_begun:
+            self._step_begun = True
+            self._guard().begin_step()
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Bind the wrapped plan (none when the scheduler side failed to build one)."""
+        super().bind_connector_metadata(connector_metadata)
+        self._begin_step()
+        if connector_metadata.inner is not None:
+            self._guard().bind_connector_metadata(connector_metadata.inner)
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind; the next hook starts the guard's next step."""
+        super().clear_connector_metadata()
+        self._guard().clear_connector_metadata()
+        self._step_begun = False
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
+        self._begin_step()
+        if kv_connector_metadata.inner is not None:
+            self._guard().handle_preemptions(kv_connector_metadata.inner)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Forwarded (model runner V2's extra keyword arguments are dropped)."""
+        self._guard().start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Forwarded."""
+        self._guard().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Forwarded."""
+        self._guard().save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        """Forwarded."""
+        self._guard().wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> VllmTransferResults:
+        """The wrapped results in vLLM's record, plus the receives the plan says failed.
+
+        The load errors are read here too (kvconnector's order: results, then errors):
+        vLLM takes ``failed_recving`` from this call, and when the errors hook raised
+        every receive of the step must count as failed. With several KV cache groups
+        (HMA), load errors by block fail the step's receives instead (vLLM refuses
+        them by block).
+        """
+        guard = self._guard()
+        res = guard.get_transfer_results(set(finished_req_ids))
+        self._step_invalid = set(guard.get_block_ids_with_load_errors())
+        failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
+        recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
+        meta = self._connector_metadata
+        if isinstance(meta, AdapterMetadata):
+            recving |= meta.failed_recving
+            failed |= meta.failed_recving
+            self._step_invalid |= meta.invalid_block_ids
+            _remember(self._failed_for_connector, meta.failed_recving)
+        if self._several_groups and self._step_invalid:
+            # With several KV cache groups vLLM cannot map block ids back to requests
+            # and raises on any load error reported by block. Every load is
+            # asynchronous there (the scheduler side refuses synchronous ones), so the
+            # receives finishing now carry the failure instead, all of them: which one
+            # the blocks belong to is unknown (costs hits, never data).
+            failed |= recving
+            self._step_invalid = set()
+        sending = set(res.finished_sending)
+        if guard.stores_failed and isinstance(meta, AdapterMetadata) and meta.delayed_frees:
+            sending |= self._frees_it_may_never_learn(meta.delayed_frees)
+        sending = {r for r in sending if r not in self._reported_sent}
+        _remember(self._reported_sent, sending)
+        return VllmTransferResults(finished_sending=sending, finished_recving=recving,
+                                   failed_recving=failed & recving)
+
+    def _frees_it_may_never_learn(self, delayed_frees: set[str]) -> set[str]:
+        """Delayed frees to report sent for a worker whose step's stores failed.
+
+        vLLM finishes a request (and asks to delay its free) before it delivers the
+        step's report, so a store failure there re-sends the free with the next plan;
+        a worker whose bind or ``wait_for_save`` keeps raising never learns it, and
+        vLLM would hold the blocks (and wait for them) forever. Once the connector
+        has nothing in flight (``has_pending_work`` says no; absent or raising counts
+        as busy), no store still reads those blocks: they are reported sent now.
+        """
+        pending = getattr(self.connector, "has_pending_work", None)
+        try:
+            busy = pending is None or bool(pending())
+        except Exception:  # noqa: BLE001 - a raising answer counts as busy
+            busy = True
+        return set() if busy else set(delayed_frees)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Legacy form of :meth:`get_transfer_results`."""
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The step's load errors (read in :meth:`get_transfer_results`)."""
+        errors, self._step_invalid = self._step_invalid, set()
+        return errors
+
+    def get_kv_connector_kv_cache_events(self) -> AdapterKVEvents | None:
+        """The wrapped worker's events (its optional hook of that name), or None."""
+        events = to_vllm_events(self._guard().get_kv_connector_kv_cache_events())
+        return AdapterKVEvents(events) if events else None
+
+    def build_connector_worker_meta(self) -> AdapterWorkerMetadata | None:
+        """The wrapped worker metadata and the guard's step flags, foldable across
+        workers (None when there is nothing)."""
+        guard = self._guard()
+        meta = guard.build_connector_worker_meta()
+        if meta is None and not (guard.loads_failed or guard.stores_failed):
+            return None
+        plan = self._connector_metadata
+        step = plan.step if isinstance(plan, AdapterMetadata) else None
+        return AdapterWorkerMetadata(meta, guard.loads_failed, guard.stores_failed, step)
+
