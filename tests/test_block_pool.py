@@ -104,6 +104,15 @@ def test_free_queue_popleft_n_too_many_raises():
     assert q.num_free_blocks == 2
 
 
+def test_free_queue_popleft_on_empty_queue_raises_no_free_blocks():
+    """popleft on an empty queue is "no free blocks", not a broken-link invariant error."""
+    q = FreeKVCacheBlockQueue([KVCacheBlock(0)])
+    q.popleft()
+    with pytest.raises(NoFreeBlocksError):
+        q.popleft()
+    assert q.num_free_blocks == 0
+
+
 # -- get_new_blocks / touch / free ------------------------------------------------
 
 
@@ -314,6 +323,19 @@ def test_cache_full_blocks_parent_is_previous_hash():
     assert ev.token_ids == list(range(2 * BS, 4 * BS))
 
 
+def test_cache_full_blocks_parent_after_one_cached_block():
+    """Resuming after exactly one cached block names that block (hash 0) as the parent."""
+    pool = make_pool()
+    req = FakeRequest("r", range(3 * BS), BS)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, 0, 1, BS, 0)
+    pool.take_events()
+    pool.cache_full_blocks(req, blocks, 1, 3, BS, 0)
+    (ev,) = pool.take_events()
+    assert ev.parent_block_hash == to_external_hash(req.block_hashes[0])
+    assert ev.block_hashes == [to_external_hash(h) for h in req.block_hashes[1:3]]
+
+
 def test_cache_full_blocks_parent_hash_of_null_block():
     """The parent hash is the request's hash even when that position holds the null block."""
     pool = make_pool()
@@ -439,6 +461,19 @@ def test_get_cached_block_one_per_group():
     assert pool.get_cached_block(req.block_hashes[0], [1, 0]) == [b1, b0]
 
 
+@pytest.mark.parametrize("gid", [255, 256, 1000])
+def test_get_cached_block_high_group_ids(gid):
+    """Group ids past the precomputed key suffixes are looked up like small ones."""
+    pool = make_pool()
+    req = FakeRequest("r", range(BS), BS)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, [a], 0, 1, BS, gid)
+    pool.cache_full_blocks(req, [b], 0, 1, BS, 0)
+    assert pool.get_cached_block(req.block_hashes[0], [gid]) == [a]
+    assert pool.get_cached_block(req.block_hashes[0], [0, gid]) == [b, a]
+    assert pool.get_cached_block(req.block_hashes[0], [gid + 1]) is None
+
+
 def test_get_cached_block_misses_if_any_group_misses():
     """A lookup returns None when one group lacks the hash."""
     pool = make_pool()
@@ -492,6 +527,23 @@ def test_reusing_cached_block_emits_block_removed():
     assert isinstance(ev, BlockRemoved)
     assert ev.block_hashes == [to_external_hash(req.block_hashes[0])]
     assert ev.group_idx == 2 and ev.medium == "GPU"
+
+
+def test_reusing_cached_block_without_events_forgets_its_hash():
+    """With events off (the inlined path) a reused cached block also loses its hash.
+
+    A stale hash would make the block look cached already, so caching its new
+    contents would be skipped and a later request would miss them.
+    """
+    pool = make_pool(3, events=False)  # usable blocks 1, 2
+    old = FakeRequest("old", range(BS), BS)
+    cached = cache_at_positions(pool, old, [0], BS)[0]
+    got = pool.get_new_blocks(2)
+    assert cached in got and all(b.block_hash is None for b in got)
+    assert pool.get_cached_block(old.block_hashes[0], [0]) is None
+    new = FakeRequest("new", range(100, 100 + BS), BS)
+    pool.cache_full_blocks(new, [cached], 0, 1, BS, 0)
+    assert pool.get_cached_block(new.block_hashes[0], [0]) == [cached]
 
 
 def test_uncached_reuse_emits_nothing():
