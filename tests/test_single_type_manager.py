@@ -224,6 +224,24 @@ def test_chunked_first_chunk_behaves_like_full_attention():
     assert hit == [placed[0], placed[1]]
 
 
+def test_chunked_hit_is_aligned_down():
+    """A chunked-local hit is trimmed to the alignment like the other attention types."""
+    pool, req, placed = pool_with([4])
+    (hit,) = ChunkedLocalAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0], pool, chunked_spec(BS, 8), 2 * BS
+    )  # null hits for blocks 0-3, block 4 cached: 5 blocks, aligned down to 4
+    assert hit == [pool.null_block] * 4
+
+
+def test_chunked_null_hits_are_bounded_by_the_hashed_tokens():
+    """Null hits before the current chunk never reach past the blocks the hashes cover."""
+    pool, req, _ = pool_with([], n_tokens=24, bs=2 * BS)  # 12 hashes, 6 coarse blocks
+    (hit,) = ChunkedLocalAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 100, [0], pool, chunked_spec(2 * BS, 64), 2 * BS
+    )
+    assert hit == [pool.null_block] * 6
+
+
 # -- get_num_blocks_to_allocate ------------------------------------------------------------------
 
 
