@@ -153,6 +153,16 @@ def test_allocate_slots_respects_reserved_blocks():
     assert m.allocate_slots(a, 12, reserved_blocks=2) is not None
 
 
+def test_full_sequence_check_keeps_reserved_blocks_free():
+    """The full-sequence admission check counts reserved blocks as taken too: a chunk that
+    fits beside them is refused when the whole prompt would not."""
+    m = make_manager([full_spec(4)], 6)  # 5 usable
+    a = make_request("a", range(16), 4)  # 4 blocks in all
+    assert m.allocate_slots(a, 8, full_sequence_must_fit=True, reserved_blocks=2) is None
+    assert m.block_pool.get_num_free_blocks() == 5
+    assert m.allocate_slots(a, 8, full_sequence_must_fit=True, reserved_blocks=1) is not None
+
+
 def test_allocate_slots_needs_tokens():
     """Allocating zero new and zero external tokens is a ConfigError."""
     m = make_manager([full_spec(4)], 6)
@@ -327,6 +337,14 @@ def test_can_ever_fit_true_for_small_full_attention_request():
     assert m.can_ever_fit(make_request("s", range(20), 4, max_tokens=8))
 
 
+@pytest.mark.parametrize(("max_tokens", "fits"), [(16, True), (17, False)])
+def test_can_ever_fit_counts_prompt_plus_max_tokens_against_usable_blocks(max_tokens, fits):
+    """20 prompt tokens + 16 outputs fill exactly the 9 usable blocks of a 10-block pool
+    (the null block is not usable); one more output token needs a tenth block."""
+    m = make_manager([full_spec(4)], 10, max_model_len=4096, max_num_batched_tokens=16)
+    assert m.can_ever_fit(make_request("r", range(20), 4, max_tokens=max_tokens)) is fits
+
+
 def test_sliding_window_pool_smaller_than_cap_rejects():
     """A sliding-window request is rejected when the pool is smaller than its admission cap."""
     m = make_manager([swa_spec(4, 8)], 5, max_model_len=4096, max_num_batched_tokens=16)  # cap 7 > 4
@@ -353,3 +371,27 @@ def test_swa_local_hit_plus_external_tokens_on_tight_pool():
     assert result is not None
     # Blocks out of the window after the external tokens (first 9 tokens -> 4 blocks) are null.
     assert all(b.is_null for b in m.get_blocks("c").blocks[0][:4])
+
+
+# -- KVCacheBlocks ----------------------------------------------------------------------------
+
+
+def test_kv_cache_blocks_add_concatenates_each_group_in_order():
+    """``a + b`` appends b's blocks after a's, group by group (vLLM's KVCacheBlocks)."""
+    pool = BlockPool(8, True, 4)
+    b1, b2, b3, b4 = pool.get_new_blocks(4)
+    total = KVCacheBlocks(([b1], [b2])) + KVCacheBlocks(([b3], [b4]))
+    assert total.get_block_ids() == ([b1.block_id, b3.block_id], [b2.block_id, b4.block_id])
+
+
+def test_get_unhashed_block_ids_lists_only_uncached_blocks():
+    """get_unhashed_block_ids names the blocks that hold no prefix-cache hash, in order;
+    it needs a single group."""
+    m = make_manager([full_spec(4)], 10)
+    req = make_request("r", range(10), 4)  # 2 full blocks (cached) + 1 partial
+    blocks = m.allocate_slots(req, 10)
+    assert blocks is not None
+    ids = blocks.get_block_ids()[0]
+    assert blocks.get_unhashed_block_ids() == [ids[2]]
+    with pytest.raises(ConfigError, match="one KV cache group, got 2"):
+        KVCacheBlocks((blocks.blocks[0], [])).get_unhashed_block_ids()
