@@ -279,6 +279,76 @@ def test_rollback_uncaches_blocks_past_valid_tokens():
     assert [b.block_hash is not None for b in blocks] == [True, True, True, True]
 
 
+def test_rollback_uncaches_a_partly_valid_block():
+    """A block that holds some invalid tokens is the first invalid block: it leaves the
+    prefix cache with everything after it."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(16), 4)
+    run_prefill(m, a)
+    assert m.rollback(a, 6) == 6
+    blocks = m.get_blocks("a").blocks[0]
+    assert [b.block_hash is not None for b in blocks] == [True, False, False, False]
+
+
+def test_rollback_keeps_blocks_another_request_shares_cached():
+    """Only the request's own blocks leave the cache: a block another request also holds
+    keeps its hash (its contents were computed by, and are good for, that request)."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(16), 4)
+    run_prefill(m, a)
+    b = make_request("b", list(range(8)) + [99] * 8, 4)
+    hit, n = m.get_computed_blocks(b)
+    assert n == 8
+    assert m.allocate_slots(b, b.num_tokens - n, n, hit) is not None
+    m.rollback(a, 0)
+    blocks = m.get_blocks("a").blocks[0]
+    assert [blk.block_hash is not None for blk in blocks] == [True, True, False, False]
+    _, n = m.get_computed_blocks(make_request("c", range(16), 4))
+    assert n == 8
+
+
+def _swa_request_with_skipped_blocks():
+    """A sliding-window (window 4, blocks of 4) request that computed 12 of its 16 tokens
+    and released blocks 0 and 1 (out of its window): its table is [null, null, b2, b3]."""
+    m = make_manager([swa_spec(4, 4)], 20)
+    req = make_request("r", range(16), 4)
+    assert m.allocate_slots(req, 16) is not None
+    req.num_computed_tokens = 12
+    m.remove_skipped_blocks(req)
+    table = m.get_blocks("r").blocks[0]
+    assert [b.is_null for b in table] == [True, True, False, False]
+    return m, req, table
+
+
+def test_sliding_window_rollback_resumes_when_its_window_is_intact():
+    """Rolling back to 12 tokens needs only block 2 (tokens 9-11): the nulls before the
+    window do not force a restart."""
+    m, req, table = _swa_request_with_skipped_blocks()
+    kept = list(table)
+    assert m.rollback(req, 12) == 12
+    assert m.get_blocks("r").blocks[0] == kept
+
+
+def test_sliding_window_rollback_restarts_when_its_window_was_skipped():
+    """Rolling back to 8 tokens needs block 1 (tokens 5-7), which was released: the
+    request restarts from scratch and holds no block."""
+    m, req, _ = _swa_request_with_skipped_blocks()
+    free_before = m.block_pool.get_num_free_blocks()
+    assert m.rollback(req, 8) == 0
+    assert m.get_blocks("r").blocks[0] == []
+    assert m.block_pool.get_num_free_blocks() == free_before + 2
+
+
+def test_rollback_to_zero_frees_cut_blocks_tail_first():
+    """A table cut at its leading nulls frees its real blocks tail first, like ``free``."""
+    m, req, table = _swa_request_with_skipped_blocks()
+    b2, b3 = table[2], table[3]
+    assert m.rollback(req, 0) == 0
+    assert m.get_blocks("r").blocks[0] == []
+    front = m.block_pool.free_block_queue.get_all_free_blocks()[:2]
+    assert front == [b3, b2]
+
+
 # -- admission with caps --------------------------------------------------------------------------
 
 
