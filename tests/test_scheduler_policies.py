@@ -4,9 +4,17 @@ stop tokens, and what an aborted or finished request leaves behind."""
 
 from __future__ import annotations
 
-from kvconnector_core import Request, RequestStatus
+from kvconnector_core import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    Request,
+    RequestStatus,
+    SlidingWindowSpec,
+)
 from kvconnector_core.kv_events import AllBlocksCleared
 from kvconnector_core.scheduler.output import ModelRunnerOutput
+from kvconnector_core.scheduler.scheduler import Scheduler
 
 from test_scheduler import BS, ScriptedConnector, fake_model_output, make_connector, make_scheduler, req
 
@@ -214,3 +222,120 @@ def test_a_reused_id_after_a_failed_load_asks_the_connector_again():
     s.add_request(req("a", n=20, max_tokens=1, base=500))
     s.schedule()
     assert c.calls.count(("get_num_new_matched_tokens", "a")) == asked + 1
+
+
+def test_a_reused_id_is_new_to_the_worker():
+    """After a request finished, a new request with its id is sent to the worker as new."""
+    s = make_scheduler()
+    s.add_request(req("a", n=8, max_tokens=1))
+    step(s)
+    step(s)
+    s.add_request(req("a", n=8, max_tokens=1, base=300))
+    out = s.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a"]
+    assert out.scheduled_cached_reqs.req_ids == []
+
+
+def test_decode_step_without_a_new_block_sends_none():
+    """A running request that got no new block this step has ``None`` as its new block ids
+    (the worker keeps its table); one that did gets just the new blocks."""
+    s = make_scheduler()
+    s.add_request(req("a", n=6, max_tokens=5))
+    step(s)
+    for _ in range(2):  # positions 6 and 7 fit the second block
+        out, _ = step(s)
+        assert out.scheduled_cached_reqs.new_block_ids == [None]
+    out, _ = step(s)  # position 8 needs a third block
+    (new_ids,) = out.scheduled_cached_reqs.new_block_ids
+    assert new_ids == (s.kv_cache_manager.get_block_ids("a")[0][2:],)
+
+
+# -- invalid blocks and failed loads ---------------------------------------------------------------
+
+
+def _report_invalid(s, out, ids, **kv):
+    return s.update_from_output(out, fake_model_output(s, out, invalid_block_ids=set(ids), **kv))
+
+
+def test_invalid_cached_block_nobody_holds_leaves_the_prefix_cache():
+    """An invalid block no request holds is evicted, so no later request hits it."""
+    s = make_scheduler()
+    s.add_request(req("a", n=12, max_tokens=1))
+    out = s.schedule()
+    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    s.update_from_output(out, fake_model_output(s, out))  # a finished: its 3 blocks stay cached
+    out = s.schedule()
+    _report_invalid(s, out, [blocks[1]])
+    s.add_request(req("b", n=16, max_tokens=1))
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == BS  # only block 0 is still a hit
+
+
+def test_rollback_point_is_block_aligned():
+    """A chunked prefill whose step began mid-block (token 10) and hit a bad block beyond it
+    resumes from the block boundary before the step's start (token 8)."""
+    s = make_scheduler(budget=10)
+    s.add_request(req("a", n=30))
+    step(s)  # tokens 0..9
+    out = s.schedule()  # tokens 10..19
+    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    _report_invalid(s, out, [blocks[3]])  # tokens 12..15
+    assert s.requests["a"].num_computed_tokens == 8
+
+
+def test_hybrid_rollback_goes_to_the_earliest_bad_block_of_any_group():
+    """With bad blocks in two groups at different positions, the request resumes before
+    the earliest of them."""
+    full, swa = FullAttentionSpec(BS, 1, 4, "int32"), SlidingWindowSpec(BS, 1, 4, "int32", sliding_window=64)
+    cfg = KVCacheConfig(64, [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)])
+    s = Scheduler(cfg, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, scheduler_block_size=BS,
+                  hash_block_size=BS)
+    s.add_request(req("r", n=20, max_tokens=4))
+    step(s)
+    out = s.schedule()  # decode: token 20
+    full_ids, swa_ids = s.kv_cache_manager.get_block_ids("r")
+    _report_invalid(s, out, [full_ids[3], swa_ids[1]])
+    assert s.requests["r"].num_computed_tokens == BS
+
+
+def test_invalid_block_holding_only_the_recomputed_last_token_fails_no_load():
+    """A whole-prompt async claim loads a block whose only token the engine recomputes
+    anyway: that block reported invalid does not fail the load."""
+    c = make_connector()
+    s = make_scheduler(connector=c)
+    c.external["a"] = (17, True)
+    s.add_request(req("a", n=17))
+    out = s.schedule()
+    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    _report_invalid(s, out, [blocks[4]], finished_recving={"a"})
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
+    assert s.stats.num_failed_loads_recovered == 0
+
+
+def test_async_load_failed_twice_rolls_back_once():
+    """A load whose block was reported invalid while it ran, and that is then reported
+    finished and failed, resumes from the first bad block (not rolled back a second time)."""
+    c = make_connector()
+    s = make_scheduler(connector=c)
+    c.external["a"] = (12, True)
+    s.add_request(req("a", n=20))
+    out = s.schedule()
+    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    _report_invalid(s, out, [blocks[2]])
+    out, _ = step(s, finished_recving={"a"}, failed_recving={"a"})
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert out.num_scheduled_tokens == {"a": 12}
+
+
+def test_sync_load_counts_its_tokens_once():
+    """A sync load's tokens count as connector hits once; later steps recount nothing."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (12, False)
+    s.add_request(req("a", n=20, max_tokens=3))
+    while s.has_unfinished_requests():
+        step(s)
+    st = s.stats
+    assert (st.num_connector_hit_tokens, st.num_prefill_tokens_computed, st.num_recomputed_tokens) == (12, 8, 0)
