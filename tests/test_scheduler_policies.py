@@ -339,3 +339,66 @@ def test_sync_load_counts_its_tokens_once():
         step(s)
     st = s.stats
     assert (st.num_connector_hit_tokens, st.num_prefill_tokens_computed, st.num_recomputed_tokens) == (12, 8, 0)
+
+
+def test_worker_loads_failed_fails_the_steps_async_loads():
+    """When the worker reports that the step's loads failed (they may never have started),
+    the async loads that step's plan carried fail at once and recompute; nothing waits for a
+    report the connector may never send."""
+    c = make_connector()
+    s = make_scheduler(connector=c)
+    c.external["a"] = (12, True)
+    s.add_request(req("a", n=20))
+    step(s, loads_failed=True)
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert out.num_scheduled_tokens == {"a": 16}
+
+
+def test_worker_kv_events_reach_the_scheduler_stream():
+    """KV events the worker side reports come out of the scheduler's take_events."""
+    s = make_scheduler()
+    s.add_request(req("a", n=8))
+    step(s, kv_cache_events=[AllBlocksCleared(medium="CPU")])
+    assert AllBlocksCleared(medium="CPU") in s.take_events()
+
+
+class RecordingConnector(ScriptedConnector):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.told: dict[str, int] = {}
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.told[request.request_id] = num_external_tokens
+
+
+def _recording_scheduler():
+    base = make_connector()
+    c = RecordingConnector(base.config, base.role, base.kv_cache_config)
+    return c, make_scheduler(connector=c)
+
+
+def test_whole_prompt_sync_claim_still_computes_the_last_token():
+    """A connector may claim the whole prompt; it is told so, and the engine still computes
+    the last prompt token (it needs its logits)."""
+    c, s = _recording_scheduler()
+    c.external["a"] = (12, False)
+    s.add_request(req("a", n=12))
+    out = s.schedule()
+    assert c.told["a"] == 12
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 11
+
+
+def test_claim_of_only_the_last_token_tells_the_connector_zero():
+    """A claim that leaves only the last prompt token to load is no load: the connector is
+    told 0 external tokens."""
+    c, s = _recording_scheduler()
+    s.add_request(req("a", n=8, max_tokens=1))
+    step(s)
+    step(s)  # a's 2 full blocks stay cached
+    c.external["b"] = (1, False)
+    s.add_request(Request("b", list(range(9)), 2, hash_block_size=BS))
+    out = s.schedule()
+    assert c.told["b"] == 0
+    assert out.num_scheduled_tokens == {"b": 1}
