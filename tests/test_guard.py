@@ -119,6 +119,15 @@ def test_lookup_raise_or_malformed_answer_is_a_miss():
     assert guard.get_num_new_matched_tokens(request(), 0) == (None, False)  # ask again is kept
 
 
+@pytest.mark.parametrize(("answer", "safe"), [((-4, True), (0, False)), ((0, True), (0, False)),
+                                              ((4, 1), (4, True)), ((4, None), (4, False))])
+def test_lookup_answer_is_normalized(answer, safe):
+    """A negative hit is no hit, and an async load of nothing is no async load."""
+    probe = Probe()
+    probe.answer = answer
+    assert GuardedScheduler(probe).get_num_new_matched_tokens(request(), 0) == safe
+
+
 def test_failed_admission_forgets_the_request_and_detaches_it():
     probe = Probe()
     guard = GuardedScheduler(probe)
@@ -149,6 +158,18 @@ def test_failed_plan_forgets_the_steps_requests():
     shown = probe.calls[-1][1]
     assert [n.req_id for n in shown.scheduled_new_reqs] == ["d"]
     assert shown.scheduled_cached_reqs.req_ids == [] and shown.total_num_scheduled_tokens == 2
+
+
+def test_a_request_is_forgotten_once_however_often_it_fails():
+    """A request already detached is not forgotten again: a second failed plan naming it
+    asks the connector to forget only the requests it had not forgotten yet."""
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["build_connector_meta"] = 2
+    guard.build_connector_meta(output(new=("a",)))
+    guard.build_connector_meta(output(cached=("a",), new=("b",)))
+    forgets = [arg for hook, arg in probe.calls if hook == "forget_requests"]
+    assert forgets == [{"a"}, {"b"}]
 
 
 def test_a_report_the_connector_raised_on_is_delivered_again_first():

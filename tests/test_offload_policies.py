@@ -54,6 +54,15 @@ def test_lru_skips_protected_pinned_and_unready() -> None:
     assert len(p) == 4  # the refused eviction changed nothing
 
 
+@pytest.mark.parametrize("policy_cls", [LRUCachePolicy, ARCCachePolicy])
+def test_evicting_nothing_returns_no_victims(policy_cls) -> None:
+    """evict(0) evicts nothing (an empty list, not a refusal) and keeps every entry."""
+    p = policy_cls(8)
+    fill(p, 1, 2, 3)
+    assert p.evict(0, protected=()) == []
+    assert len(p) == 3
+
+
 # ------------------------------------------------------------------------------ ARC
 def test_arc_basic_insert_goes_to_t1_and_evicts_to_b1() -> None:
     p = ARCCachePolicy(4)
@@ -73,6 +82,15 @@ def test_arc_t1_to_t2_promotion_only_when_ready() -> None:
     p.get(k(3)).ref_cnt = 0
     p.touch(ks(3))
     assert p.t2 == tuple(ks(1, 3))
+
+
+def test_arc_touch_of_a_key_being_written_makes_it_most_recent_in_t1() -> None:
+    """A key still being written is not promoted by a touch, but it is the most recent of T1."""
+    p = ARCCachePolicy(8)
+    fill(p, 1, ref_cnt=-1)
+    fill(p, 2, 3)
+    p.touch(ks(1))
+    assert p.t1 == tuple(ks(2, 3, 1)) and p.t2 == ()
 
 
 def test_arc_touch_ordering_head_of_prefix_most_recent() -> None:
