@@ -176,6 +176,18 @@ def test_arc_eviction_while_loading_is_atomic() -> None:
     assert m.lookup(ks(1, 2)) == 2
 
 
+def test_arc_insert_of_a_b2_ghost_leaves_the_ghost_list() -> None:
+    """A key evicted from T2 is a B2 ghost until it is stored again: then it is live in
+    T1 and no longer a ghost."""
+    p = ARCCachePolicy(4)
+    fill(p, 1)
+    p.touch(ks(1))  # second use: T2
+    assert victims(p.evict(1, protected=())) == ks(1)
+    assert p.b2 == (k(1),)
+    fill(p, 1)
+    assert p.t1 == (k(1),) and p.b2 == () and p.b1 == ()
+
+
 def test_arc_failed_store_leaves_no_ghost() -> None:
     m = CPUOffloadingManager(2, "arc")
     m.prepare_store(ks(1, 2))
