@@ -134,6 +134,27 @@ def test_arc_t1_t2_eviction_follows_target() -> None:
     assert p.b1 == tuple(ks(1, 2)) and p.b2 == (k(4),)
 
 
+def test_arc_multi_victim_eviction_rechecks_the_target_after_each_pick() -> None:
+    """One eviction of several victims follows the target victim by victim: once T1 has
+    shrunk below it, the next victim comes from T2."""
+    p = ARCCachePolicy(6)
+    fill(p, 1, 2, 3, 4)
+    p.touch(ks(3, 4))  # T1 = [1, 2], T2 = [4, 3]
+    p.target = 2.0  # T1 is at its target: one victim from T1, then T1 is below it
+    assert victims(p.evict(2, protected=())) == ks(1, 4)
+
+
+def test_arc_ghost_list_keeps_the_newest_capacity_keys() -> None:
+    """A ghost list holds exactly ``capacity`` keys; beyond that the oldest ghost goes."""
+    p = ARCCachePolicy(2)
+    fill(p, 1, 2)
+    p.evict(2, protected=())
+    assert p.b1 == tuple(ks(1, 2))
+    fill(p, 3)
+    p.evict(1, protected=())
+    assert p.b1 == tuple(ks(2, 3))
+
+
 def test_arc_falls_back_to_other_list_when_preferred_is_pinned() -> None:
     p = ARCCachePolicy(6)
     fill(p, 1, ref_cnt=1)  # pinned by a load
