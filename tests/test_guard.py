@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector._guard_base import MAX_PENDING_STEPS
 from kvconnector_core.connector.guard import EVENT_SNAPSHOT_ATTEMPTS, GuardedScheduler, GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput, KVConnectorTransferResults
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -289,6 +290,20 @@ def test_a_snapshot_that_keeps_failing_clears_the_media_once_and_is_retried_late
     assert guard.errors == {"take_events": 1, "get_event_snapshot": 2 * EVENT_SNAPSHOT_ATTEMPTS + 1, "event_gap": 1}
     conn.store(4)
     assert replay(guard.take_events(), replica) == {2, 3, 4}
+
+
+def test_pending_work_keeps_the_engine_stepping_for_at_most_max_pending_steps():
+    """A connector that always has pending work keeps the engine stepping for exactly
+    MAX_PENDING_STEPS asks in a row; a "no" in between starts the count again."""
+    probe = Probe()
+    probe.has_pending_work = lambda: True
+    guard = GuardedScheduler(probe)
+    assert all(guard.has_pending_work() for _ in range(MAX_PENDING_STEPS))
+    assert guard.has_pending_work() is False
+    probe.has_pending_work = lambda: False
+    assert guard.has_pending_work() is False
+    probe.has_pending_work = lambda: True
+    assert guard.has_pending_work() is True
 
 
 def test_bind_gpu_block_pool_is_not_contained():
