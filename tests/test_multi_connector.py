@@ -482,3 +482,31 @@ def test_contract_catches_a_delayed_free_never_reported(wrapped):
 
     with pytest.raises(AssertionError, match="reported 0 times"):
         Broken().test_delayed_free_is_eventually_reported()
+
+
+def test_planned_load_names_only_the_blocks_it_writes():
+    """The plan's MultiLoad lists the blocks from the local hit's end to the block holding
+    the last loaded token (a partly loaded block included)."""
+    sched = multi(child(hit_tokens=6))
+    manager = make_kv_cache_manager()
+    seed = make_request(prompt_token_ids=list(range(8)))
+    assert manager.allocate_slots(seed, 8) is not None  # caches blocks 0-1
+    manager.free(seed)
+    request = make_request(prompt_token_ids=list(range(17)))
+    hit_blocks, local = manager.get_computed_blocks(request)
+    assert local == 8
+    ext, _ = sched.get_num_new_matched_tokens(request, local)
+    assert ext == 6
+    assert manager.allocate_slots(request, request.num_tokens - local - ext, local, hit_blocks,
+                                  num_external_computed_tokens=ext)
+    sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), ext)
+    ids = manager.get_block_ids(request.request_id)[0]
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    assert plan.loads[request.request_id].block_ids == ids[2:4]  # tokens 8..13
+
+
+def test_a_miss_leaves_no_loader_state():
+    """When no child hits, the multi keeps nothing for the request."""
+    sched = multi(child(hit_tokens=0), child(hit_tokens=0))
+    assert sched.get_num_new_matched_tokens(make_request(), 0) == (0, False)
+    assert sched.num_request_states() == 0
