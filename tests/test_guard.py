@@ -407,3 +407,37 @@ def test_finished_ids_a_raising_get_transfer_results_missed_are_passed_again():
     guard.get_transfer_results({"b"})
     guard.get_transfer_results(set())
     assert seen == [{"a"}, {"a", "b"}, set()]
+
+
+def test_failed_admission_is_counted():
+    probe = Probe()
+    probe.fail["update_state_after_alloc"] = 1
+    guard = GuardedScheduler(probe)
+    guard.update_state_after_alloc(request(), None, 0)
+    assert guard.errors == {"update_state_after_alloc": 1}
+
+
+def test_after_a_failed_layer_load_later_layers_are_not_waited_for():
+    """Once a layer's load failed, the step's loads have failed: the other layers skip
+    wait_for_layer_load (a broken load is not waited on layer after layer)."""
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    guard.begin_step()
+    guard.bind_connector_metadata(KVConnectorMetadata())
+    probe.fail["wait_for_layer_load"] = 1
+    for layer in ("l0", "l1", "l2"):
+        guard.wait_for_layer_load(layer)
+    assert probe.hooks().count("wait_for_layer_load") == 1 and guard.loads_failed
+
+
+def test_a_plan_that_could_not_be_cleared_keeps_the_worker_pending_until_cleared():
+    """clear_connector_metadata raising leaves the plan bound: the worker side has pending
+    work until a later clear succeeds."""
+    probe = Probe(KVConnectorRole.WORKER)
+    probe.clear_connector_metadata = lambda: probe._rec("clear_connector_metadata")  # type: ignore[method-assign]
+    guard = GuardedWorker(probe)
+    probe.fail["clear_connector_metadata"] = 1
+    guard.clear_connector_metadata()
+    assert guard.has_pending_work()
+    guard.clear_connector_metadata()
+    assert not guard.has_pending_work()
