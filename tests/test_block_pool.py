@@ -309,31 +309,20 @@ def test_cache_full_blocks_emits_one_block_stored():
     assert ev.lora_name == "lora-x"
 
 
-def test_cache_full_blocks_parent_is_previous_hash():
-    """A second caching call names the last already-cached block's hash as parent."""
+@pytest.mark.parametrize(("num_blocks", "split"), [(4, 2), (3, 1)])
+def test_cache_full_blocks_parent_is_previous_hash(num_blocks, split):
+    """A second caching call names the last already-cached block's hash as parent (hash 0
+    too, when exactly one block was cached before)."""
     pool = make_pool()
-    req = FakeRequest("r", range(4 * BS), BS)
-    blocks = pool.get_new_blocks(4)
-    pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
+    req = FakeRequest("r", range(num_blocks * BS), BS)
+    blocks = pool.get_new_blocks(num_blocks)
+    pool.cache_full_blocks(req, blocks, 0, split, BS, 0)
     pool.take_events()
-    pool.cache_full_blocks(req, blocks, 2, 4, BS, 0)
+    pool.cache_full_blocks(req, blocks, split, num_blocks, BS, 0)
     (ev,) = pool.take_events()
-    assert ev.parent_block_hash == to_external_hash(req.block_hashes[1])
-    assert ev.block_hashes == [to_external_hash(h) for h in req.block_hashes[2:4]]
-    assert ev.token_ids == list(range(2 * BS, 4 * BS))
-
-
-def test_cache_full_blocks_parent_after_one_cached_block():
-    """Resuming after exactly one cached block names that block (hash 0) as the parent."""
-    pool = make_pool()
-    req = FakeRequest("r", range(3 * BS), BS)
-    blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(req, blocks, 0, 1, BS, 0)
-    pool.take_events()
-    pool.cache_full_blocks(req, blocks, 1, 3, BS, 0)
-    (ev,) = pool.take_events()
-    assert ev.parent_block_hash == to_external_hash(req.block_hashes[0])
-    assert ev.block_hashes == [to_external_hash(h) for h in req.block_hashes[1:3]]
+    assert ev.parent_block_hash == to_external_hash(req.block_hashes[split - 1])
+    assert ev.block_hashes == [to_external_hash(h) for h in req.block_hashes[split:num_blocks]]
+    assert ev.token_ids == list(range(split * BS, num_blocks * BS))
 
 
 def test_cache_full_blocks_parent_hash_of_null_block():

@@ -4,14 +4,8 @@ stop tokens, and what an aborted or finished request leaves behind."""
 
 from __future__ import annotations
 
-from kvconnector_core import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    Request,
-    RequestStatus,
-    SlidingWindowSpec,
-)
+from kvconnector_core import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request, RequestStatus
+from kvconnector_core import SlidingWindowSpec
 from kvconnector_core.kv_events import AllBlocksCleared
 from kvconnector_core.scheduler.output import ModelRunnerOutput
 from kvconnector_core.scheduler.scheduler import Scheduler
@@ -82,28 +76,31 @@ def test_a_request_without_new_tokens_is_not_scheduled():
 # -- what the connector's answer allocates ------------------------------------------------------
 
 
+def _parked_for_async_load(claim: int, n: int):
+    """A scheduler whose request "a" (n tokens) waits for an async load of ``claim`` tokens;
+    returns it, the step's output and the request's block ids."""
+    c = make_connector()
+    s = make_scheduler(connector=c)
+    c.external["a"] = (claim, True)
+    s.add_request(req("a", n=n))
+    out = s.schedule()
+    return s, out, s.kv_cache_manager.get_block_ids("a")[0]
+
+
 def test_async_load_allocates_blocks_for_the_loaded_tokens_only():
     """A request parked for an async load of 8 of its 20 tokens holds the 2 blocks the load
     writes, not blocks for the tokens it computes later."""
-    c = make_connector()
-    s = make_scheduler(connector=c)
-    c.external["a"] = (8, True)
-    s.add_request(req("a", n=20))
-    out = s.schedule()
+    s, out, blocks = _parked_for_async_load(claim=8, n=20)
     assert out.num_scheduled_tokens == {}
-    assert len(s.kv_cache_manager.get_block_ids("a")[0]) == 2
+    assert len(blocks) == 2
 
 
 def test_async_full_prompt_claim_gets_a_block_for_every_claimed_token():
     """A connector claiming the whole 17-token prompt loads 5 blocks (the last holds only the
     last token, which the engine recomputes): all 5 are allocated before the load."""
-    c = make_connector()
-    s = make_scheduler(connector=c)
-    c.external["a"] = (17, True)
-    s.add_request(req("a", n=17))
-    s.schedule()
+    s, _, blocks = _parked_for_async_load(claim=17, n=17)
     assert s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert len(s.kv_cache_manager.get_block_ids("a")[0]) == 5
+    assert len(blocks) == 5
 
 
 def test_async_claim_of_only_the_last_token_is_no_load():
@@ -301,12 +298,7 @@ def test_hybrid_rollback_goes_to_the_earliest_bad_block_of_any_group():
 def test_invalid_block_holding_only_the_recomputed_last_token_fails_no_load():
     """A whole-prompt async claim loads a block whose only token the engine recomputes
     anyway: that block reported invalid does not fail the load."""
-    c = make_connector()
-    s = make_scheduler(connector=c)
-    c.external["a"] = (17, True)
-    s.add_request(req("a", n=17))
-    out = s.schedule()
-    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    s, out, blocks = _parked_for_async_load(claim=17, n=17)
     _report_invalid(s, out, [blocks[4]], finished_recving={"a"})
     out = s.schedule()
     assert out.scheduled_new_reqs[0].num_computed_tokens == 16
@@ -316,12 +308,7 @@ def test_invalid_block_holding_only_the_recomputed_last_token_fails_no_load():
 def test_async_load_failed_twice_rolls_back_once():
     """A load whose block was reported invalid while it ran, and that is then reported
     finished and failed, resumes from the first bad block (not rolled back a second time)."""
-    c = make_connector()
-    s = make_scheduler(connector=c)
-    c.external["a"] = (12, True)
-    s.add_request(req("a", n=20))
-    out = s.schedule()
-    blocks = s.kv_cache_manager.get_block_ids("a")[0]
+    s, out, blocks = _parked_for_async_load(claim=12, n=20)
     _report_invalid(s, out, [blocks[2]])
     out, _ = step(s, finished_recving={"a"}, failed_recving={"a"})
     out = s.schedule()
