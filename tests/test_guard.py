@@ -441,3 +441,30 @@ def test_a_plan_that_could_not_be_cleared_keeps_the_worker_pending_until_cleared
     assert guard.has_pending_work()
     guard.clear_connector_metadata()
     assert not guard.has_pending_work()
+
+
+def test_a_detached_request_is_left_out_of_the_resumed_ids_too():
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    guard.forget_requests({"a"})
+    so = output(cached=("a", "b"))
+    so.scheduled_cached_reqs.resumed_req_ids = {"a", "b"}
+    guard.build_connector_meta(so)
+    shown = probe.calls[-1][1].scheduled_cached_reqs
+    assert shown.req_ids == ["b"] and shown.resumed_req_ids == {"b"}
+
+
+def test_a_failed_receive_is_reported_only_with_its_finish():
+    """failed_recving is the failed subset of finished_recving: a failure reported
+    without its finish is dropped (the scheduler would wait on it forever otherwise)."""
+    probe = Probe(KVConnectorRole.WORKER)
+    probe.get_transfer_results = lambda finished: KVConnectorTransferResults(  # type: ignore[method-assign]
+        finished_recving={"b"}, failed_recving={"a", "b"})
+    res = GuardedWorker(probe).get_transfer_results(set())
+    assert res.finished_recving == {"b"} and res.failed_recving == {"b"}
+
+
+def test_empty_worker_stats_are_no_stats():
+    probe = Probe(KVConnectorRole.WORKER)
+    probe.get_kv_connector_stats = lambda: {}  # type: ignore[method-assign]
+    assert GuardedWorker(probe).get_kv_connector_stats() is None

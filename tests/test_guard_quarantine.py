@@ -69,6 +69,25 @@ def test_a_worker_hook_raising_in_steps_that_are_not_consecutive_is_not_quaranti
     assert not guard.quarantined and guard.errors["save_kv_layer"] == 3
 
 
+def test_a_success_of_a_contained_hook_ends_its_streak():
+    """Hooks the guard runs through its generic containment (has_pending_work here) end
+    their streak on a success, like the others: raise, succeed, raise is no quarantine."""
+    conn = probe(2)
+    answers = iter([RuntimeError, False, RuntimeError])
+
+    def pending() -> bool:
+        answer = next(answers)
+        if answer is RuntimeError:
+            raise RuntimeError("injected: has_pending_work")
+        return answer
+
+    conn.has_pending_work = pending  # type: ignore[method-assign]
+    guard = GuardedScheduler(conn)
+    for _ in range(3):
+        guard.has_pending_work()
+    assert not guard.quarantined and guard.errors["has_pending_work"] == 2
+
+
 def test_a_quarantined_scheduler_side_forgets_every_scheduled_request_and_only_drains():
     conn = probe(1)
     guard = GuardedScheduler(conn)
