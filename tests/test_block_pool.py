@@ -104,6 +104,15 @@ def test_free_queue_popleft_n_too_many_raises():
     assert q.num_free_blocks == 2
 
 
+def test_free_queue_popleft_on_empty_queue_raises_no_free_blocks():
+    """popleft on an empty queue is "no free blocks", not a broken-link invariant error."""
+    q = FreeKVCacheBlockQueue([KVCacheBlock(0)])
+    q.popleft()
+    with pytest.raises(NoFreeBlocksError):
+        q.popleft()
+    assert q.num_free_blocks == 0
+
+
 # -- get_new_blocks / touch / free ------------------------------------------------
 
 
@@ -300,18 +309,20 @@ def test_cache_full_blocks_emits_one_block_stored():
     assert ev.lora_name == "lora-x"
 
 
-def test_cache_full_blocks_parent_is_previous_hash():
-    """A second caching call names the last already-cached block's hash as parent."""
+@pytest.mark.parametrize(("num_blocks", "split"), [(4, 2), (3, 1)])
+def test_cache_full_blocks_parent_is_previous_hash(num_blocks, split):
+    """A second caching call names the last already-cached block's hash as parent (hash 0
+    too, when exactly one block was cached before)."""
     pool = make_pool()
-    req = FakeRequest("r", range(4 * BS), BS)
-    blocks = pool.get_new_blocks(4)
-    pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
+    req = FakeRequest("r", range(num_blocks * BS), BS)
+    blocks = pool.get_new_blocks(num_blocks)
+    pool.cache_full_blocks(req, blocks, 0, split, BS, 0)
     pool.take_events()
-    pool.cache_full_blocks(req, blocks, 2, 4, BS, 0)
+    pool.cache_full_blocks(req, blocks, split, num_blocks, BS, 0)
     (ev,) = pool.take_events()
-    assert ev.parent_block_hash == to_external_hash(req.block_hashes[1])
-    assert ev.block_hashes == [to_external_hash(h) for h in req.block_hashes[2:4]]
-    assert ev.token_ids == list(range(2 * BS, 4 * BS))
+    assert ev.parent_block_hash == to_external_hash(req.block_hashes[split - 1])
+    assert ev.block_hashes == [to_external_hash(h) for h in req.block_hashes[split:num_blocks]]
+    assert ev.token_ids == list(range(split * BS, num_blocks * BS))
 
 
 def test_cache_full_blocks_parent_hash_of_null_block():
@@ -439,6 +450,19 @@ def test_get_cached_block_one_per_group():
     assert pool.get_cached_block(req.block_hashes[0], [1, 0]) == [b1, b0]
 
 
+@pytest.mark.parametrize("gid", [255, 256, 1000])
+def test_get_cached_block_high_group_ids(gid):
+    """Group ids past the precomputed key suffixes are looked up like small ones."""
+    pool = make_pool()
+    req = FakeRequest("r", range(BS), BS)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, [a], 0, 1, BS, gid)
+    pool.cache_full_blocks(req, [b], 0, 1, BS, 0)
+    assert pool.get_cached_block(req.block_hashes[0], [gid]) == [a]
+    assert pool.get_cached_block(req.block_hashes[0], [0, gid]) == [b, a]
+    assert pool.get_cached_block(req.block_hashes[0], [gid + 1]) is None
+
+
 def test_get_cached_block_misses_if_any_group_misses():
     """A lookup returns None when one group lacks the hash."""
     pool = make_pool()
@@ -492,6 +516,23 @@ def test_reusing_cached_block_emits_block_removed():
     assert isinstance(ev, BlockRemoved)
     assert ev.block_hashes == [to_external_hash(req.block_hashes[0])]
     assert ev.group_idx == 2 and ev.medium == "GPU"
+
+
+def test_reusing_cached_block_without_events_forgets_its_hash():
+    """With events off (the inlined path) a reused cached block also loses its hash.
+
+    A stale hash would make the block look cached already, so caching its new
+    contents would be skipped and a later request would miss them.
+    """
+    pool = make_pool(3, events=False)  # usable blocks 1, 2
+    old = FakeRequest("old", range(BS), BS)
+    cached = cache_at_positions(pool, old, [0], BS)[0]
+    got = pool.get_new_blocks(2)
+    assert cached in got and all(b.block_hash is None for b in got)
+    assert pool.get_cached_block(old.block_hashes[0], [0]) is None
+    new = FakeRequest("new", range(100, 100 + BS), BS)
+    pool.cache_full_blocks(new, [cached], 0, 1, BS, 0)
+    assert pool.get_cached_block(new.block_hashes[0], [0]) == [cached]
 
 
 def test_uncached_reuse_emits_nothing():

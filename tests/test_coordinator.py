@@ -175,6 +175,24 @@ def test_hybrid_swa_miss_everywhere_gives_no_hit(hybrid):
     assert n == 0 and full == [] and swa == []
 
 
+def test_hybrid_later_window_shrink_rescans_earlier_windows():
+    """A later sliding-window group that shrinks the hit makes an earlier one look again at
+    the shorter length: its window there must hold real blocks, not the nulls its first
+    (longer) lookup left in front of its old window."""
+    c = coordinator([full_spec(2), swa_spec(2, 4), swa_spec(2, 8)], sched=2)
+    req = FakeRequest("r", range(20), 2)
+    cache_at_positions(c.block_pool, req, range(10), 2, group_id=0)
+    small = cache_at_positions(c.block_pool, req, range(10), 2, group_id=1)
+    large = cache_at_positions(c.block_pool, req, range(10), 2, group_id=2)
+    c.block_pool.evict_blocks([large[7].block_id])  # the wide window now ends at block 6
+    (full, swa_small, swa_large), n = c.find_longest_cache_hit(req.block_hashes, 19)
+    assert n == 14
+    assert len(full) == len(swa_small) == len(swa_large) == 7
+    # Token 14 reads tokens 11..13 (window 4) and 7..13 (window 8).
+    assert swa_small[5:7] == [small[5], small[6]]
+    assert swa_large[3:7] == [large[i] for i in range(3, 7)]
+
+
 def test_hybrid_hit_aligned_to_scheduler_block_size():
     """The hybrid hit is a multiple of scheduler_block_size, and lists are cut per group block size."""
     c = coordinator([full_spec(4), swa_spec(2, 4)], sched=4, hash_bs=2)

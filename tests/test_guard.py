@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector._guard_base import MAX_PENDING_STEPS
 from kvconnector_core.connector.guard import EVENT_SNAPSHOT_ATTEMPTS, GuardedScheduler, GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput, KVConnectorTransferResults
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -119,6 +120,15 @@ def test_lookup_raise_or_malformed_answer_is_a_miss():
     assert guard.get_num_new_matched_tokens(request(), 0) == (None, False)  # ask again is kept
 
 
+@pytest.mark.parametrize(("answer", "safe"), [((-4, True), (0, False)), ((0, True), (0, False)),
+                                              ((4, 1), (4, True)), ((4, None), (4, False))])
+def test_lookup_answer_is_normalized(answer, safe):
+    """A negative hit is no hit, and an async load of nothing is no async load."""
+    probe = Probe()
+    probe.answer = answer
+    assert GuardedScheduler(probe).get_num_new_matched_tokens(request(), 0) == safe
+
+
 def test_failed_admission_forgets_the_request_and_detaches_it():
     probe = Probe()
     guard = GuardedScheduler(probe)
@@ -149,6 +159,18 @@ def test_failed_plan_forgets_the_steps_requests():
     shown = probe.calls[-1][1]
     assert [n.req_id for n in shown.scheduled_new_reqs] == ["d"]
     assert shown.scheduled_cached_reqs.req_ids == [] and shown.total_num_scheduled_tokens == 2
+
+
+def test_a_request_is_forgotten_once_however_often_it_fails():
+    """A request already detached is not forgotten again: a second failed plan naming it
+    asks the connector to forget only the requests it had not forgotten yet."""
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    probe.fail["build_connector_meta"] = 2
+    guard.build_connector_meta(output(new=("a",)))
+    guard.build_connector_meta(output(cached=("a",), new=("b",)))
+    forgets = [arg for hook, arg in probe.calls if hook == "forget_requests"]
+    assert forgets == [{"a"}, {"b"}]
 
 
 def test_a_report_the_connector_raised_on_is_delivered_again_first():
@@ -270,6 +292,20 @@ def test_a_snapshot_that_keeps_failing_clears_the_media_once_and_is_retried_late
     assert replay(guard.take_events(), replica) == {2, 3, 4}
 
 
+def test_pending_work_keeps_the_engine_stepping_for_at_most_max_pending_steps():
+    """A connector that always has pending work keeps the engine stepping for exactly
+    MAX_PENDING_STEPS asks in a row; a "no" in between starts the count again."""
+    probe = Probe()
+    probe.has_pending_work = lambda: True
+    guard = GuardedScheduler(probe)
+    assert all(guard.has_pending_work() for _ in range(MAX_PENDING_STEPS))
+    assert guard.has_pending_work() is False
+    probe.has_pending_work = lambda: False
+    assert guard.has_pending_work() is False
+    probe.has_pending_work = lambda: True
+    assert guard.has_pending_work() is True
+
+
 def test_bind_gpu_block_pool_is_not_contained():
     probe = Probe()
     probe.bind_gpu_block_pool = lambda pool: probe._rec("bind_gpu_block_pool")  # type: ignore[method-assign]
@@ -371,3 +407,64 @@ def test_finished_ids_a_raising_get_transfer_results_missed_are_passed_again():
     guard.get_transfer_results({"b"})
     guard.get_transfer_results(set())
     assert seen == [{"a"}, {"a", "b"}, set()]
+
+
+def test_failed_admission_is_counted():
+    probe = Probe()
+    probe.fail["update_state_after_alloc"] = 1
+    guard = GuardedScheduler(probe)
+    guard.update_state_after_alloc(request(), None, 0)
+    assert guard.errors == {"update_state_after_alloc": 1}
+
+
+def test_after_a_failed_layer_load_later_layers_are_not_waited_for():
+    """Once a layer's load failed, the step's loads have failed: the other layers skip
+    wait_for_layer_load (a broken load is not waited on layer after layer)."""
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    guard.begin_step()
+    guard.bind_connector_metadata(KVConnectorMetadata())
+    probe.fail["wait_for_layer_load"] = 1
+    for layer in ("l0", "l1", "l2"):
+        guard.wait_for_layer_load(layer)
+    assert probe.hooks().count("wait_for_layer_load") == 1 and guard.loads_failed
+
+
+def test_a_plan_that_could_not_be_cleared_keeps_the_worker_pending_until_cleared():
+    """clear_connector_metadata raising leaves the plan bound: the worker side has pending
+    work until a later clear succeeds."""
+    probe = Probe(KVConnectorRole.WORKER)
+    probe.clear_connector_metadata = lambda: probe._rec("clear_connector_metadata")  # type: ignore[method-assign]
+    guard = GuardedWorker(probe)
+    probe.fail["clear_connector_metadata"] = 1
+    guard.clear_connector_metadata()
+    assert guard.has_pending_work()
+    guard.clear_connector_metadata()
+    assert not guard.has_pending_work()
+
+
+def test_a_detached_request_is_left_out_of_the_resumed_ids_too():
+    probe = Probe()
+    guard = GuardedScheduler(probe)
+    guard.forget_requests({"a"})
+    so = output(cached=("a", "b"))
+    so.scheduled_cached_reqs.resumed_req_ids = {"a", "b"}
+    guard.build_connector_meta(so)
+    shown = probe.calls[-1][1].scheduled_cached_reqs
+    assert shown.req_ids == ["b"] and shown.resumed_req_ids == {"b"}
+
+
+def test_a_failed_receive_is_reported_only_with_its_finish():
+    """failed_recving is the failed subset of finished_recving: a failure reported
+    without its finish is dropped (the scheduler would wait on it forever otherwise)."""
+    probe = Probe(KVConnectorRole.WORKER)
+    probe.get_transfer_results = lambda finished: KVConnectorTransferResults(  # type: ignore[method-assign]
+        finished_recving={"b"}, failed_recving={"a", "b"})
+    res = GuardedWorker(probe).get_transfer_results(set())
+    assert res.finished_recving == {"b"} and res.failed_recving == {"b"}
+
+
+def test_empty_worker_stats_are_no_stats():
+    probe = Probe(KVConnectorRole.WORKER)
+    probe.get_kv_connector_stats = lambda: {}  # type: ignore[method-assign]
+    assert GuardedWorker(probe).get_kv_connector_stats() is None

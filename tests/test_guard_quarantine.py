@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from connectors.offload.connector import OffloadingConnector
-from kvconnector_core.connector import KVConnectorConfig
+from kvconnector_core.connector import KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
 from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput
 from kvconnector_core.errors import ConfigError
@@ -52,6 +52,40 @@ def test_a_hook_raising_n_times_in_a_row_quarantines_the_scheduler_side(caplog):
     assert guard.get_num_new_matched_tokens(request("b"), 0) == (0, False)  # not asked any more
     assert guard.update_state_after_alloc(request("b"), None, 0) is True
     assert len(conn.calls) == calls
+
+
+def test_a_worker_hook_raising_in_steps_that_are_not_consecutive_is_not_quarantined():
+    """A per-step worker hook's streak counts steps in a row: a step in which it did not
+    raise ends the streak, so raising every other step never quarantines."""
+    conn = probe(2, KVConnectorRole.WORKER)
+    guard = GuardedWorker(conn)
+    for raises in (True, False, True, False, True):
+        guard.begin_step()
+        guard.bind_connector_metadata(KVConnectorMetadata())
+        if raises:
+            conn.fail["save_kv_layer"] = 1
+        guard.save_kv_layer("l0", None)
+        guard.clear_connector_metadata()
+    assert not guard.quarantined and guard.errors["save_kv_layer"] == 3
+
+
+def test_a_success_of_a_contained_hook_ends_its_streak():
+    """Hooks the guard runs through its generic containment (has_pending_work here) end
+    their streak on a success, like the others: raise, succeed, raise is no quarantine."""
+    conn = probe(2)
+    answers = iter([RuntimeError, False, RuntimeError])
+
+    def pending() -> bool:
+        answer = next(answers)
+        if answer is RuntimeError:
+            raise RuntimeError("injected: has_pending_work")
+        return answer
+
+    conn.has_pending_work = pending  # type: ignore[method-assign]
+    guard = GuardedScheduler(conn)
+    for _ in range(3):
+        guard.has_pending_work()
+    assert not guard.quarantined and guard.errors["has_pending_work"] == 2
 
 
 def test_a_quarantined_scheduler_side_forgets_every_scheduled_request_and_only_drains():

@@ -153,6 +153,16 @@ def test_allocate_slots_respects_reserved_blocks():
     assert m.allocate_slots(a, 12, reserved_blocks=2) is not None
 
 
+def test_full_sequence_check_keeps_reserved_blocks_free():
+    """The full-sequence admission check counts reserved blocks as taken too: a chunk that
+    fits beside them is refused when the whole prompt would not."""
+    m = make_manager([full_spec(4)], 6)  # 5 usable
+    a = make_request("a", range(16), 4)  # 4 blocks in all
+    assert m.allocate_slots(a, 8, full_sequence_must_fit=True, reserved_blocks=2) is None
+    assert m.block_pool.get_num_free_blocks() == 5
+    assert m.allocate_slots(a, 8, full_sequence_must_fit=True, reserved_blocks=1) is not None
+
+
 def test_allocate_slots_needs_tokens():
     """Allocating zero new and zero external tokens is a ConfigError."""
     m = make_manager([full_spec(4)], 6)
@@ -269,6 +279,76 @@ def test_rollback_uncaches_blocks_past_valid_tokens():
     assert [b.block_hash is not None for b in blocks] == [True, True, True, True]
 
 
+def test_rollback_uncaches_a_partly_valid_block():
+    """A block that holds some invalid tokens is the first invalid block: it leaves the
+    prefix cache with everything after it."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(16), 4)
+    run_prefill(m, a)
+    assert m.rollback(a, 6) == 6
+    blocks = m.get_blocks("a").blocks[0]
+    assert [b.block_hash is not None for b in blocks] == [True, False, False, False]
+
+
+def test_rollback_keeps_blocks_another_request_shares_cached():
+    """Only the request's own blocks leave the cache: a block another request also holds
+    keeps its hash (its contents were computed by, and are good for, that request)."""
+    m = make_manager([full_spec(4)], 20)
+    a = make_request("a", range(16), 4)
+    run_prefill(m, a)
+    b = make_request("b", list(range(8)) + [99] * 8, 4)
+    hit, n = m.get_computed_blocks(b)
+    assert n == 8
+    assert m.allocate_slots(b, b.num_tokens - n, n, hit) is not None
+    m.rollback(a, 0)
+    blocks = m.get_blocks("a").blocks[0]
+    assert [blk.block_hash is not None for blk in blocks] == [True, True, False, False]
+    _, n = m.get_computed_blocks(make_request("c", range(16), 4))
+    assert n == 8
+
+
+def _swa_request_with_skipped_blocks():
+    """A sliding-window (window 4, blocks of 4) request that computed 12 of its 16 tokens
+    and released blocks 0 and 1 (out of its window): its table is [null, null, b2, b3]."""
+    m = make_manager([swa_spec(4, 4)], 20)
+    req = make_request("r", range(16), 4)
+    assert m.allocate_slots(req, 16) is not None
+    req.num_computed_tokens = 12
+    m.remove_skipped_blocks(req)
+    table = m.get_blocks("r").blocks[0]
+    assert [b.is_null for b in table] == [True, True, False, False]
+    return m, req, table
+
+
+def test_sliding_window_rollback_resumes_when_its_window_is_intact():
+    """Rolling back to 12 tokens needs only block 2 (tokens 9-11): the nulls before the
+    window do not force a restart."""
+    m, req, table = _swa_request_with_skipped_blocks()
+    kept = list(table)
+    assert m.rollback(req, 12) == 12
+    assert m.get_blocks("r").blocks[0] == kept
+
+
+def test_sliding_window_rollback_restarts_when_its_window_was_skipped():
+    """Rolling back to 8 tokens needs block 1 (tokens 5-7), which was released: the
+    request restarts from scratch and holds no block."""
+    m, req, _ = _swa_request_with_skipped_blocks()
+    free_before = m.block_pool.get_num_free_blocks()
+    assert m.rollback(req, 8) == 0
+    assert m.get_blocks("r").blocks[0] == []
+    assert m.block_pool.get_num_free_blocks() == free_before + 2
+
+
+def test_rollback_to_zero_frees_cut_blocks_tail_first():
+    """A table cut at its leading nulls frees its real blocks tail first, like ``free``."""
+    m, req, table = _swa_request_with_skipped_blocks()
+    b2, b3 = table[2], table[3]
+    assert m.rollback(req, 0) == 0
+    assert m.get_blocks("r").blocks[0] == []
+    front = m.block_pool.free_block_queue.get_all_free_blocks()[:2]
+    assert front == [b3, b2]
+
+
 # -- admission with caps --------------------------------------------------------------------------
 
 
@@ -327,6 +407,14 @@ def test_can_ever_fit_true_for_small_full_attention_request():
     assert m.can_ever_fit(make_request("s", range(20), 4, max_tokens=8))
 
 
+@pytest.mark.parametrize(("max_tokens", "fits"), [(16, True), (17, False)])
+def test_can_ever_fit_counts_prompt_plus_max_tokens_against_usable_blocks(max_tokens, fits):
+    """20 prompt tokens + 16 outputs fill exactly the 9 usable blocks of a 10-block pool
+    (the null block is not usable); one more output token needs a tenth block."""
+    m = make_manager([full_spec(4)], 10, max_model_len=4096, max_num_batched_tokens=16)
+    assert m.can_ever_fit(make_request("r", range(20), 4, max_tokens=max_tokens)) is fits
+
+
 def test_sliding_window_pool_smaller_than_cap_rejects():
     """A sliding-window request is rejected when the pool is smaller than its admission cap."""
     m = make_manager([swa_spec(4, 8)], 5, max_model_len=4096, max_num_batched_tokens=16)  # cap 7 > 4
@@ -353,3 +441,27 @@ def test_swa_local_hit_plus_external_tokens_on_tight_pool():
     assert result is not None
     # Blocks out of the window after the external tokens (first 9 tokens -> 4 blocks) are null.
     assert all(b.is_null for b in m.get_blocks("c").blocks[0][:4])
+
+
+# -- KVCacheBlocks ----------------------------------------------------------------------------
+
+
+def test_kv_cache_blocks_add_concatenates_each_group_in_order():
+    """``a + b`` appends b's blocks after a's, group by group (vLLM's KVCacheBlocks)."""
+    pool = BlockPool(8, True, 4)
+    b1, b2, b3, b4 = pool.get_new_blocks(4)
+    total = KVCacheBlocks(([b1], [b2])) + KVCacheBlocks(([b3], [b4]))
+    assert total.get_block_ids() == ([b1.block_id, b3.block_id], [b2.block_id, b4.block_id])
+
+
+def test_get_unhashed_block_ids_lists_only_uncached_blocks():
+    """get_unhashed_block_ids names the blocks that hold no prefix-cache hash, in order;
+    it needs a single group."""
+    m = make_manager([full_spec(4)], 10)
+    req = make_request("r", range(10), 4)  # 2 full blocks (cached) + 1 partial
+    blocks = m.allocate_slots(req, 10)
+    assert blocks is not None
+    ids = blocks.get_block_ids()[0]
+    assert blocks.get_unhashed_block_ids() == [ids[2]]
+    with pytest.raises(ConfigError, match="one KV cache group, got 2"):
+        KVCacheBlocks((blocks.blocks[0], [])).get_unhashed_block_ids()

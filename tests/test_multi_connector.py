@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from connectors.multi import FirstHitPolicy, LongestHitPolicy, MultiConnector
+from connectors.multi_records import MultiKVConnectorWorkerMetadata
 from kvconnector_core.connector import (
     ConnectorRegistry,
     KVConnectorConfig,
@@ -482,3 +483,142 @@ def test_contract_catches_a_delayed_free_never_reported(wrapped):
 
     with pytest.raises(AssertionError, match="reported 0 times"):
         Broken().test_delayed_free_is_eventually_reported()
+
+
+def test_planned_load_names_only_the_blocks_it_writes():
+    """The plan's MultiLoad lists the blocks from the local hit's end to the block holding
+    the last loaded token (a partly loaded block included)."""
+    sched = multi(child(hit_tokens=6))
+    manager = make_kv_cache_manager()
+    seed = make_request(prompt_token_ids=list(range(8)))
+    assert manager.allocate_slots(seed, 8) is not None  # caches blocks 0-1
+    manager.free(seed)
+    request = make_request(prompt_token_ids=list(range(17)))
+    hit_blocks, local = manager.get_computed_blocks(request)
+    assert local == 8
+    ext, _ = sched.get_num_new_matched_tokens(request, local)
+    assert ext == 6
+    assert manager.allocate_slots(request, request.num_tokens - local - ext, local, hit_blocks,
+                                  num_external_computed_tokens=ext)
+    sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), ext)
+    ids = manager.get_block_ids(request.request_id)[0]
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    assert plan.loads[request.request_id].block_ids == ids[2:4]  # tokens 8..13
+
+
+def test_a_miss_leaves_no_loader_state():
+    """When no child hits, the multi keeps nothing for the request."""
+    sched = multi(child(hit_tokens=0), child(hit_tokens=0))
+    assert sched.get_num_new_matched_tokens(make_request(), 0) == (0, False)
+    assert sched.num_request_states() == 0
+
+
+def test_a_claim_the_scheduler_did_not_take_plans_no_load():
+    """A child that claimed tokens but was offered 0 external tokens plans no load."""
+    sched = multi(child(hit_tokens=8))
+    manager = make_kv_cache_manager()
+    request = make_request()
+    assert sched.get_num_new_matched_tokens(request, 0)[0] == 8
+    assert manager.allocate_slots(request, request.num_tokens)
+    sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    assert plan.loads == {} and plan.failed_loads == {}
+
+
+def test_a_lost_child_plan_fails_its_loads_and_forgets_their_requests():
+    """A child whose plan is lost (its build_connector_meta raised) cannot carry out the
+    loads it planned this step: they fail now, and the child forgets their requests (an
+    async load's request is not in the step's scheduler output, so only the multi knows)."""
+    sched = multi(child("Raising", hit_tokens=8, load_async=True, raise_in=["build_connector_meta"]), child())
+    forgot: list[set[str]] = []
+    sched.children[0].forget_requests = lambda ids: forgot.append(set(ids))  # type: ignore[method-assign]
+    request = make_request()
+    admit(sched, make_kv_cache_manager(), request)
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    assert plan.skipped_children == [0]
+    assert plan.loads == {} and list(plan.failed_loads) == [request.request_id]
+    assert forgot == [{request.request_id}]
+
+
+def test_a_forgotten_request_fails_its_planned_load():
+    """forget_requests turns a load planned this step into a failed one."""
+    sched = multi(child(hit_tokens=8))
+    request = make_request()
+    admit(sched, make_kv_cache_manager(), request)
+    sched.forget_requests({request.request_id})
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    assert plan.loads == {} and list(plan.failed_loads) == [request.request_id]
+
+
+def test_failed_loads_reach_only_the_child_whose_loads_failed():
+    """A worker report that child 0's loads failed tells child 0's scheduler side (with
+    its own plan), and no other child."""
+    sched = multi(child(), child())
+    failed: dict[int, list[tuple[bool, bool]]] = {0: [], 1: []}
+    for i, c in enumerate(sched.children):
+        c.plan_failed = (lambda i: lambda plan, *, loads_failed, stores_failed: failed[i].append(  # type: ignore[method-assign]
+            (loads_failed, stores_failed)))(i)
+    sched.build_connector_meta(empty_scheduler_output())
+    meta = MultiKVConnectorWorkerMetadata((None, None), loads_failed=(0,))
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+    assert failed == {0: [(True, False)], 1: []}
+
+
+def _delayed_free():
+    sched = multi(child(delay_free=True))
+    request = make_request()
+    assert sched.request_finished(request, [1])[0] is True
+    return sched, request.request_id
+
+
+def test_a_reported_delayed_free_is_settled_in_the_next_plan():
+    """A delayed free reported sent keeps the multi pending until the next plan says so."""
+    sched, rid = _delayed_free()
+    assert sched.build_connector_meta(empty_scheduler_output()).delayed_sends == {rid: [0]}
+    sched.update_connector_output(KVConnectorOutput(finished_sending={rid}))
+    assert sched.has_pending_work()
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    assert plan.settled_sends == [rid] and plan.delayed_sends == {}
+
+
+def test_failed_stores_resend_the_plans_delayed_frees_unless_already_reported():
+    """stores_failed re-sends the failed plan's delayed frees (loads_failed alone does not);
+    a re-sent free reported sent meanwhile is not sent again."""
+    sched, rid = _delayed_free()
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    sched.plan_failed(plan, loads_failed=True, stores_failed=False)
+    assert sched.build_connector_meta(empty_scheduler_output()).delayed_sends == {}
+    sched.plan_failed(plan, loads_failed=False, stores_failed=True)
+    assert sched.has_pending_work()
+    sched.update_connector_output(KVConnectorOutput(finished_sending={rid}))
+    assert sched.build_connector_meta(empty_scheduler_output()).delayed_sends == {}
+
+
+def test_plan_failed_reaches_children_that_built_a_plan_only():
+    """plan_failed goes to the children whose plan the failed plan carries, not to one
+    whose plan was lost."""
+    sched = multi(child("Raising", raise_in=["build_connector_meta"]), child())
+    told: list[int] = []
+    for i, c in enumerate(sched.children):
+        c.plan_failed = (lambda i: lambda plan, **kw: told.append(i))(i)  # type: ignore[method-assign]
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    sched.plan_failed(plan, loads_failed=True, stores_failed=True)
+    assert told == [1]
+
+
+def test_reset_cache_succeeds_only_if_every_child_resets():
+    """reset_cache is True only when every child reset (each is asked)."""
+    sched = multi(child(), child())
+    sched.children[1].reset_cache = lambda: False  # type: ignore[method-assign]
+    assert sched.reset_cache() is False
+
+
+def test_a_failed_load_keeps_the_multi_pending_until_planned():
+    """A load that failed before any plan carried it keeps the multi stepping."""
+    sched = multi(child(hit_tokens=8))
+    request = make_request()
+    admit(sched, make_kv_cache_manager(), request)
+    sched.forget_requests({request.request_id})
+    assert sched.has_pending_work()
+    sched.build_connector_meta(empty_scheduler_output())
+    assert not sched.has_pending_work()

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import pytest
 
 from connectors.offload.events import ChunkInfo, ChunkInfoTable, snapshot_events, to_wire_events
-from connectors.offload.manager import CPUOffloadingManager, OffloadingManager
+from connectors.offload.manager import CPUOffloadingManager, OffloadingEvent, OffloadingManager
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, to_external_hash
@@ -289,3 +289,31 @@ def test_hybrid_snapshot_resyncs_every_group(model: str) -> None:
     assert len(want) == 2
     assert {g: s for g, s in held.items() if s} == want
     eng.shutdown()
+
+
+def test_a_chunk_new_from_its_first_block_names_the_chunks_parent():
+    """A chunk whose first GPU block is new names the block before the chunk as parent."""
+    table = ChunkInfoTable()
+    parent, h0, h1 = b"p" * 32, b"a" * 32, b"b" * 32
+    table.add(h1, ChunkInfo((h0, h1), parent, list(range(8))))
+    (ev,) = to_wire_events([OffloadingEvent((h1,), "CPU", False)], table, BLOCK_SIZE)
+    assert ev.parent_block_hash == to_external_hash(parent)
+    assert ev.block_hashes == [to_external_hash(h0), to_external_hash(h1)]
+
+
+def test_a_chunk_without_info_is_announced_once_as_its_own_hash():
+    """A stored key the table knows nothing about is sent as its own hash with no tokens,
+    once; its removal is sent once too."""
+    table = ChunkInfoTable()
+    key = b"k" * 32
+    (ev,) = to_wire_events([OffloadingEvent((key,), "CPU", False)], table, BLOCK_SIZE)
+    assert ev.block_hashes == [to_external_hash(key)] and ev.token_ids == []
+    (gone,) = to_wire_events([OffloadingEvent((key,), "CPU", True)], table, BLOCK_SIZE)
+    assert gone.block_hashes == [to_external_hash(key)]
+
+
+def test_removing_a_key_never_announced_sends_nothing():
+    """A removal of a key whose stored event never went out is no event (a replica never
+    heard of it)."""
+    table = ChunkInfoTable()
+    assert to_wire_events([OffloadingEvent((b"x" * 32,), "CPU", True)], table, BLOCK_SIZE) == []

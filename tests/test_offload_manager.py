@@ -151,6 +151,39 @@ def test_failed_store_is_never_visible_and_frees_slot() -> None:
     assert m.lookup(ks(1)) == 0
 
 
+def test_version_changes_whenever_the_ready_keys_change() -> None:
+    """``version`` moves on every change of which keys are ready (a completed store, an
+    eviction, a reset), so lookups cached against it go stale; a refused or failed store
+    and a load leave it alone."""
+    m = CPUOffloadingManager(2)
+    v = m.version
+    m.prepare_store(ks(1, 2))
+    assert m.version == v  # nothing is ready yet
+    m.complete_store(ks(1, 2))
+    assert m.version > v
+    v = m.version
+    m.prepare_load(ks(1))
+    m.complete_load(ks(1))
+    assert m.version == v
+    m.prepare_store(ks(3))  # evicts a ready key
+    assert m.version > v
+    v = m.version
+    m.complete_store(ks(3), success=False)
+    assert m.version == v
+    assert m.reset_cache() is True
+    assert m.version > v
+
+
+def test_ready_keys_leave_out_keys_being_written() -> None:
+    """ready_keys (the event snapshot's source) lists only completed stores."""
+    m = CPUOffloadingManager(4)
+    m.prepare_store(ks(1, 2))
+    m.complete_store(ks(1))
+    assert m.ready_keys() == ks(1)
+    m.complete_store(ks(2))
+    assert sorted(m.ready_keys()) == ks(1, 2)
+
+
 def test_reset_cache_refuses_while_in_flight() -> None:
     m = CPUOffloadingManager(3, enable_events=True)
     m.prepare_store(ks(1, 2))

@@ -54,6 +54,15 @@ def test_lru_skips_protected_pinned_and_unready() -> None:
     assert len(p) == 4  # the refused eviction changed nothing
 
 
+@pytest.mark.parametrize("policy_cls", [LRUCachePolicy, ARCCachePolicy])
+def test_evicting_nothing_returns_no_victims(policy_cls) -> None:
+    """evict(0) evicts nothing (an empty list, not a refusal) and keeps every entry."""
+    p = policy_cls(8)
+    fill(p, 1, 2, 3)
+    assert p.evict(0, protected=()) == []
+    assert len(p) == 3
+
+
 # ------------------------------------------------------------------------------ ARC
 def test_arc_basic_insert_goes_to_t1_and_evicts_to_b1() -> None:
     p = ARCCachePolicy(4)
@@ -73,6 +82,15 @@ def test_arc_t1_to_t2_promotion_only_when_ready() -> None:
     p.get(k(3)).ref_cnt = 0
     p.touch(ks(3))
     assert p.t2 == tuple(ks(1, 3))
+
+
+def test_arc_touch_of_a_key_being_written_makes_it_most_recent_in_t1() -> None:
+    """A key still being written is not promoted by a touch, but it is the most recent of T1."""
+    p = ARCCachePolicy(8)
+    fill(p, 1, ref_cnt=-1)
+    fill(p, 2, 3)
+    p.touch(ks(1))
+    assert p.t1 == tuple(ks(2, 3, 1)) and p.t2 == ()
 
 
 def test_arc_touch_ordering_head_of_prefix_most_recent() -> None:
@@ -116,6 +134,27 @@ def test_arc_t1_t2_eviction_follows_target() -> None:
     assert p.b1 == tuple(ks(1, 2)) and p.b2 == (k(4),)
 
 
+def test_arc_multi_victim_eviction_rechecks_the_target_after_each_pick() -> None:
+    """One eviction of several victims follows the target victim by victim: once T1 has
+    shrunk below it, the next victim comes from T2."""
+    p = ARCCachePolicy(6)
+    fill(p, 1, 2, 3, 4)
+    p.touch(ks(3, 4))  # T1 = [1, 2], T2 = [4, 3]
+    p.target = 2.0  # T1 is at its target: one victim from T1, then T1 is below it
+    assert victims(p.evict(2, protected=())) == ks(1, 4)
+
+
+def test_arc_ghost_list_keeps_the_newest_capacity_keys() -> None:
+    """A ghost list holds exactly ``capacity`` keys; beyond that the oldest ghost goes."""
+    p = ARCCachePolicy(2)
+    fill(p, 1, 2)
+    p.evict(2, protected=())
+    assert p.b1 == tuple(ks(1, 2))
+    fill(p, 3)
+    p.evict(1, protected=())
+    assert p.b1 == tuple(ks(2, 3))
+
+
 def test_arc_falls_back_to_other_list_when_preferred_is_pinned() -> None:
     p = ARCCachePolicy(6)
     fill(p, 1, ref_cnt=1)  # pinned by a load
@@ -156,6 +195,18 @@ def test_arc_eviction_while_loading_is_atomic() -> None:
     assert out is not None and list(out.evicted_keys) == ks(3)
     m.complete_load(ks(1, 2))
     assert m.lookup(ks(1, 2)) == 2
+
+
+def test_arc_insert_of_a_b2_ghost_leaves_the_ghost_list() -> None:
+    """A key evicted from T2 is a B2 ghost until it is stored again: then it is live in
+    T1 and no longer a ghost."""
+    p = ARCCachePolicy(4)
+    fill(p, 1)
+    p.touch(ks(1))  # second use: T2
+    assert victims(p.evict(1, protected=())) == ks(1)
+    assert p.b2 == (k(1),)
+    fill(p, 1)
+    assert p.t1 == (k(1),) and p.b2 == () and p.b1 == ()
 
 
 def test_arc_failed_store_leaves_no_ghost() -> None:

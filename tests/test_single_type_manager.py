@@ -92,6 +92,19 @@ def test_full_attention_hit_needs_every_group():
     assert {b.block_hash[-4:] for b in h1} == {(1).to_bytes(4, "big")}
 
 
+@pytest.mark.parametrize("manager_cls, spec", [
+    (FullAttentionManager, full_spec(2 * BS)),
+    (SlidingWindowManager, swa_spec(2 * BS, 6)),
+])
+def test_coarse_block_hit_is_bounded_by_the_hashed_tokens(manager_cls, spec):
+    """With blocks of two hash blocks, a max_length past the hashed tokens still hits
+    only the blocks the hashes cover (no read past the request's hashes)."""
+    pool, req, placed = pool_with(range(6), n_tokens=24, bs=2 * BS)  # 12 hashes, 6 coarse blocks
+    (hit,) = manager_cls.find_longest_cache_hit(req.block_hashes, 100, [0], pool, spec, 2 * BS)
+    assert len(hit) == 6
+    assert hit[-1] is placed[5]
+
+
 # -- sliding window: right-to-left hit --------------------------------------------------------
 
 
@@ -211,6 +224,24 @@ def test_chunked_first_chunk_behaves_like_full_attention():
     assert hit == [placed[0], placed[1]]
 
 
+def test_chunked_hit_is_aligned_down():
+    """A chunked-local hit is trimmed to the alignment like the other attention types."""
+    pool, req, placed = pool_with([4])
+    (hit,) = ChunkedLocalAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0], pool, chunked_spec(BS, 8), 2 * BS
+    )  # null hits for blocks 0-3, block 4 cached: 5 blocks, aligned down to 4
+    assert hit == [pool.null_block] * 4
+
+
+def test_chunked_null_hits_are_bounded_by_the_hashed_tokens():
+    """Null hits before the current chunk never reach past the blocks the hashes cover."""
+    pool, req, _ = pool_with([], n_tokens=24, bs=2 * BS)  # 12 hashes, 6 coarse blocks
+    (hit,) = ChunkedLocalAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 100, [0], pool, chunked_spec(2 * BS, 64), 2 * BS
+    )
+    assert hit == [pool.null_block] * 6
+
+
 # -- get_num_blocks_to_allocate ------------------------------------------------------------------
 
 
@@ -231,6 +262,18 @@ def test_num_blocks_to_allocate_for_running_request():
     m.allocate_new_blocks("r", 6, 0)
     assert m.get_num_blocks_to_allocate("r", 6, [], 6) == 0
     assert m.get_num_blocks_to_allocate("r", 7, [], 6) == 1
+
+
+@pytest.mark.parametrize("spec", [full_spec(BS), swa_spec(BS, 64), chunked_spec(BS, 64)],
+                         ids=["full", "sliding", "chunked"])
+def test_num_blocks_to_allocate_is_never_negative(spec):
+    """A request holding more blocks than ``num_tokens`` needs asks for none, never for a
+    negative number (a coordinator sums the groups: a negative would hide another group's need)."""
+    pool = BlockPool(20, True, BS)
+    m = manager(spec, pool)
+    m.allocate_new_blocks("r", 4 * BS, 0)
+    assert m.get_num_blocks_to_allocate("r", 3 * BS, [], 0) == 0
+    assert m.get_num_blocks_to_allocate("r", 2 * BS, [], 0) == 0
 
 
 def test_num_blocks_to_allocate_with_admission_cap():
