@@ -75,12 +75,12 @@ from connectors.multi_records import (
 )
 from connectors.multi_scheduler import MultiSchedulerSide
 from connectors.multi_worker import MultiWorkerSide
+from kvconnector_core._suggest import did_you_mean
 from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import KVConnectorMetadata
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.connector.roles import RoleSplitConnector
-from kvconnector_core._suggest import did_you_mean
 from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import (
     ConfigError,
