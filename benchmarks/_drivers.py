@@ -85,8 +85,8 @@ def chat_trace(size: str = "large", seed: int = 0) -> Any:
         size: ``"large"`` (``chat_large``: 1000 requests, ~1.3 M prompt tokens),
             ``"medium"`` (200 requests), ``"tiny"`` (a few requests, for smoke tests),
             ``"unseen"`` (the ``mixed`` workload at scale 40 with another seed), or one of
-            the shapes no benchmark was tuned on: ``"long"`` (48 prompts of 8k-32k tokens,
-            documents asked about twice), ``"short"`` (4000 requests of 8-120 tokens, a
+            the shapes no benchmark was tuned on: ``"long"`` (24 prompts of 8k-32k tokens,
+            each asked twice), ``"short"`` (4000 requests of 8-120 tokens, a
             16-token shared prefix), ``"shared"`` (24 documents of 2k tokens asked 40 times
             each: heavy prefix sharing) and ``"noshare"`` (1500 unrelated prompts of
             200-1200 tokens: no prefix sharing at all).
