@@ -73,9 +73,9 @@ def _check_endpoint(name: str, endpoint: str) -> None:
         # ZeroMQ takes any integer port modulo 2**16 (99999 binds 34463, -5 binds 65531),
         # so a mistyped port would silently publish where no subscriber looks.
         port = endpoint.rpartition(":")[2] if endpoint.count(":") >= 2 else ""
-        if port != "*" and not (port.isdigit() and 1 <= int(port) <= _MAX_PORT):
+        if port != "*" and not (port.isdigit() and int(port) <= _MAX_PORT):
             msg = (f"{name}={endpoint!r} has no valid port ({port or 'none'!s}); expected "
-                   f"tcp://HOST:PORT with PORT 1-{_MAX_PORT}, or * for any free port")
+                   f"tcp://HOST:PORT with PORT 1-{_MAX_PORT}, or * or 0 for any free port")
             raise ConfigError(msg)
 
 

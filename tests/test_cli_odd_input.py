@@ -43,16 +43,17 @@ def _trace(path, requests) -> str:
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:-5",
-                                      "tcp://127.0.0.1:0", "tcp://127.0.0.1:abc",
+                                      "tcp://127.0.0.1:65536", "tcp://127.0.0.1:abc",
                                       "tcp://127.0.0.1"])
 def test_publisher_refuses_a_port_zeromq_would_wrap_or_reject(endpoint):
     """ZeroMQ binds port 99999 as 34463 (mod 2**16): the config refuses it, naming the range."""
-    with pytest.raises(ConfigError, match=r"no valid port .*PORT 1-65535, or \* for any free port"):
+    with pytest.raises(ConfigError, match=r"no valid port .*PORT 1-65535, or \* or 0 for any free port"):
         EventPublisherConfig(endpoint=endpoint, replay_endpoint=None)
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "tcp://*:65535", "tcp://[::1]:1",
-                                      "tcp://127.0.0.1:*", "ipc:///tmp/x", "inproc://x"])
+                                      "tcp://127.0.0.1:*", "tcp://127.0.0.1:0", "ipc:///tmp/x",
+                                      "inproc://x"])
 def test_publisher_accepts_valid_endpoints(endpoint):
     assert EventPublisherConfig(endpoint=endpoint, replay_endpoint=None).endpoint == endpoint
 
