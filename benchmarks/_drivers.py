@@ -39,12 +39,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import _sides
 from _measure import emit_table, machine_info, record_section, stopwatch
 from _pool_drivers import ManagerStats, build_manager_requests, run_block_pool, run_manager_trace
-from _sides import BLOCK_SIZE, KvconnectorSide, Side, VllmSide
+from _sides import BLOCK_SIZE, SPECS, KvconnectorSide, Side, VllmSide, configure
 
 __all__ = [
     "BLOCK_SIZE",
+    "SPECS",
+    "TRACES",
     "KvconnectorSide",
     "ManagerStats",
     "OffloadStats",
@@ -52,17 +55,18 @@ __all__ = [
     "VllmSide",
     "build_manager_requests",
     "chat_trace",
+    "configure",
+    "emit_table",
     "hashing_inputs",
+    "machine_info",
     "offload_key_chains",
+    "record_section",
     "run_block_pool",
     "run_events",
     "run_events_interleaved",
     "run_hashing",
     "run_manager_trace",
     "run_offload_trace",
-    "machine_info",
-    "emit_table",
-    "record_section",
     "stopwatch",
 ]
 
@@ -70,14 +74,22 @@ __all__ = [
 # --------------------------------------------------------------------------- workload
 
 
+TRACES = ("large", "medium", "tiny", "unseen", "long", "short", "shared", "noshare")
+"""Trace names :func:`chat_trace` builds (``large`` is what the rows were tuned on)."""
+
+
 def chat_trace(size: str = "large", seed: int = 0) -> Any:
-    """The multi-turn chat trace with shared system prompts.
+    """A named benchmark trace.
 
     Args:
         size: ``"large"`` (``chat_large``: 1000 requests, ~1.3 M prompt tokens),
-            ``"medium"`` (200 requests), ``"tiny"`` (a few requests, for smoke tests) or
-            ``"unseen"`` (the ``mixed`` workload at scale 40 with another seed: a trace
-            no benchmark was tuned on).
+            ``"medium"`` (200 requests), ``"tiny"`` (a few requests, for smoke tests),
+            ``"unseen"`` (the ``mixed`` workload at scale 40 with another seed), or one of
+            the shapes no benchmark was tuned on: ``"long"`` (24 prompts of 8k-32k tokens,
+            each asked twice), ``"short"`` (4000 requests of 8-120 tokens, a
+            16-token shared prefix), ``"shared"`` (24 documents of 2k tokens asked 40 times
+            each: heavy prefix sharing) and ``"noshare"`` (1500 unrelated prompts of
+            200-1200 tokens: no prefix sharing at all).
         seed: RNG seed of the generator.
 
     Returns:
@@ -103,7 +115,37 @@ def chat_trace(size: str = "large", seed: int = 0) -> Any:
         # For checking a claim on data the benchmarks were never tuned on: documents asked
         # about repeatedly plus many users with private prefixes, merged, new seed.
         return workloads.mixed(seed + 1009, vocab=32000, scale=40, name="unseen_mixed")
-    raise ValueError(f"unknown trace size {size!r}; valid sizes: large, medium, tiny, unseen")
+    if size in _SHAPES:
+        return _SHAPES[size](seed)
+    raise ValueError(f"unknown trace size {size!r}; valid sizes: {', '.join(TRACES)}")
+
+
+def _random_trace(name: str, seed: int, count: int, lengths: tuple[int, int], shared: int,
+                  max_new_tokens: int, repeats: int = 1) -> Any:
+    # ``count`` distinct prompts of random length behind a ``shared``-token common prefix,
+    # each asked ``repeats`` times (asks shuffled), one arrival per request.
+    import random
+
+    from kvconnector_core.engine import workloads
+
+    rng = random.Random(seed)
+    prefix = [rng.randrange(32000) for _ in range(shared)]
+    prompts = [prefix + [rng.randrange(32000) for _ in range(rng.randint(*lengths))]
+               for _ in range(count)]
+    order = [(i, q) for i in range(count) for q in range(repeats)]
+    rng.shuffle(order)
+    reqs = [workloads.TraceRequest(arrival=float(n), prompt_token_ids=prompts[i] + [q],
+                                   max_new_tokens=max_new_tokens, request_id=f"{name}-{i}-{q}")
+            for n, (i, q) in enumerate(order)]
+    return workloads.Trace(name=name, requests=reqs)
+
+
+_SHAPES = {
+    "long": lambda seed: _random_trace("long", seed, 24, (8192, 32000), 0, 16, repeats=2),
+    "short": lambda seed: _random_trace("short", seed, 4000, (8, 120), 16, 8),
+    "shared": lambda seed: _random_trace("shared", seed, 24, (2048, 2048), 0, 24, repeats=40),
+    "noshare": lambda seed: _random_trace("noshare", seed, 1500, (200, 1200), 0, 32),
+}
 
 
 def offload_key_chains(trace: Any) -> list[list[bytes]]:
@@ -114,7 +156,7 @@ def offload_key_chains(trace: Any) -> list[list[bytes]]:
     """
     from kvconnector_core.kv_cache.hashing import hash_request_tokens
 
-    return [hash_request_tokens(r.prompt_token_ids, BLOCK_SIZE) for r in trace.requests]
+    return [hash_request_tokens(r.prompt_token_ids, _sides.BLOCK_SIZE) for r in trace.requests]
 
 
 # --------------------------------------------------------------------------- offload
@@ -215,8 +257,8 @@ def _event_batches(kv_events: Any, chains: list[list[bytes]], trace: Any,
         parent = h(chain[start - 1]) if start else None
         events.append(kv_events.BlockStored(
             block_hashes=[h(x) for x in tail], parent_block_hash=parent,
-            token_ids=list(req.prompt_token_ids[start * BLOCK_SIZE:len(chain) * BLOCK_SIZE]),
-            block_size=BLOCK_SIZE, lora_id=None, medium="GPU", lora_name=None,
+            token_ids=list(req.prompt_token_ids[start * _sides.BLOCK_SIZE:len(chain) * _sides.BLOCK_SIZE]),
+            block_size=_sides.BLOCK_SIZE, lora_id=None, medium="GPU", lora_name=None,
             extra_keys=[None] * len(tail), group_idx=0))
         events.append(kv_events.BlockRemoved(block_hashes=[h(x) for x in chain[max(0, start - 4):start]],
                                              medium="GPU", group_idx=0))
@@ -309,10 +351,11 @@ def run_events_interleaved(sides: Sequence[Side], chains: list[list[bytes]], tra
 def hashing_inputs(trace: Any, max_requests: int | None = None) -> list[list[list[int]]]:
     """Each prompt cut into full ``BLOCK_SIZE``-token blocks (lists), one list per request."""
     reqs = trace.requests if max_requests is None else trace.requests[:max_requests]
+    bs = _sides.BLOCK_SIZE
     out = []
     for r in reqs:
         t = r.prompt_token_ids
-        out.append([t[i:i + BLOCK_SIZE] for i in range(0, len(t) - BLOCK_SIZE + 1, BLOCK_SIZE)])
+        out.append([t[i:i + bs] for i in range(0, len(t) - bs + 1, bs)])
     return out
 
 

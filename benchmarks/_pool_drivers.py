@@ -7,8 +7,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import _sides
 from _measure import stopwatch
-from _sides import BLOCK_SIZE, Side
+from _sides import Side
 
 __all__ = ["ManagerStats", "build_manager_requests", "run_block_pool", "run_manager_trace"]
 
@@ -16,11 +17,11 @@ __all__ = ["ManagerStats", "build_manager_requests", "run_block_pool", "run_mana
 def _pool_requests(side: Side, num_batches: int, batch: int, salt: int) -> list[Any]:
     # Distinct prompts so every block has its own hash; ``salt`` separates the
     # "cached" hashes from the "miss" hashes.
-    base = salt * num_batches * batch * BLOCK_SIZE
+    base = salt * num_batches * batch * _sides.BLOCK_SIZE
     out = []
     for i in range(num_batches):
-        lo = base + i * batch * BLOCK_SIZE
-        out.append(side.new_request(f"pool-{salt}-{i}", list(range(lo, lo + batch * BLOCK_SIZE)), 1))
+        lo = base + i * batch * _sides.BLOCK_SIZE
+        out.append(side.new_request(f"pool-{salt}-{i}", list(range(lo, lo + batch * _sides.BLOCK_SIZE)), 1))
     return out
 
 
@@ -73,7 +74,7 @@ def run_block_pool(side: Side, num_blocks: int = 65537, batch: int = 16) -> dict
     cache_full_blocks = pool.cache_full_blocks
     with stopwatch() as sw:
         for req, b in zip(reqs, batches):
-            cache_full_blocks(req, b, 0, batch, BLOCK_SIZE, 0)
+            cache_full_blocks(req, b, 0, batch, _sides.BLOCK_SIZE, 0)
     rows["cache full blocks"] = (sw.ns, usable)
     rev = [b[::-1] for b in batches]
     with stopwatch() as sw:

@@ -6,12 +6,49 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["BLOCK_SIZE", "KvconnectorSide", "Side", "VllmSide"]
+__all__ = ["BLOCK_SIZE", "SPECS", "KvconnectorSide", "Side", "VllmSide", "configure"]
 
 BLOCK_SIZE = 16
-"""Tokens per KV block (and per hashed block) in every workload."""
+"""Tokens per KV block (and per hashed block) in every workload (see :func:`configure`)."""
 
 _MAX_MODEL_LEN = 8192
+_SPEC = "full"
+_WINDOW = 1024  # sliding window of the "sliding" and "hybrid" specs, in tokens
+
+SPECS = ("full", "sliding", "hybrid")
+"""Attention layouts the manager workload can run: one full-attention group, one
+sliding-window group, or a full group plus a sliding-window group (hybrid)."""
+
+
+def configure(*, block_size: int = 16, max_model_len: int = 8192, spec: str = "full",
+              window: int = 1024) -> None:
+    """Set the workload shape for sides constructed afterwards (both sides alike).
+
+    Args:
+        block_size: tokens per KV block and per hashed block.
+        max_model_len: the managers' maximum sequence length (prompt + output).
+        spec: one of :data:`SPECS`.
+        window: sliding window in tokens (``"sliding"`` / ``"hybrid"``).
+
+    Raises:
+        ValueError: a value out of range, naming the valid ones.
+    """
+    global BLOCK_SIZE, _MAX_MODEL_LEN, _SPEC, _WINDOW
+    if spec not in SPECS:
+        raise ValueError(f"unknown spec {spec!r}; valid: {', '.join(SPECS)}")
+    if block_size < 1 or max_model_len < block_size or window < 1:
+        raise ValueError(f"need block_size >= 1, max_model_len >= block_size, window >= 1; got "
+                         f"{block_size}, {max_model_len}, {window}")
+    BLOCK_SIZE, _MAX_MODEL_LEN, _SPEC, _WINDOW = block_size, max_model_len, spec, window
+
+
+def _groups(group_cls: Any, full: Any, sliding: Any) -> list[Any]:
+    # The configured layout as KV cache groups of one implementation's classes.
+    if _SPEC == "full":
+        return [group_cls(["layer.0"], full)]
+    if _SPEC == "sliding":
+        return [group_cls(["layer.0"], sliding)]
+    return [group_cls(["layer.0"], full), group_cls(["layer.1"], sliding)]
 
 
 class Side:
@@ -94,11 +131,14 @@ class KvconnectorSide(Side):
             FullAttentionSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
+            SlidingWindowSpec,
         )
 
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128)
+        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128)
+        sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128,
+                                    sliding_window=_WINDOW)
         config = KVCacheConfig(num_blocks=num_blocks,
-                               kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+                               kv_cache_groups=_groups(KVCacheGroupSpec, full, sliding))
         return KVCacheManager(config, _MAX_MODEL_LEN, _MAX_MODEL_LEN,
                               scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
                               enable_caching=True, enable_kv_cache_events=events)
@@ -197,12 +237,19 @@ class VllmSide(Side):
 
     def new_manager(self, num_blocks: int, *, events: bool = False) -> Any:
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
 
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128,
-                                 dtype=self._torch.bfloat16)
+        dtype = self._torch.bfloat16
+        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=dtype)
+        sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128,
+                                    dtype=dtype, sliding_window=_WINDOW)
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                               kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+                               kv_cache_groups=_groups(KVCacheGroupSpec, full, sliding))
         return KVCacheManager(config, _MAX_MODEL_LEN, BLOCK_SIZE, BLOCK_SIZE,
                               enable_caching=True, enable_kv_cache_events=events)
 

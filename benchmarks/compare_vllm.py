@@ -119,32 +119,50 @@ def _fmt_rate(x: float) -> str:
     return f"{x:.1f}"
 
 
+GROUPS = ("pool", "manager", "offload", "events", "hashing")
+"""Row groups ``compare`` can run (``only=``)."""
+
+
 def compare(repeats: int = 5, trace_size: str = "large", pool_blocks: int = 65537,
             manager_blocks: int = 4096, offload_blocks: int = 4096,
-            log: Callable[[str], None] = print) -> tuple[list[Row], dict[str, Any]]:
+            log: Callable[[str], None] = print, *, seed: int = 0, block_size: int = 16,
+            spec: str = "full", window: int = 1024,
+            only: tuple[str, ...] = GROUPS) -> tuple[list[Row], dict[str, Any]]:
     """Run every workload on both sides; return the rows and the correctness checks.
 
     Args:
         repeats: runs per side per workload (medians are reported).
-        trace_size: ``"large"`` (the 1000-request trace), ``"medium"`` or ``"tiny"``.
+        trace_size: one of ``_drivers.TRACES`` (``"large"``: the 1000-request trace).
         pool_blocks: block pool size for the primitive rows.
-        manager_blocks: KV cache size for the manager trace.
+        manager_blocks: KV cache size for the manager trace (small: preemption storms).
         offload_blocks: CPU tier slots for the offload trace.
         log: progress printer.
+        seed: the trace generator's seed.
+        block_size: tokens per block (KV blocks, hashes, offload keys) on both sides.
+        spec: the manager's attention layout (``_sides.SPECS``: full, sliding, hybrid).
+        window: sliding window in tokens for ``spec`` sliding / hybrid.
+        only: the row groups to run (:data:`GROUPS`).
 
     Returns:
         ``(rows, checks)``; ``checks`` holds the manager counters of both sides, event
         cross-decoding results and whether the manager semantics matched.
     """
     t0 = time.perf_counter()
+    trace = d.chat_trace(trace_size, seed)
+    # max_model_len must hold the longest request on both sides (the long-prompt trace).
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in trace.requests)
+    d.configure(block_size=block_size, max_model_len=max(8192, -(-longest // block_size) * block_size),
+                spec=spec, window=window)
     kvc = d.KvconnectorSide()
     vl = d.VllmSide()  # imports vLLM (seconds), outside every timed region
     sides = (kvc, vl)
     log(f"vLLM imported in {time.perf_counter() - t0:.1f}s")
-    trace = d.chat_trace(trace_size)
     chains = d.offload_key_chains(trace)
     log(f"trace {trace.name}: {len(trace)} requests, {trace.num_prompt_tokens} prompt tokens")
-    checks_trace = f"{trace.name} ({len(trace)} requests, {trace.num_prompt_tokens} prompt tokens)"
+    checks_trace = (f"{trace.name} seed {seed} ({len(trace)} requests, {trace.num_prompt_tokens} "
+                    f"prompt tokens), {block_size}-token blocks, {spec} attention"
+                    + (f" (window {window})" if spec != "full" else "")
+                    + f", {manager_blocks} manager blocks, {offload_blocks} offload slots")
     rows: list[Row] = []
     checks: dict[str, Any] = {"trace": checks_trace}
 
@@ -156,14 +174,15 @@ def compare(repeats: int = 5, trace_size: str = "large", pool_blocks: int = 6553
             row = pool_rows.setdefault(name, Row("block pool", name, "blocks/s"))
             row.add(side.name, n, ns)
 
-    # Each pool row times only a few milliseconds, so it gets twice the repeats.
-    _alternate(2 * repeats, sides, pool, lambda: list(pool_rows.values()))
-    rows += pool_rows.values()
-    log("block pool done")
+    if "pool" in only:
+        # Each pool row times only a few milliseconds, so it gets twice the repeats.
+        _alternate(2 * repeats, sides, pool, lambda: list(pool_rows.values()))
+        rows += pool_rows.values()
+        log("block pool done")
 
     # -- KV cache manager
     stats: dict[tuple[str, bool], list[d.ManagerStats]] = {}
-    for events in (False, True):
+    for events in ((False, True) if "manager" in only else ()):
         label = "events on" if events else "events off"
         r_req = Row("KV cache manager", f"chat trace, {label}", "requests/s", _TARGET)
         r_step = Row("KV cache manager", f"chat trace, {label}", "steps/s", _TARGET)
@@ -193,7 +212,7 @@ def compare(repeats: int = 5, trace_size: str = "large", pool_blocks: int = 6553
     log("KV cache manager done")
 
     # -- offload manager
-    for policy in ("lru", "arc"):
+    for policy in (("lru", "arc") if "offload" in only else ()):
         r_off = Row("CPU offload manager", f"{policy.upper()}, {offload_blocks} slots", "ops/s",
                     _TARGET)
         hit: dict[str, tuple[int, int]] = {}
@@ -224,26 +243,28 @@ def compare(repeats: int = 5, trace_size: str = "large", pool_blocks: int = 6553
     r_dec = Row("KV events", "msgpack decode", "events/s")
     last: dict[str, dict[str, Any]] = {}
 
-    d.run_events_interleaved(sides, chains, trace)  # warm-up, discarded
-    for r in range(repeats):
-        # Both sides in one call, alternating pass by pass (see run_events_interleaved).
-        res = d.run_events_interleaved(sides if r % 2 == 0 else sides[::-1], chains, trace)
-        for name, one in res.items():
-            r_enc.add(name, one["encode"][1], one["encode"][0])
-            r_dec.add(name, one["decode"][1], one["decode"][0])
-            last[name] = one
-    rows += [r_enc, r_dec]
-    checks["event cross-decoding"] = _cross_decode(kvc, vl, last)
-    log("events done")
+    if "events" in only:
+        d.run_events_interleaved(sides, chains, trace)  # warm-up, discarded
+        for r in range(repeats):
+            # Both sides in one call, alternating pass by pass (see run_events_interleaved).
+            res = d.run_events_interleaved(sides if r % 2 == 0 else sides[::-1], chains, trace)
+            for name, one in res.items():
+                r_enc.add(name, one["encode"][1], one["encode"][0])
+                r_dec.add(name, one["decode"][1], one["decode"][0])
+                last[name] = one
+        rows += [r_enc, r_dec]
+        checks["event cross-decoding"] = _cross_decode(kvc, vl, last)
+        log("events done")
 
     # -- hashing
-    r_hash = Row("block hashing", "chained, default hash", "blocks/s")
-    inputs = d.hashing_inputs(trace)
-    _alternate(repeats, sides,
-               lambda side: r_hash.add(side.name, *reversed(d.run_hashing(side, inputs))),
-               lambda: [r_hash])
-    r_hash.extra = "vLLM: pickle+sha256; ours: msgpack+sha256"
-    rows.append(r_hash)
+    if "hashing" in only:
+        r_hash = Row("block hashing", "chained, default hash", "blocks/s")
+        inputs = d.hashing_inputs(trace)
+        _alternate(repeats, sides,
+                   lambda side: r_hash.add(side.name, *reversed(d.run_hashing(side, inputs))),
+                   lambda: [r_hash])
+        r_hash.extra = "vLLM: pickle+sha256; ours: msgpack+sha256"
+        rows.append(r_hash)
     checks["wall_seconds"] = round(time.perf_counter() - t0, 1)
     return rows, checks
 
@@ -320,18 +341,37 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 1 if any row failed (unequal work)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="runs per side per workload (default 5)")
-    p.add_argument("--trace", default="large", choices=["large", "medium", "tiny", "unseen"],
+    p.add_argument("--trace", default="large", choices=list(d.TRACES),
                    help="trace (default large: 1000 chat requests, ~1.3M prompt tokens; "
-                        "unseen: a mixed trace no benchmark was tuned on)")
+                        "unseen: a mixed trace no benchmark was tuned on; long, short, shared, "
+                        "noshare: other shapes, see _drivers.chat_trace)")
+    p.add_argument("--seed", type=int, default=0, help="trace generator seed (default 0)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--spec", default="full", choices=list(d.SPECS),
+                   help="manager attention layout (default full)")
+    p.add_argument("--window", type=int, default=1024,
+                   help="sliding window in tokens for --spec sliding/hybrid (default 1024)")
+    p.add_argument("--manager-blocks", type=int, default=4096,
+                   help="KV cache blocks of the manager rows (small: preemption; default 4096)")
+    p.add_argument("--offload-blocks", type=int, default=4096,
+                   help="CPU tier slots of the offload rows (default 4096)")
+    p.add_argument("--only", default=",".join(GROUPS),
+                   help=f"comma-separated row groups to run (default all: {','.join(GROUPS)})")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--record", metavar="RESULTS_MD",
                    help="append this run to the compare section of a RESULTS.md")
     args = p.parse_args(argv)
+    only = tuple(g for g in args.only.split(",") if g)
+    if not only or set(only) - set(GROUPS):
+        p.error(f"--only {args.only!r}: valid groups are {', '.join(GROUPS)}")
     info = d.machine_info()
     print(f"# {info['cpu']} x{info['cores']}, Python {info['python']}, torch {info['torch']}, "
           f"vLLM {info['vllm']}", flush=True)
     rows, checks = compare(repeats=args.repeats, trace_size=args.trace,
-                           log=lambda m: print(f"  .. {m}", flush=True))
+                           manager_blocks=args.manager_blocks, offload_blocks=args.offload_blocks,
+                           log=lambda m: print(f"  .. {m}", flush=True), seed=args.seed,
+                           block_size=args.block_size, spec=args.spec, window=args.window,
+                           only=only)
     text = render_run(rows, checks, info, args.repeats)
     print(text)
     if args.json:

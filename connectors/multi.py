@@ -75,6 +75,7 @@ from connectors.multi_records import (
 )
 from connectors.multi_scheduler import MultiSchedulerSide
 from connectors.multi_worker import MultiWorkerSide
+from kvconnector_core._suggest import did_you_mean
 from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import KVConnectorMetadata
@@ -93,6 +94,8 @@ from kvconnector_core.errors import (
 # Errors whose constructor takes one message: a child's is re-raised prefixed with its index.
 _RELABELLED_ERRORS = (ConfigError, UnknownConnectorError, DuplicateConnectorError,
                       InvalidConnectorError, PluginLoadError)
+# The keys MultiConnector reads from its extra_config (the children read their own).
+_EXTRA_KEYS = frozenset({"connectors", "loader_policy"})
 
 if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
@@ -203,6 +206,13 @@ class MultiConnector(RoleSplitConnector):
     def _child_configs(config: KVConnectorConfig) -> list[KVConnectorConfig]:
         if not isinstance(config, KVConnectorConfig):
             msg = f"MultiConnector needs a KVConnectorConfig, got {type(config).__qualname__}: {config!r}"
+            raise ConfigError(msg)
+        unknown = sorted(set(config.extra_config) - _EXTRA_KEYS)
+        if unknown:
+            # A misspelt 'connectors' would otherwise read as "got None" below.
+            msg = (f"MultiConnector: unknown extra_config key {unknown[0]!r}"
+                   f"{did_you_mean(unknown[0], _EXTRA_KEYS)}; valid keys: "
+                   f"{', '.join(sorted(_EXTRA_KEYS))}")
             raise ConfigError(msg)
         raw = config.extra_config.get("connectors")
         if not isinstance(raw, list) or not raw:

@@ -61,11 +61,22 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05  # how often the publisher thread looks at the replay socket when idle
 
 
+_MAX_PORT = 65535
+
+
 def _check_endpoint(name: str, endpoint: str) -> None:
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         msg = (f"{name}={endpoint!r} is not a ZeroMQ endpoint; expected tcp://HOST:PORT "
                "(e.g. tcp://127.0.0.1:5557), ipc://PATH or inproc://NAME")
         raise ConfigError(msg)
+    if endpoint.startswith("tcp://"):
+        # ZeroMQ takes any integer port modulo 2**16 (99999 binds 34463, -5 binds 65531),
+        # so a mistyped port would silently publish where no subscriber looks.
+        port = endpoint.rpartition(":")[2] if endpoint.count(":") >= 2 else ""
+        if port != "*" and not (port.isdigit() and int(port) <= _MAX_PORT):
+            msg = (f"{name}={endpoint!r} has no valid port ({port or 'none'!s}); expected "
+                   f"tcp://HOST:PORT with PORT 1-{_MAX_PORT}, or * or 0 for any free port")
+            raise ConfigError(msg)
 
 
 class EventPublisherConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,7 +166,8 @@ class ZmqEventPublisher:
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
-            msg = f"cannot bind KV event endpoint {endpoint!r}: {exc} (is the port taken?)"
+            hint = " (is the port taken?)" if exc.errno == zmq.EADDRINUSE else ""
+            msg = f"cannot bind KV event endpoint {endpoint!r}: {exc}{hint}"
             raise ConfigError(msg) from exc
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -291,7 +303,12 @@ class EventSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
+        try:
+            self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:  # e.g. a ``*`` port, which only a publisher can bind
+            self._sub.close(linger=0)
+            msg = f"cannot connect to KV event endpoint {endpoint!r}: {exc}"
+            raise ConfigError(msg) from exc
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = int(replay_timeout * 1000)
         self.next_seq = from_seq

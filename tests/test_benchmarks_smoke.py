@@ -184,6 +184,69 @@ def test_compare_vllm_tiny_run_has_matching_semantics() -> None:
     assert checks["manager events on"]["same_semantics"]
 
 
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM 0.33, installed only in its own venv "
+                                          "(make vllm-venv; then .vllm-venv/bin/python -m pytest)")
+@pytest.mark.parametrize(("block_size", "spec", "blocks"), [(32, "hybrid", 300), (64, "sliding", 60)])
+def test_compare_vllm_other_shapes_do_the_same_work(block_size: int, spec: str, blocks: int) -> None:
+    """Other block sizes and attention layouts, a tight pool: both managers agree on every
+    counter and both offload managers hit the same keys, request by request."""
+    import warnings
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        import compare_vllm
+
+        try:
+            rows, checks = compare_vllm.compare(
+                repeats=1, trace_size="medium", seed=5, block_size=block_size, spec=spec,
+                window=128, manager_blocks=blocks, offload_blocks=64,
+                only=("manager", "offload"), log=lambda _m: None)
+        finally:
+            d.configure()
+    assert not [r for r in rows if r.failure]
+    assert checks["manager events on"]["same_semantics"]
+    assert checks["manager events on"]["kvconnector"]["preemptions"] > 0
+    assert checks["offload arc"]["equal"] and checks["offload lru"]["equal"]
+    assert {r.group for r in rows} == {"KV cache manager", "CPU offload manager"}
+
+
+@pytest.fixture
+def _default_shape():
+    yield
+    d.configure()  # back to 16-token blocks, full attention, for the other tests
+
+
+@pytest.mark.parametrize("name", ["long", "short", "shared", "noshare"])
+def test_unseen_trace_shapes_are_seeded_and_sized_as_documented(name: str) -> None:
+    a, b, c = d.chat_trace(name, 1), d.chat_trace(name, 1), d.chat_trace(name, 2)
+    assert [r.prompt_token_ids for r in a.requests] == [r.prompt_token_ids for r in b.requests]
+    assert [r.prompt_token_ids for r in a.requests] != [r.prompt_token_ids for r in c.requests]
+    lengths = [len(r.prompt_token_ids) for r in a.requests]
+    lo, hi, count = {"long": (8193, 32001, 48), "short": (25, 137, 4000),
+                     "shared": (2049, 2049, 960), "noshare": (201, 1201, 1500)}[name]
+    assert len(lengths) == count and lo <= min(lengths) and max(lengths) <= hi
+    assert len({r.request_id for r in a.requests}) == count
+
+
+@pytest.mark.usefixtures("_default_shape")
+def test_block_size_and_spec_shape_every_input_of_our_side() -> None:
+    """configure() sets the hashed block size of keys, hashing inputs and requests, and
+    the manager's groups (hybrid: a full and a sliding-window group)."""
+    trace = d.chat_trace("tiny")
+    d.configure(block_size=32, spec="hybrid", window=64)
+    assert [len(c) for c in d.offload_key_chains(trace)] == [
+        len(r.prompt_token_ids) // 32 for r in trace.requests]
+    assert {len(b) for blocks in d.hashing_inputs(trace) for b in blocks} == {32}
+    side = d.KvconnectorSide()
+    groups = side.new_manager(64).kv_cache_config.kv_cache_groups
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec", "SlidingWindowSpec"]
+    assert {g.kv_cache_spec.block_size for g in groups} == {32}
+    st = d.run_manager_trace(side, d.build_manager_requests(side, trace), num_blocks=64)
+    assert st.requests == len(trace)
+    with pytest.raises(ValueError, match="unknown spec 'mla'; valid: full, sliding, hybrid"):
+        d.configure(spec="mla")
+
+
 def test_bench_tiers_disk_rows_run_and_check_the_read_back(tmp_path, capsys) -> None:
     """bench_tiers.py's disk comparison runs end to end on tiny sizes (no Redis needed)."""
     import json

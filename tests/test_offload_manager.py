@@ -262,6 +262,11 @@ def test_random_operations_keep_invariants(policy: str, ops: list[tuple[str, lis
         assert replay == ready  # the event stream says exactly what is readable
         assert all(m.lookup([key]) == 0 for key in failed)
         assert all(m.policy.get(key) is not None for key in pinned)
+        # lookup and prepare_store answer from the manager's own index of held keys:
+        # it must agree with the policy, key by key (evicted, failed, reset included).
+        for key in ks(*range(12)):
+            e = m.policy.get(key)
+            assert m.lookup([key]) == (e is not None and e.ref_cnt >= 0)
 
 
 @POLICIES

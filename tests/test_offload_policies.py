@@ -356,3 +356,57 @@ def test_base_policy_finish_falls_back_to_touch() -> None:
     p = Touching(4)
     CachePolicy.on_request_finished(p, ks(1, 2), set())
     assert p.touched == [ks(1, 2)]
+
+
+# ------------------------------------------------------------ ARC eviction: one-pass path
+def _arc_reference_evict(p: ARCCachePolicy, n: int, protected: set[bytes]) -> list[bytes] | None:
+    # The documented rule one victim at a time, on copies: while T1 is at least the
+    # target take T1's least recent evictable entry, else T2's; fall back to the other.
+    t1 = [key for key, e in p._t1.items() if e.ref_cnt == 0 and key not in protected]
+    t2 = [key for key, e in p._t2.items() if e.ref_cnt == 0 and key not in protected]
+    t1_size, out = len(p._t1), []
+    for _ in range(n):
+        if t1 and t1_size >= int(p.target):
+            out.append(t1.pop(0))
+            t1_size -= 1
+        elif t2:
+            out.append(t2.pop(0))
+        elif t1:
+            out.append(t1.pop(0))
+            t1_size -= 1
+        else:
+            return None
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_arc_evict_matches_the_rule_victim_by_victim(seed: int) -> None:
+    """Whichever path evict takes (all of T1 in one pass, or the mixed simulation), its
+    victims, the lists left and the ghosts are those of the rule applied one by one."""
+    import random
+
+    rng = random.Random(seed)
+    cap = rng.randint(4, 12)
+    p = ARCCachePolicy(cap)
+    fill(p, *range(cap))
+    p.touch(ks(*rng.sample(range(cap), rng.randint(0, cap))))  # some move to T2
+    for i in rng.sample(range(cap), rng.randint(0, cap // 3)):
+        p.get(k(i)).ref_cnt = rng.choice([-1, 2])  # being written / pinned
+    for i in range(100, 100 + rng.randint(0, 2 * cap)):  # ghosts to bound
+        p._b1[k(i)] = False
+    p.target = float(rng.randint(0, cap))
+    protected = set(ks(*rng.sample(range(cap), rng.randint(0, 2))))
+    n = rng.randint(1, cap)
+    expected = _arc_reference_evict(p, n, protected)
+    b1, b2 = list(p.b1), list(p.b2)
+    before = (list(p.t1), list(p.t2))
+    got = victims(p.evict(n, protected))
+    assert got == expected
+    if expected is None:
+        assert (list(p.t1), list(p.t2), list(p.b1), list(p.b2)) == (*before, b1, b2)
+        return
+    from_t1 = [key for key in expected if key in before[0]]
+    assert list(p.t1) == [key for key in before[0] if key not in expected]
+    assert list(p.t2) == [key for key in before[1] if key not in expected]
+    assert list(p.b1) == (b1 + from_t1)[-cap:]
+    assert list(p.b2) == (b2 + [key for key in expected if key not in from_t1])[-cap:]

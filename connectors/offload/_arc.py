@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
+from itertools import islice
 
 from connectors.offload._policy_base import CachePolicy, OffloadKey, SlotEntry, Victims
 
@@ -157,8 +158,15 @@ class ARCCachePolicy(CachePolicy):
         if n <= 0:
             return []
         t1_iter = self._evictable(self._t1, protected)
-        t2_iter = self._evictable(self._t2, protected)
         t1_size = len(self._t1)
+        if n - 1 <= t1_size - int(self.target):
+            # Every pick prefers T1 (T1 stays at or above the target until the last one):
+            # when T1 has n evictable entries they are the victims, taken in one pass.
+            keys = list(islice(t1_iter, n))
+            if len(keys) == n:
+                return self._take(keys, self._t1, self._b1)
+            t1_iter = self._evictable(self._t1, protected)
+        t2_iter = self._evictable(self._t2, protected)
         picks: list[tuple[bool, OffloadKey]] = []  # (from_t1, key)
         for _ in range(n):
             key = next(t1_iter, None) if t1_size >= int(self.target) else None
@@ -183,13 +191,24 @@ class ARCCachePolicy(CachePolicy):
                 ghost.popitem(last=False)
         return victims
 
+    def _take(self, keys: list[OffloadKey], live: OrderedDict[OffloadKey, SlotEntry],
+              ghost: OrderedDict[OffloadKey, bool]) -> Victims:
+        # Evict ``keys`` (all in ``live``) into ``ghost``, then bound the ghost list.
+        pop = live.pop
+        victims: Victims = [(key, pop(key)) for key in keys]
+        ghost.update(dict.fromkeys(keys, False))
+        while len(ghost) > self.capacity:
+            ghost.popitem(last=False)
+        return victims
+
     @staticmethod
     def _evictable(
         entries: OrderedDict[OffloadKey, SlotEntry], protected: Collection[OffloadKey]
     ) -> Iterator[OffloadKey]:
         # A generator over the live dict: safe because nothing is removed until the
         # simulation in evict() has finished.
-        return (k for k, e in entries.items() if e.is_evictable and k not in protected)
+        # (``ref_cnt == 0`` is ``SlotEntry.is_evictable``, read directly on this hot path.)
+        return (k for k, e in entries.items() if e.ref_cnt == 0 and k not in protected)
 
     def clear(self) -> None:
         """See :meth:`CachePolicy.clear`; also resets the target."""

@@ -46,7 +46,7 @@ class LRUCachePolicy(CachePolicy):
             return []
         picked: list[OffloadKey] = []
         for key, entry in self._entries.items():
-            if entry.is_evictable and key not in protected:
+            if entry.ref_cnt == 0 and key not in protected:  # is_evictable, inlined
                 picked.append(key)
                 if len(picked) == n:
                     break

@@ -149,7 +149,10 @@ _RUN_DISK_BYTES = 1 << 30
 
 
 def _run_tier_settings(text: str) -> dict[str, Any]:
-    """``disk:PATH`` or ``redis:URL`` (``kvconnector run --tier``) as tier settings."""
+    """``disk:PATH``, ``redis:URL`` or a bare ``redis://`` URL (``kvconnector run --tier``)
+    as tier settings."""
+    if text.startswith(("redis://", "rediss://")):  # the URL alone names its kind
+        return {"type": "redis", "url": text, "model": _RUN_MODEL}
     kind, _, where = text.partition(":")
     if kind == "disk" and where:
         return {"type": "disk", "path": where, "capacity_bytes": _RUN_DISK_BYTES}

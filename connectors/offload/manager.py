@@ -182,6 +182,11 @@ class CPUOffloadingManager(OffloadingManager):
         self.num_blocks = num_blocks
         self.medium = medium
         self.policy = get_cache_policy(cache_policy)(num_blocks)
+        # Every key the policy holds, with its entry: the policy's membership as a plain
+        # dict, so the per-key lookups of lookup / prepare_store / complete_store are C
+        # calls instead of a policy method each (ARC looks in two lists). Changed only
+        # where the policy's membership changes: insert, evict, remove, clear.
+        self._held: dict[OffloadKey, SlotEntry] = {}
         self._enable_events = enable_events
         self._events: list[OffloadingEvent] = []
         self._num_fresh = 0  # slots [0, _num_fresh) have been handed out at least once
@@ -212,7 +217,7 @@ class CPUOffloadingManager(OffloadingManager):
         until :attr:`version` changes."""
         # One call per chunk of a hit (it walks the whole hit): the bound method once, and
         # ``ref_cnt`` read directly (``is_ready`` is ``ref_cnt >= 0``).
-        get = self.policy.get
+        get = self._held.get
         hits = 0
         for key in keys:
             entry = get(key)
@@ -232,7 +237,7 @@ class CPUOffloadingManager(OffloadingManager):
         return LoadStoreSpec(block_ids=tuple(e.slot_id for e in entries), medium=self.medium)
 
     def _ready_entry(self, key: OffloadKey) -> SlotEntry:
-        entry = self.policy.get(key)
+        entry = self._held.get(key)
         if entry is None or not entry.is_ready:
             state = "absent" if entry is None else "still being written"
             msg = f"prepare_load: key {key.hex()[:16]} is {state}; lookup() must hit first"
@@ -257,8 +262,9 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             InvariantError: a key is not pinned by a load.
         """
+        get = self._held.get
         for key in keys:
-            entry = self.policy.get(key)
+            entry = get(key)
             if entry is None or entry.ref_cnt <= 0:
                 msg = f"complete_load: key {key.hex()[:16]} has no load in flight"
                 raise InvariantError(msg)
@@ -269,7 +275,8 @@ class CPUOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         """See :meth:`OffloadingManager.prepare_store`."""
-        get = self.policy.get
+        held = self._held
+        get = held.get
         new_keys: list[OffloadKey] = []
         reused: list[OffloadKey] = []
         for k in keys:
@@ -293,16 +300,19 @@ class CPUOffloadingManager(OffloadingManager):
             victims = self.policy.evict(need, frozenset(keys))
             if victims is None:
                 return None
+            free_list = self._free_list
             for key, entry in victims:
-                self._num_evictable -= 1
-                self._free_list.append(entry.slot_id)
+                free_list.append(entry.slot_id)
                 evicted.append(key)
+                del held[key]
+            self._num_evictable -= len(evicted)
             self._record(evicted, removed=True)
-        slot_ids = []
-        for key in new_keys:
-            slot_id = self._allocate_slot()
-            self.policy.insert(key, SlotEntry(slot_id, ref_cnt=-1))
-            slot_ids.append(slot_id)
+        slot_ids = self._allocate_slots(len(new_keys))
+        insert = self.policy.insert
+        for key, slot_id in zip(new_keys, slot_ids):
+            entry = SlotEntry(slot_id, -1)
+            held[key] = entry
+            insert(key, entry)
         return PrepareStoreOutput(
             keys_to_store=tuple(new_keys),
             store_spec=LoadStoreSpec(block_ids=tuple(slot_ids), medium=self.medium),
@@ -310,14 +320,20 @@ class CPUOffloadingManager(OffloadingManager):
             reused_keys=tuple(reused),
         )
 
-    def _allocate_slot(self) -> int:
-        if self._num_fresh < self.num_blocks:
-            self._num_fresh += 1
-            return self._num_fresh - 1
-        if not self._free_list:  # prepare_store counted free slots; cannot happen
-            msg = "CPUOffloadingManager: no free slot after eviction"
-            raise InvariantError(msg)
-        return self._free_list.pop()
+    def _allocate_slots(self, n: int) -> list[int]:
+        # Fresh slots first (ascending), then the most recently freed ones.
+        fresh = min(n, self.num_blocks - self._num_fresh)
+        slots = list(range(self._num_fresh, self._num_fresh + fresh))
+        self._num_fresh += fresh
+        rest = n - fresh
+        if rest:
+            free_list = self._free_list
+            if rest > len(free_list):  # prepare_store counted free slots; cannot happen
+                msg = "CPUOffloadingManager: no free slot after eviction"
+                raise InvariantError(msg)
+            slots += reversed(free_list[-rest:])
+            del free_list[-rest:]
+        return slots
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         """See :meth:`OffloadingManager.complete_store`.
@@ -326,8 +342,9 @@ class CPUOffloadingManager(OffloadingManager):
         report is harmless. A failed store emits no event: it was never visible.
         """
         done: list[OffloadKey] = []
+        get = self._held.get
         for key in keys:
-            entry = self.policy.get(key)
+            entry = get(key)
             if entry is None or entry.ref_cnt != -1:
                 continue
             if success:
@@ -336,6 +353,7 @@ class CPUOffloadingManager(OffloadingManager):
                 done.append(key)
             else:
                 self.policy.remove(key)
+                del self._held[key]
                 self._free_list.append(entry.slot_id)
         if done:
             self._record(done, removed=False)
@@ -374,6 +392,7 @@ class CPUOffloadingManager(OffloadingManager):
             return False
         self._record([k for k, _ in entries], removed=True)
         self.policy.clear()
+        self._held.clear()
         self._num_fresh = 0
         self._free_list.clear()
         self._num_evictable = 0

@@ -156,6 +156,9 @@ class SecondaryTier(ABC):
         self._stats = dict.fromkeys(
             ("stores", "stores_dropped", "store_failures", "bytes_stored", "loads",
              "load_failures", "bytes_loaded", "lookups", "lookup_failures"), 0)
+        # Operation kinds ("lookup", "store", "load") whose last attempt failed: a tier that
+        # is down fails every operation, and one log line per failure would flood stderr.
+        self._failing: set[str] = set()
         self._closed = False
 
     # ---------------------------------------------------------------- backend interface
@@ -330,6 +333,23 @@ class SecondaryTier(ABC):
                     del held[k]
                 self._events.append(TierEvent(tuple(old), self.medium, True))
 
+    def _log_failure(self, kind: str, what: str, exc: BaseException) -> None:
+        """Log the first of a run of failed ``kind`` operations (later ones are counted,
+        and logged at debug level, until one succeeds)."""
+        with self._lock:
+            first = kind not in self._failing
+            self._failing.add(kind)
+        if first:
+            logger.warning("%s tier %s failed: %s (further %s failures are counted, not logged, "
+                           "until one succeeds)", self.medium, what, exc, kind)
+        else:
+            logger.debug("%s tier %s failed: %s", self.medium, what, exc)
+
+    def _succeeded(self, kind: str) -> None:
+        if kind in self._failing:  # read without the lock: a stale answer only delays a log
+            with self._lock:
+                self._failing.discard(kind)
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
@@ -339,9 +359,10 @@ class SecondaryTier(ABC):
         try:
             held = self._held(keys)
         except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
-            logger.warning("%s tier lookup of %d keys failed: %s", self.medium, len(keys), exc)
+            self._log_failure("lookup", f"lookup of {len(keys)} keys", exc)
             self._count(lookups=1, lookup_failures=1)
             return [False] * len(keys)
+        self._succeeded("lookup")
         self._count(lookups=1)
         return held
 
@@ -350,9 +371,10 @@ class SecondaryTier(ABC):
             framed = [(key, (frame_header(key, payload), payload)) for key, payload in items]
             self._put(framed)
         except Exception as exc:  # noqa: BLE001 - a failed store is invisible, counted
-            logger.warning("%s tier store of %d values failed: %s", self.medium, len(items), exc)
+            self._log_failure("store", f"store of {len(items)} values", exc)
             self._count(store_failures=len(items))
         else:
+            self._succeeded("store")
             self._count(stores=len(items), bytes_stored=sum(len(p) for _, p in items))
             self._record_event([key for key, _ in items], removed=False)
         finally:
@@ -386,7 +408,9 @@ class SecondaryTier(ABC):
                 error: Exception | None = None) -> None:
         """Count a read, drop its damaged values and record the keys that went."""
         if error is not None:
-            logger.warning("%s tier load of %d values failed: %s", self.medium, len(keys), error)
+            self._log_failure("load", f"load of {len(keys)} values", error)
+        else:
+            self._succeeded("load")
         placed = [s == PLACED for s in status]
         self._count(loads=sum(placed), load_failures=len(keys) - sum(placed),
                     bytes_loaded=sum(n for n, p in zip(sizes, placed, strict=False) if p))

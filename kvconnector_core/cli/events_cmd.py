@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from kvconnector_core.errors import ConfigError
+
 __all__ = ["HELP", "add_arguments", "default_replay_endpoint", "main"]
 
 HELP = "Subscribe to a KV event publisher (kvconnector's or vLLM's) and print the event batches."
@@ -36,10 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="with --json: add the payload as hex")
 
 
+_MAX_PORT = 65535
+
+
 def default_replay_endpoint(endpoint: str) -> str | None:
-    """The replay endpoint paired with a tcp PUB ``endpoint``: the next port (None otherwise)."""
+    """The replay endpoint paired with a tcp PUB ``endpoint``: the next port (None otherwise).
+
+    Raises:
+        ConfigError: ``endpoint``'s port is the last one (65535): no next port.
+    """
     head, sep, port = endpoint.rpartition(":")
     if endpoint.startswith("tcp://") and sep and port.isdigit():
+        if int(port) == _MAX_PORT:  # a port above it is refused as invalid by the publisher
+            msg = (f"endpoint {endpoint!r}: the replay endpoint is the next port, and there is "
+                   f"none after {port}; use a port below {_MAX_PORT}")
+            raise ConfigError(msg)
         return f"{head}:{int(port) + 1}"
     return None
 
@@ -60,15 +73,22 @@ def main(args: argparse.Namespace) -> int:
     """Run ``kvconnector events``; see :data:`HELP`."""
     import msgspec
 
-    from kvconnector_core.errors import ConfigError
     from kvconnector_core.event_publisher import EventSubscriber
 
+    if args.count is not None and args.count < 1:
+        print(f"kvconnector events: error: --count {args.count} is out of range; valid: 1 or "
+              "more (or leave it out to print until interrupted)", file=sys.stderr)
+        return 2
+    if args.timeout is not None and not args.timeout > 0:
+        print(f"kvconnector events: error: --timeout {args.timeout} is out of range; valid: "
+              "seconds > 0 (or leave it out to wait forever)", file=sys.stderr)
+        return 2
     replay = args.replay_endpoint
-    if replay is None:
-        replay = default_replay_endpoint(args.endpoint)
-    elif replay.lower() == "none":
-        replay = None
     try:
+        if replay is None:
+            replay = default_replay_endpoint(args.endpoint)
+        elif replay.lower() == "none":
+            replay = None
         sub = EventSubscriber(args.endpoint, replay, topic=args.topic, from_seq=args.from_seq)
     except ConfigError as exc:
         print(f"kvconnector events: error: {exc}", file=sys.stderr)

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when the workload's longest request needs more)")
     parser.add_argument("--tier", action="append", default=[], metavar="SPEC",
                         help="with the default cpu_offload connector: a secondary tier behind "
-                             "the CPU tier, 'disk:PATH' or 'redis:URL' (repeat for more, in "
+                             "the CPU tier, 'disk:PATH' or 'redis:URL' (or the redis:// URL "
+                             "alone; repeat for more, in "
                              "order). Two runs with the same tier share it: the second serves "
                              "the first one's prefixes (see docs/tiers.md)")
     parser.add_argument("--cpu-blocks", type=int, default=None, metavar="N",

@@ -98,6 +98,9 @@ def _field_of(message: str) -> str | None:
     return message[idx + len(marker):-1] if idx >= 0 and message.endswith("`") else None
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def load_trace_jsonl(path: str | Path, vocab_size: int | None = None) -> Trace:
     """Read a trace: one JSON object per line with the fields of :class:`TraceRequest`.
 
@@ -123,6 +126,8 @@ def load_trace_jsonl(path: str | Path, vocab_size: int | None = None) -> Trace:
     seen_ids: dict[str, int] = {}
     with path.open("rb") as f:
         for line_number, line in enumerate(f, start=1):
+            if line_number == 1 and line.startswith(_UTF8_BOM):
+                line = line[len(_UTF8_BOM):]  # some editors start UTF-8 files with a BOM
             if not line.strip():
                 continue
             try:
