@@ -41,14 +41,13 @@ read or written.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from connectors.offload import _cudart
-from connectors.offload._staging import StagingBuffers
+from connectors.offload._staging import StagingBuffers, cpu_pitch, span_layout, staging_copies
 
 __all__ = ["GatherPlan", "StagingBuffers", "group_planes", "plan_gather", "span_layout",
            "staged_copy", "staging_copies"]
@@ -65,29 +64,6 @@ _MAX_GROUPS = 8
 _WORD_BYTES = 16
 # Taper: the first and last stages hold fewer planes (see group_planes).
 _TAPER = True
-
-
-def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_blocks: int
-                ) -> tuple[int, list[int], list[int], int] | None:
-    """Where one array of ``row``-byte rows starting at the lowest plane covers every plane.
-
-    Args:
-        ptrs, strides: each plane's address and row stride, in bytes.
-        row: bytes of one row (every plane's).
-        num_blocks: rows per plane.
-
-    Returns:
-        ``(base, first_row, rows_per_block, total_rows)``: block ``b`` of plane ``p`` is
-        row ``first_row[p] + b * rows_per_block[p]`` of the span; None when some plane
-        does not sit at a whole number of rows from ``base``.
-    """
-    base = min(ptrs)
-    if any((p - base) % row or s % row for p, s in zip(ptrs, strides, strict=True)):
-        return None
-    first = [(p - base) // row for p in ptrs]
-    steps = [s // row for s in strides]
-    total = max(f + (num_blocks - 1) * k + 1 for f, k in zip(first, steps, strict=True))
-    return base, first, steps, total
 
 
 def group_planes(num_planes: int, job_bytes: int, *, taper: bool = False) -> list[range]:
@@ -205,43 +181,8 @@ def plan_gather(gpu_planes: Sequence[torch.Tensor], cpu_planes: Sequence[torch.T
         first = torch.tensor(first_rows, dtype=torch.int64).view(-1, 1)
         steps = torch.tensor(step_rows, dtype=torch.int64).view(-1, 1)
     return GatherPlan(row or gpu_planes[0].shape[1], word, planes, source, first, steps,
-                      _cpu_pitch(cpu_planes, max_pitch), tuple(cpu_planes),
+                      cpu_pitch(cpu_planes, max_pitch), tuple(cpu_planes),
                       _TAPER if taper is None else taper)
-
-
-def _cpu_pitch(cpu_planes: Sequence[torch.Tensor], max_pitch: int) -> int | None:
-    if len(cpu_planes) < 2 or len({p.untyped_storage().data_ptr() for p in cpu_planes}) != 1:
-        return None
-    row = cpu_planes[0].shape[1]
-    if any(p.shape[1] != row or p.stride(0) != row for p in cpu_planes):
-        return None
-    ptrs = [p.data_ptr() for p in cpu_planes]
-    pitch = ptrs[1] - ptrs[0]
-    if pitch <= 0 or pitch > max_pitch or any(b - a != pitch for a, b in itertools.pairwise(ptrs)):
-        return None
-    return pitch
-
-
-def staging_copies(plan: GatherPlan, group: range, n: int, cpu_runs: Sequence[tuple[int, int, int]],
-                   staging_ptr: int, *, to_cpu: bool) -> list[tuple[int, int, int, int, int, int]]:
-    """``(dst, dpitch, src, spitch, width, height)`` per copy between staging and CPU.
-
-    Staging holds ``n`` rows per plane, plane-major. One copy per CPU run covers every
-    plane of the group (rows = planes) where :attr:`GatherPlan.cpu_pitch` allows, else one
-    per plane (height 1).
-    """
-    row, out = plan.row, []
-    span = [group] if plan.cpu_pitch is not None else [range(p, p + 1) for p in group]
-    for planes in span:
-        first = planes.start
-        cpu_plane = plan.cpu_planes[first]
-        for s, c, k in cpu_runs:
-            dev = staging_ptr + (first * n + s) * row
-            host = cpu_plane.data_ptr() + c * cpu_plane.stride(0)
-            copy = ((host, plan.cpu_pitch or k * row, dev, n * row) if to_cpu
-                    else (dev, n * row, host, plan.cpu_pitch or k * row))
-            out.append((*copy, k * row, len(planes)))
-    return out
 
 
 Runs = Sequence[tuple[int, int, int]]

@@ -2,12 +2,15 @@
 
 Split from :mod:`connectors.offload._staged`, which uses it: the staging buffer, the device
 index, the pinned index buffers and the event that orders the two streams, kept for the
-mover's lifetime instead of allocated per job.
+mover's lifetime instead of allocated per job; and the geometry between staging and the
+CPU tier (:func:`span_layout`, :func:`cpu_pitch`, :func:`staging_copies`), moved here from
+``_staged`` (which re-exports them) to keep that module about the pipeline.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -18,7 +21,7 @@ if TYPE_CHECKING:
     from connectors.offload._cudart import Memcpy
     from connectors.offload._staged import GatherPlan
 
-__all__ = ["StagingBuffers"]
+__all__ = ["StagingBuffers", "cpu_pitch", "span_layout", "staging_copies"]
 
 _HOST_SLOTS = 8  # pinned index buffers per direction, used in turn
 
@@ -194,3 +197,63 @@ class StagingBuffers:
         slot, self._pending = self._pending, None
         if slot is not None:
             self._uploaded[slot].record(stream)
+
+
+def span_layout(ptrs: Sequence[int], strides: Sequence[int], row: int, num_blocks: int
+                ) -> tuple[int, list[int], list[int], int] | None:
+    """Where one array of ``row``-byte rows starting at the lowest plane covers every plane.
+
+    Args:
+        ptrs, strides: each plane's address and row stride, in bytes.
+        row: bytes of one row (every plane's).
+        num_blocks: rows per plane.
+
+    Returns:
+        ``(base, first_row, rows_per_block, total_rows)``: block ``b`` of plane ``p`` is
+        row ``first_row[p] + b * rows_per_block[p]`` of the span; None when some plane
+        does not sit at a whole number of rows from ``base``.
+    """
+    base = min(ptrs)
+    if any((p - base) % row or s % row for p, s in zip(ptrs, strides, strict=True)):
+        return None
+    first = [(p - base) // row for p in ptrs]
+    steps = [s // row for s in strides]
+    total = max(f + (num_blocks - 1) * k + 1 for f, k in zip(first, steps, strict=True))
+    return base, first, steps, total
+
+
+def cpu_pitch(cpu_planes: Sequence[torch.Tensor], max_pitch: int) -> int | None:
+    """Bytes between consecutive CPU planes when one 2D copy may move a group of them
+    (planes equally spaced in one allocation, dense rows, pitch <= ``max_pitch``); else None."""
+    if len(cpu_planes) < 2 or len({p.untyped_storage().data_ptr() for p in cpu_planes}) != 1:
+        return None
+    row = cpu_planes[0].shape[1]
+    if any(p.shape[1] != row or p.stride(0) != row for p in cpu_planes):
+        return None
+    ptrs = [p.data_ptr() for p in cpu_planes]
+    pitch = ptrs[1] - ptrs[0]
+    if pitch <= 0 or pitch > max_pitch or any(b - a != pitch for a, b in itertools.pairwise(ptrs)):
+        return None
+    return pitch
+
+
+def staging_copies(plan: GatherPlan, group: range, n: int, cpu_runs: Sequence[tuple[int, int, int]],
+                   staging_ptr: int, *, to_cpu: bool) -> list[tuple[int, int, int, int, int, int]]:
+    """``(dst, dpitch, src, spitch, width, height)`` per copy between staging and CPU.
+
+    Staging holds ``n`` rows per plane, plane-major. One copy per CPU run covers every
+    plane of the group (rows = planes) where :attr:`GatherPlan.cpu_pitch` allows, else one
+    per plane (height 1).
+    """
+    row, out = plan.row, []
+    span = [group] if plan.cpu_pitch is not None else [range(p, p + 1) for p in group]
+    for planes in span:
+        first = planes.start
+        cpu_plane = plan.cpu_planes[first]
+        for s, c, k in cpu_runs:
+            dev = staging_ptr + (first * n + s) * row
+            host = cpu_plane.data_ptr() + c * cpu_plane.stride(0)
+            copy = ((host, plan.cpu_pitch or k * row, dev, n * row) if to_cpu
+                    else (dev, n * row, host, plan.cpu_pitch or k * row))
+            out.append((*copy, k * row, len(planes)))
+    return out
