@@ -226,6 +226,8 @@ class MultiConnector(RoleSplitConnector):
             "engine_id": config.engine_id,
             "load_failure_policy": config.load_failure_policy,
             "enable_kv_cache_events": config.enable_kv_cache_events,
+            # Every child runs on every worker: a store is complete only once all report it.
+            "world_size": config.world_size,
         }
         configs = []
         for i, child in enumerate(raw):
