@@ -111,8 +111,6 @@ class SchedulerSideState(KVConnectorSchedulerSide):
         self._hits: dict[str, tuple[tuple[int, int, int, int], int]] = {}
         # Store jobs whose data cannot be trusted (forgotten requests): failed on completion.
         self._poisoned: set[int] = set()
-        # The last plan's store jobs: failed when that step's report names a failed sync load.
-        self._step_store_jobs: list[TransferJobSpec] = []
         self.tiers = SchedulerTiers(make_tiers(cfg.tiers, layout=cfg.layout, enable_events=False),
                                     self.manager, cfg.sub_blocks_per_chunk) if cfg.tiers else None
         self._pending_tier_writes: list[TierWriteJob] = []

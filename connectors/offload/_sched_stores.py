@@ -86,7 +86,6 @@ class StorePlanning(SchedulerSideState):
                                            tier_writes=self._pending_tier_writes,
                                            flush_job_ids=self._fence.take())
         self._pending_loads, self._delayed_free, self._pending_tier_writes = [], [], []
-        self._step_store_jobs = stores
         return meta
 
     def _store_range(self, state: ReqState, g: int, num_computed_tokens: int,

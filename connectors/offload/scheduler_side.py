@@ -124,14 +124,20 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
             self._delayed_free = [r for r in self._delayed_free if r not in connector_output.finished_sending]
 
     def _fail_stores_of_failed_loads(self, invalid_block_ids: set[int]) -> None:
-        """A sync load into these blocks failed in the last step (in a MultiConnector, maybe
-        a sibling's), so that step's forward ran on blocks never loaded: the step's stores
-        of the requests holding them copied wrong KV. They fail when they complete."""
-        for job in self._step_store_jobs:
-            state = self._reqs.get(job.req_id)
-            if job.job_id in self._jobs and (
-                    state is None or any(b in invalid_block_ids for ids in state.block_ids for b in ids)):
-                self._poisoned.add(job.job_id)
+        """A sync load into these blocks failed (in a MultiConnector, maybe a sibling's), so
+        the forwards that ran on them read blocks never loaded: every store not yet complete
+        of a request holding one copied wrong KV, and fails when it completes.
+
+        Every outstanding store, not only the last plan's: under vLLM's async scheduling
+        the next step's plan is built before this report arrives, and that step's stores
+        of the request are built on the same bad blocks. Failing a store that was in fact
+        sound only loses a hit."""
+        for job_id, record in self._jobs.items():
+            if not record.is_store:
+                continue
+            state = self._reqs.get(record.req_id)
+            if state is None or any(b in invalid_block_ids for ids in state.block_ids for b in ids):
+                self._poisoned.add(job_id)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
