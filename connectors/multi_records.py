@@ -163,6 +163,9 @@ class MultiKVConnectorMetadata(KVConnectorMetadata, kw_only=True):
         settled_sends: requests whose delayed free the scheduler side saw reported; the
             worker side stops waiting for them (a re-sent delayed free can reach it after
             the children already reported the request, and they do not report it twice).
+        step: the scheduler side's plan number; the worker side echoes it in its report,
+            so a child's failure reaches that step's plan even when later plans were built
+            before the report came back (vLLM's async scheduling).
     """
 
     children: list[msgspec.Raw] = msgspec.field(default_factory=list)
@@ -171,6 +174,7 @@ class MultiKVConnectorMetadata(KVConnectorMetadata, kw_only=True):
     loads: dict[str, MultiLoad] = msgspec.field(default_factory=dict)
     failed_loads: dict[str, MultiLoad] = msgspec.field(default_factory=dict)
     settled_sends: list[str] = msgspec.field(default_factory=list)
+    step: int = -1
 
 
 class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):
@@ -181,11 +185,14 @@ class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):
             when it had nothing or raised), in child order.
         loads_failed: children whose loads of the step failed (their guard's flag).
         stores_failed: children whose stores of the step failed (their guard's flag).
+        step: the :attr:`MultiKVConnectorMetadata.step` of the plan this reports on
+            (-1: unknown).
     """
 
     metadata: tuple[Any, ...]
     loads_failed: tuple[int, ...] = ()
     stores_failed: tuple[int, ...] = ()
+    step: int = -1
 
     def aggregate(self, other: MultiKVConnectorWorkerMetadata) -> MultiKVConnectorWorkerMetadata:
         """Fold another worker's record of the same step, child by child (None + x = x);
@@ -210,5 +217,5 @@ class MultiKVConnectorWorkerMetadata(msgspec.Struct, frozen=True):
                 raise InvariantError(msg)
         return MultiKVConnectorWorkerMetadata(
             tuple(merged), tuple(sorted({*self.loads_failed, *other.loads_failed})),
-            tuple(sorted({*self.stores_failed, *other.stores_failed})))
+            tuple(sorted({*self.stores_failed, *other.stores_failed})), max(self.step, other.step))
 

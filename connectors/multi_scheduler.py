@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["MultiSchedulerSide"]
 
 logger = logging.getLogger("connectors.multi")
+# Plans kept by step for reports that come back late (vLLM keeps at most two steps in
+# flight with async scheduling, more with pipeline parallelism).
+_PLANS_KEPT = 16
 
 
 class MultiSchedulerSide(KVConnectorSchedulerSide):
@@ -73,8 +76,12 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         self._step_loads: dict[str, MultiLoad] = {}
         self._step_failed: dict[str, MultiLoad] = {}
         self._settled: list[str] = []  # delayed frees reported since the last plan
-        # Each child's plan of the last step (None when it built none), for plan_failed.
+        # Each child's plan of the last step (None when it built none), for plan_failed;
+        # and of recent steps by plan number: with async scheduling a report comes back
+        # after later plans were built, and a child's failure must reach its own step's plan.
         self._last_plans: list[KVConnectorMetadata | None] = [None] * len(self.guards)
+        self._plans_by_step: dict[int, list[KVConnectorMetadata | None]] = {}
+        self._step = 0
 
     def num_request_states(self) -> int:
         """Requests this object (and its children's guards) still keep state for."""
@@ -149,7 +156,12 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                 children.append(msgspec.Raw(encode_metadata(meta)))
         out = MultiKVConnectorMetadata(children=children, skipped_children=skipped,
                                        delayed_sends=self._step_delayed, loads=self._step_loads,
-                                       failed_loads=self._step_failed, settled_sends=self._settled)
+                                       failed_loads=self._step_failed, settled_sends=self._settled,
+                                       step=self._step)
+        self._plans_by_step[self._step] = list(self._last_plans)
+        if len(self._plans_by_step) > _PLANS_KEPT:  # reports that never came (nothing to say)
+            del self._plans_by_step[min(self._plans_by_step)]
+        self._step += 1
         self._step_delayed, self._step_loads, self._step_failed, self._settled = {}, {}, {}, []
         return out
 
@@ -168,6 +180,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                          "ignored", type(worker_meta).__qualname__)
             worker_meta = MultiKVConnectorWorkerMetadata(())
         metas = worker_meta.metadata
+        plans = self._plans_by_step.get(worker_meta.step, self._last_plans)
         for i, guard in enumerate(self.guards):
             own = msgspec.structs.replace(
                 connector_output,
@@ -176,7 +189,7 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                 loads_failed=i in worker_meta.loads_failed,
                 stores_failed=i in worker_meta.stores_failed,
             )
-            guard.update_connector_output(own, self._last_plans[i])
+            guard.update_connector_output(own, plans[i])
         for req_id in connector_output.finished_sending:
             # A delayed free re-sent by plan_failed but reported meanwhile: nothing to send,
             # and the worker side must stop waiting if the re-send already went out.

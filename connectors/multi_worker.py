@@ -212,7 +212,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
             guard.begin_step()  # reported once
         if all(m is None for m in metas) and not loads_failed and not stores_failed:
             return None
-        return MultiKVConnectorWorkerMetadata(metas, loads_failed, stores_failed)
+        step = self.plan.step if isinstance(self.plan, MultiKVConnectorMetadata) else -1
+        return MultiKVConnectorWorkerMetadata(metas, loads_failed, stores_failed, step)
 
     def get_kv_connector_kv_cache_events(self) -> list[Any]:
         """Every child's worker-side events (e.g. an offload child's disk and Redis tiers)."""
