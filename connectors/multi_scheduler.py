@@ -159,8 +159,8 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                                        failed_loads=self._step_failed, settled_sends=self._settled,
                                        step=self._step)
         self._plans_by_step[self._step] = list(self._last_plans)
-        if len(self._plans_by_step) > _PLANS_KEPT:  # reports that never came (nothing to say)
-            del self._plans_by_step[min(self._plans_by_step)]
+        # Steps only grow: drop the one that fell out of the window (its report never came).
+        self._plans_by_step.pop(self._step - _PLANS_KEPT, None)
         self._step += 1
         self._step_delayed, self._step_loads, self._step_failed, self._settled = {}, {}, {}, []
         return out
