@@ -634,3 +634,30 @@ def test_block_hash_cannot_be_overwritten():
         b.block_hash = b"y" * 36
     b.reset_hash()
     assert b.block_hash is None
+
+
+def test_touch_on_half_linked_block_raises_and_leaves_neighbours_linked():
+    """A block at ref count 0 whose back link is gone is reported as corrupt, and the
+    block after it keeps pointing back at it (the queue is left as it was found)."""
+    pool = make_pool(6)
+    a, b, c = pool.get_new_blocks(3)
+    pool.free_blocks([a, b, c])
+    after = b.next_free_block
+    b.prev_free_block = None  # corrupt: ref count 0, forward link only
+    free = pool.get_num_free_blocks()
+    with pytest.raises(InvariantError, match="not in the free queue"):
+        pool.touch([b])
+    assert after is not None and after.prev_free_block is b
+    assert pool.get_num_free_blocks() == free
+
+
+def test_null_block_is_never_counted_free_however_often_it_is_touched_and_freed():
+    """The null block stays out of the free count through touch/free cycles."""
+    pool = make_pool(4)
+    free = pool.get_num_free_blocks()
+    for _ in range(3):
+        pool.touch([pool.null_block])
+        pool.free_blocks([pool.null_block])
+    pool.touch([pool.null_block, pool.null_block])
+    assert pool.get_num_free_blocks() == free
+    assert free_ids(pool) == [1, 2, 3]

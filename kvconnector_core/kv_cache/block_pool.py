@@ -136,6 +136,9 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Pinned for life: free_blocks skips it, so its ref count never returns to 0 and
+        # touch can read "ref count 0" as "in the free queue" without an is_null test.
+        self.null_block.ref_cnt = 1
         self.kv_event_queue: list[KVCacheEvent] = []
 
     # -- lookup ---------------------------------------------------------------
@@ -286,23 +289,34 @@ class BlockPool:
         """
         # Counts the blocks that stay out of the free queue (already referenced, or the
         # null block) instead of the revived ones: on a hit nearly every block is revived,
-        # so the counter is almost never touched (this runs once per prompt block).
+        # so the counter is almost never touched (this runs once per prompt block). The
+        # null block is born pinned (ref count 1, see __init__) and never freed, so
+        # "ref count 0" alone means "in the free queue": no is_null read per block.
         kept = 0
-        for b in blocks:
-            rc = b.ref_cnt  # read once
-            if rc == 0 and not b.is_null:
-                # FreeKVCacheBlockQueue.remove, inlined: one frame less per block.
-                prev, nxt = b.prev_free_block, b.next_free_block
-                if prev is None or nxt is None:
-                    revived = list(blocks).index(b) - kept
-                    self.free_block_queue.num_free_blocks -= revived
-                    raise InvariantError(f"{b!r} has ref count 0 but is not in the free queue")
-                prev.next_free_block = nxt
-                nxt.prev_free_block = prev
-                b.prev_free_block = b.next_free_block = None
-            else:
-                kept += 1
-            b.ref_cnt = rc + 1
+        try:
+            for b in blocks:
+                rc = b.ref_cnt  # read once
+                if rc:
+                    kept += 1
+                else:
+                    # FreeKVCacheBlockQueue.remove, inlined: one frame less per block. A block
+                    # outside the queue has both links None, so the first write raises
+                    # AttributeError before anything changes (zero-cost try in 3.11).
+                    nxt = b.next_free_block
+                    prev = b.prev_free_block
+                    nxt.prev_free_block = prev  # type: ignore[union-attr]  # caught below
+                    prev.next_free_block = nxt  # type: ignore[union-attr]  # caught below
+                    b.prev_free_block = b.next_free_block = None
+                b.ref_cnt = rc + 1
+        except AttributeError:
+            nxt, prev = b.next_free_block, b.prev_free_block
+            if prev is not None and nxt is not None:
+                raise  # not a broken link: something else is wrong
+            if nxt is not None:
+                nxt.prev_free_block = b  # undo the one write made before prev failed
+            revived = list(blocks).index(b) - kept
+            self.free_block_queue.num_free_blocks -= revived
+            raise InvariantError(f"{b!r} has ref count 0 but is not in the free queue") from None
         self.free_block_queue.num_free_blocks -= len(blocks) - kept  # once, not per block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
