@@ -52,8 +52,9 @@ Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loa
 
 On CPU tensors the same code runs with plain synchronous ``copy_`` (what CI tests).
 
-Modules. The records and id helpers live in :mod:`._jobs`, the per-method copy paths in
-:mod:`._cuda_copy` (a base class of the mover); this module keeps registration,
+Modules. The records and id helpers live in :mod:`._jobs`, the issuing of one job (range
+checks, events, failures) in :mod:`._issuing` and the per-method copy paths in
+:mod:`._cuda_copy` (base classes of the mover); this module keeps registration,
 submission, the issue thread's hand-off and completion.
 
 Failures. Any exception while submitting or completing a job marks that job failed (it
@@ -65,7 +66,6 @@ caller then reuses the slots, blocks and staging memory the job named.
 
 from __future__ import annotations
 
-import array
 import functools
 import logging
 import threading
@@ -75,12 +75,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from connectors.offload._cuda_copy import CopyMethods
 from connectors.offload._issuer import IssueThread
+from connectors.offload._issuing import JobIssuing
 from connectors.offload._jobs import (
     Job,
     TransferResult,
-    as_tensor,
     chunk_to_sub_block_ids,
     coalesce_runs,
     id_array,
@@ -111,15 +110,13 @@ _Job = Job  # the name tests and probes know
 # H100, 64 blocks each way per 5.5 ms step, in one process: step slowdown +3.0% -> +2.2%
 # (cross-layer) and +3.7% -> +3.2% (per-layer) at 0.1 ms; 0.3 and 1 ms no better.
 _ISSUE_DELAY_S = 0.0001
-# Jobs of at least this many ids check their range with one tensor op, smaller ones in Python.
-_TORCH_RANGE_CHECK_FROM = 512
 
 
 def _claimed(job: Job) -> bool:
     return job.claimed
 
 
-class KVBlockMover(CopyMethods):
+class KVBlockMover(JobIssuing):
     """Moves KV blocks between the device KV cache and one CPU buffer.
 
     Args:
@@ -266,76 +263,6 @@ class KVBlockMover(CopyMethods):
         if not job.issued.is_set() and self._claim(job):
             self._issue(job, *job.issue_args)
         job.issued.wait()
-
-    def _issue(self, job: Job, ready: torch.cuda.Event | None, g_ids: array.array[int],
-               c_ids: array.array[int]) -> None:
-        """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
-        t0 = time.perf_counter()
-        try:
-            self._check_range(g_ids, c_ids)
-            if ready is None:  # CPU cache: plain synchronous copies
-                if g_ids:
-                    self._copy_host(job, g_ids, c_ids)
-                job.host_seconds = time.perf_counter() - job.submitted_at
-                return
-            stream = self._streams[job.is_store]
-            stream.wait_event(ready)
-            start = self._timing_events.get()
-            start.record(stream)
-            job.start_event = start
-            if g_ids:
-                self._copy_cuda(job, g_ids, c_ids, stream, start)
-            end = self._timing_events.get()
-            end.record(stream)
-            job.end_event = end
-        except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
-            self._fail(job, exc)
-            if job.start_event is not None and job.end_event is None:
-                self._end_after_queued(job)
-        finally:
-            if ready is not None:  # waited for above (or never will be): free to record again
-                self._ready_events.put(ready)
-            job.issue_seconds = time.perf_counter() - t0
-            if job.issued is not None:
-                job.issued.set()  # last: the fields above are complete when it is seen
-
-    def _end_after_queued(self, job: Job) -> None:
-        """Give a job that failed while issuing an end event after what it had queued.
-
-        Copies (and staged kernels) queued before the failure still run; the job must be
-        reported only after them, or its caller reuses what it named (a failed store's CPU
-        slots, a failed load's blocks, the staging memory) while they still write there.
-        """
-        try:
-            end = self._timing_events.get()
-            end.record(self._streams[job.is_store])
-        except Exception as exc:  # noqa: BLE001 - a device error: nothing more can be queued
-            logger.warning("KV transfer job %d: no end event after its failure: %s", job.job_id, exc)
-            return
-        job.end_event = end
-
-    @staticmethod
-    def _fail(job: Job, exc: Exception) -> None:
-        job.error = f"{type(exc).__name__}: {exc}"
-        logger.warning("KV %s job %d failed at submission: %s",
-                       "store" if job.is_store else "load", job.job_id, job.error)
-
-    def _check_range(self, g_ids: array.array[int], c_ids: array.array[int]) -> None:
-        """Every id in range, else IndexError naming the bad ones (one C-speed pass each)."""
-        for name, ids, bound in (("device", g_ids, self.layout.num_blocks),
-                                 ("CPU", c_ids, self.num_cpu_blocks)):
-            if not ids:
-                continue
-            # Builtin min/max cost ~20 ns an id; torch.aminmax ~10 us a call whatever
-            # the size: the tensor op only pays off for large jobs.
-            if len(ids) < _TORCH_RANGE_CHECK_FROM:
-                low, high = min(ids), max(ids)
-            else:
-                low, high = (int(v) for v in torch.aminmax(as_tensor(ids)))
-            if low < 0 or high >= bound:
-                bad = [i for i in ids if not 0 <= i < bound][:8]
-                msg = f"{name} block ids {bad} out of range [0, {bound})"
-                raise IndexError(msg)
 
     # ------------------------------------------------------------------ completion
     def get_finished(self) -> list[TransferResult]:
