@@ -7,7 +7,7 @@
 # $WHEELS (default ../.whl; the machine has torch but not these). Stages, as arguments
 # (default: all): tests transfer issue limits interference methods, and roundrobin (one-way
 # transfers of several movers round robin, each beside the contiguous copy; $RR_VARIANTS,
-# $ROUNDS, $RR_ARGS). $METHODS (transfer variants) and $VARIANTS (interference variants besides branch
+# $ROUNDS, $RR_ARGS, and $TL_VARIANTS for --timeline). $METHODS (transfer variants) and $VARIANTS (interference variants besides branch
 # and main) override the defaults.
 # Writes to $OUT.
 set -u
@@ -21,6 +21,7 @@ TRIALS=${TRIALS:-8}
 IFS=';' read -r -a METHODS_LIST <<< "${METHODS:-auto;auto, per-job buffers;gather;batched}"
 IFS=';' read -r -a VARIANTS_LIST <<< "${VARIANTS:-per-job buffers}"
 IFS=';' read -r -a RR_LIST <<< "${RR_VARIANTS:-auto;auto, third-stage staging}"
+IFS=';' read -r -a TL_LIST <<< "${TL_VARIANTS:-auto;auto, third-stage staging}"
 ROUNDS=${ROUNDS:-40}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -49,7 +50,8 @@ for stage in $STAGES; do
     roundrobin)
         # shellcheck disable=SC2086 # RR_ARGS: extra options, split on purpose
         timeout 420 python3 benchmarks/probe_roundrobin.py --kernels --baseline-root "$BASE" \
-            --rounds "$ROUNDS" --variants "${RR_LIST[@]}" ${RR_ARGS:-} > "$OUT/roundrobin.log" 2>&1
+            --rounds "$ROUNDS" --variants "${RR_LIST[@]}" --timeline-variants "${TL_LIST[@]}" \
+            ${RR_ARGS:-} > "$OUT/roundrobin.log" 2>&1
         grep -v '^{' "$OUT/roundrobin.log"; grep '"kernel"\|"timeline"' "$OUT/roundrobin.log" ;;
     issue)
         timeout 200 python3 benchmarks/probe_issue_path.py > "$OUT/issue.log" 2>&1

@@ -20,15 +20,17 @@ CUDA only. Writes ``probe_roundrobin.json`` to ``$OUT`` when set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
 
-from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches
+from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches, restore
 from bench_transfer import _check, _contiguous_fns, _time_once
 from connectors.offload.transfer import KVBlockMover
 
@@ -90,56 +92,92 @@ def _dmas_alone(mover: KVBlockMover, n: int) -> dict[str, Callable[[], None]]:
     return out
 
 
-def timeline(caches: dict[str, torch.Tensor], n: int, label: str, jobs: int = 12) -> None:
-    """GPU timeline of a mover variant's staged jobs: ms from the job's start event to the
-    end of each DMA call's copies (``dma k``) and of each kernel call (``kernel k``), and to the
-    job's end; median over ``jobs`` inline jobs per direction."""
+def timeline(caches: dict[str, torch.Tensor], n: int, label: str, jobs: int = 12, *,
+             thread: bool = False) -> None:
+    """GPU and host timeline of a mover variant's staged jobs, median over ``jobs`` jobs per
+    direction (issued inline, or with ``thread`` through the issue thread as in the rounds).
+
+    GPU marks, ms from the job's start event: the end of each DMA call's copies (``dma k``),
+    of each span kernel (``kernel k``), of each by-id gather (``gather k``) and of the id
+    upload (``upload k``), and the job's ``end``. Host marks (``h ...``), ms from the
+    ``submit_*`` call: when issuing began (``h issue``, the range check), when ``submit_*``
+    returned (``h submit``), and when each of the calls above returned. Every mark records a
+    CUDA event, which costs some host time itself.
+    """
     from connectors.offload import _staged
-    marks: list[tuple[str, torch.cuda.Event]] = []
-    orig_dma, orig_move = _staged._dma, _staged._move
+    from connectors.offload._staging import StagingBuffers
+    marks: list[tuple[str, torch.cuda.Event | None, float]] = []
+    t_submit = [0.0]
+    orig_dma, orig_move, orig_select = _staged._dma, _staged._move, torch.index_select
+    orig_upload = StagingBuffers.upload_ids
+
+    def mark(kind: str, stream: torch.cuda.Stream | None) -> None:
+        e = None
+        if stream is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+        marks.append((kind, e, time.perf_counter() - t_submit[0]))
 
     def dma(*args, **kwargs):  # type: ignore[no-untyped-def]
         orig_dma(*args, **kwargs)
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(args[5])
-        marks.append(("dma", e))
+        mark("dma", args[5])
 
     def move(*args, **kwargs):  # type: ignore[no-untyped-def]
         orig_move(*args, **kwargs)
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(torch.cuda.current_stream())
-        marks.append(("kernel", e))
+        mark("kernel", torch.cuda.current_stream())
 
-    _staged._dma, _staged._move = dma, move
+    def select(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = orig_select(*args, **kwargs)
+        mark("gather", torch.cuda.current_stream())
+        return out
+
+    def upload(self, plan, gpu_ids, stream, keep_alive):  # type: ignore[no-untyped-def]
+        out = orig_upload(self, plan, gpu_ids, stream, keep_alive)
+        mark("upload", stream)
+        return out
+
+    _staged._dma, _staged._move, torch.index_select = dma, move, select
+    StagingBuffers.upload_ids = upload  # type: ignore[method-assign]
     try:
         perm = torch.randperm(4096, generator=torch.Generator().manual_seed(1)).tolist()
-        mover = KVBlockMover(caches, num_cpu_blocks=2 * n, issue_thread=False)
+        mover = KVBlockMover(caches, num_cpu_blocks=2 * n, issue_thread=thread)
         apply_variant(mover, label)
+        check = mover._check_range
+        mover._check_range = lambda g, c: (mark("issue", None), check(g, c))[1]  # type: ignore[method-assign]
         for is_store in (True, False):
             rows: dict[str, list[float]] = {}
             for j in range(jobs + 2):
                 marks.clear()
                 torch.cuda.synchronize()
+                t_submit[0] = time.perf_counter()
                 if is_store:
                     mover.submit_store(next(_JOBS), perm[:n], list(range(n)))
                 else:
                     mover.submit_load(next(_JOBS), list(range(n)), perm[:n])
+                mark("submit", None)
                 mover.wait()
                 job = mover._jobs[-1]
                 if j < 2:
                     mover.get_finished()
                     continue
                 counts: dict[str, int] = {}
-                for kind, e in marks:
+                for kind, e, host in marks:
                     k = counts[kind] = counts.get(kind, -1) + 1
-                    rows.setdefault(f"{kind} {k}", []).append(job.start_event.elapsed_time(e))
+                    if e is not None:
+                        rows.setdefault(f"{kind} {k}", []).append(job.start_event.elapsed_time(e))
+                    if e is None or k < 2:
+                        rows.setdefault(f"h {kind}" + (f" {k}" if e is not None else ""), []).append(1e3 * host)
                 rows.setdefault("end", []).append(job.start_event.elapsed_time(job.end_event))
                 mover.get_finished()
             print(json.dumps({"timeline": "store" if is_store else "load", "variant": label,
+                              "issue_thread": thread,
                               **{k: round(statistics.median(v), 3) for k, v in rows.items()}}), flush=True)
+        mover._check_range = check  # type: ignore[method-assign]
+        restore(mover)
         mover.shutdown()
     finally:
-        _staged._dma, _staged._move = orig_dma, orig_move
+        _staged._dma, _staged._move, torch.index_select = orig_dma, orig_move, orig_select
+        StagingBuffers.upload_ids = orig_upload  # type: ignore[method-assign]
 
 
 def profile(caches: dict[str, torch.Tensor], n: int, jobs: int = 30) -> None:
@@ -191,6 +229,10 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=["auto"])
     p.add_argument("--kernels", action="store_true", help="also time one stage's kernels per word")
     p.add_argument("--timeline", action="store_true", help="also the GPU timeline of staged jobs")
+    p.add_argument("--timeline-variants", nargs="+", default=["auto", "auto, third-stage staging"],
+                   help="variants of --timeline")
+    p.add_argument("--timeline-thread", action="store_true",
+                   help="--timeline also with the issue thread (each variant inline and threaded)")
     p.add_argument("--profile", action="store_true", help="also a host profile of staged jobs")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -206,8 +248,9 @@ def main() -> int:
     for layout in args.layouts:
         caches = make_kv_caches(args, device, layout)
         if args.timeline and layout != "cross-layer":
-            for label in ("auto", "auto, third-stage staging"):
-                timeline(caches, n, label)
+            for label in args.timeline_variants:
+                for thread in (False, True) if args.timeline_thread else (False,):
+                    timeline(caches, n, label, thread=thread)
         if args.profile and layout == "per-layer":
             profile(caches, n)
         movers: dict[str, KVBlockMover] = {}
@@ -218,10 +261,20 @@ def main() -> int:
             apply_variant(movers[label], label)
         contig = _contiguous_fns(n * next(iter(movers.values())).layout.block_bytes, device)
         fns: dict[tuple[str, str], Callable[[], None]] = {}
+        submit_s: dict[tuple[str, str], list[float]] = {}  # the caller's host time in submit_*
+
+        def job(m: KVBlockMover, key: tuple[str, str]) -> None:
+            t0 = time.perf_counter()
+            if key[1] == "store":
+                m.submit_store(next(_JOBS), store_gpu, store_cpu)
+            else:
+                m.submit_load(next(_JOBS), load_cpu, load_gpu)
+            submit_s.setdefault(key, []).append(time.perf_counter() - t0)
+            m.wait()
+
         for name, m in movers.items():
-            fns[name, "store"] = (lambda m=m: (m.submit_store(next(_JOBS), store_gpu, store_cpu),
-                                               m.wait()))
-            fns[name, "load"] = lambda m=m: (m.submit_load(next(_JOBS), load_cpu, load_gpu), m.wait())
+            for d in ("store", "load"):
+                fns[name, d] = functools.partial(job, m, (name, d))
         for d in ("store", "load"):
             fns["contiguous (control)", d] = (lambda f=contig[d]: f())
         extra = []
@@ -259,7 +312,8 @@ def main() -> int:
                 med, p25, p75 = _quartiles(ratios[name, d])
                 row = {"layout": layout, "variant": name, "dir": d, "x": med, "p25": p25, "p75": p75,
                        "GBs": nbytes / statistics.median(secs[name, d]) / 1e9, "ok": ok,
-                       "rounds": args.rounds}
+                       "rounds": args.rounds,
+                       "submit_ms": 1e3 * statistics.median(submit_s.get((name, d), [0.0]))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         for m in movers.values():
@@ -272,15 +326,15 @@ def main() -> int:
             json.dump(rows, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}: {n} {args.ids} blocks per job, {args.rounds} rounds; "
           "x contig = median [p25, p75] of the per-pair ratio")
-    print("| layout | variant | store x contig | load x contig | store GB/s | load GB/s | ok |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | variant | store x contig | load x contig | store GB/s | load GB/s | submit ms store / load | ok |")
+    print("|---|---|---|---|---|---|---|---|")
     by = {(r["layout"], r["variant"], r["dir"]): r for r in rows}
     for layout in args.layouts:
         for name in dict.fromkeys(r["variant"] for r in rows if r["layout"] == layout):
             s, lo = by[layout, name, "store"], by[layout, name, "load"]
             print(f"| {layout} | {name} | {s['x']:.3f} [{s['p25']:.3f}, {s['p75']:.3f}] | "
                   f"{lo['x']:.3f} [{lo['p25']:.3f}, {lo['p75']:.3f}] | {s['GBs']:.1f} | {lo['GBs']:.1f} | "
-                  f"{'yes' if s['ok'] else 'NO'} |")
+                  f"{s['submit_ms']:.3f} / {lo['submit_ms']:.3f} | {'yes' if s['ok'] else 'NO'} |")
     return 0
 
 
