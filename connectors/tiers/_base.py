@@ -23,7 +23,7 @@ Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Bac
 implement four blocking methods (``_held``, ``_put``, ``_get``, ``_close``), may override
 ``_get_into`` to read into buffers directly, and see only framed bytes.
 
-Primitives: SecondaryTier here; TierKey, TierLoad, TierEvent (in :mod:`connectors.tiers._records`, re-exported).
+Primitives: SecondaryTier here; TierKey, Shard, TierLoad, TierEvent (in :mod:`connectors.tiers._records`, re-exported).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from connectors.tiers._frame import (
     intact_payload,
     unframe_value,
 )
-from connectors.tiers._records import TierEvent, TierKey, TierLoad, settings
+from connectors.tiers._records import Shard, TierEvent, TierKey, TierLoad, settings
 from kvconnector_core.errors import ConfigError
 
-__all__ = ["SecondaryTier", "TierEvent", "TierKey", "TierLoad", "settings"]
+__all__ = ["SecondaryTier", "Shard", "TierEvent", "TierKey", "TierLoad", "settings"]
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,11 +31,12 @@ import msgspec
 from connectors.tiers._base import SecondaryTier, TierKey, settings
 from connectors.tiers._frame import ABSENT, DAMAGED, HEADER_BYTES, OTHER_SIZE, PLACED, header_matches, payload_length
 from kvconnector_core.errors import ConfigError
-from kvconnector_core.kv_cache.hashing import BlockHash
 
 __all__ = ["DiskTier", "DiskTierConfig"]
 
 _SUFFIX = ".kvb"
+# A temp file untouched this long is a crashed writer's, not one about to be renamed.
+_STALE_TMP_SECONDS = 60.0
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -47,6 +49,15 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
             views = [views[0][n:], *views[1:]]
             n = 0
     return [v for v in views if v.nbytes]
+
+
+def _is_key_name(name: str) -> bool:
+    """True if ``name`` is a tier key's name (other files are not the tier's: left alone)."""
+    try:
+        TierKey.from_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -103,16 +114,19 @@ class DiskTier(SecondaryTier):
         return self.root / name[:2] / (name + _SUFFIX)
 
     def _scan(self) -> None:
-        """Index the files a previous process left, oldest access first; drop stray temp files."""
+        """Index the files a previous process left, oldest access first; drop stale temp files."""
         found = []
+        now = time.time()
         for sub in self.root.iterdir():
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
-                if entry.name.endswith(_SUFFIX):
+                if entry.name.endswith(_SUFFIX) and _is_key_name(entry.name[: -len(_SUFFIX)]):
                     st = entry.stat()
                     found.append((st.st_atime, entry.name, st.st_size))
-                elif entry.name.startswith(".tmp-"):
+                elif entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                    # Only a crashed writer's: a live one (another TP rank or engine on this
+                    # directory) renames its temp file within milliseconds of creating it.
                     Path(entry.path).unlink(missing_ok=True)
         for _, name, size in sorted(found):
             self._files[name] = size
@@ -174,8 +188,7 @@ class DiskTier(SecondaryTier):
         removed = []
         for victim in victims:
             (self.root / victim[:2] / victim).unlink(missing_ok=True)
-            block_hex, _, group = victim[: -len(_SUFFIX)].rpartition("-g")
-            removed.append(TierKey(BlockHash(bytes.fromhex(block_hex)), int(group)))
+            removed.append(TierKey.from_name(victim[: -len(_SUFFIX)]))
         self._record_event(removed, removed=True)
 
     def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:

@@ -136,9 +136,12 @@ class VllmRig:
         self._unhashed: list[tuple[str, int, int, int]] = []
         self.workers = []
         self.kv_caches = []
-        for _ in range(num_workers):
+        for rank in range(num_workers):
             caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], None)
+            # vLLM's worker sets its rank in the parallel config before building its connector.
+            self.cfg.parallel_config.rank = rank
             conn = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.cfg.parallel_config.rank = 0
             conn.register_kv_caches(caches)
             self.workers.append(conn)
             self.kv_caches.append(caches)

@@ -56,8 +56,8 @@ def connector_config_from_vllm(vllm_config: VllmConfig) -> KVConnectorConfig:
     ``kv_connector_extra_config["kvconnector"]`` is a kvconnector connector
     config (``name``, ``extra_config``, optionally ``module_path``); ``role``,
     ``engine_id`` and ``load_failure_policy`` come from vLLM's own fields,
-    ``world_size`` from its parallel config and ``enable_kv_cache_events`` from its
-    ``kv_events_config``.
+    ``world_size``, ``rank`` and ``pipeline_parallel_size`` from its parallel config and
+    ``enable_kv_cache_events`` from its ``kv_events_config``.
 
     Raises:
         ConfigError: the key is missing or not a connector config.
@@ -83,6 +83,10 @@ def connector_config_from_vllm(vllm_config: VllmConfig) -> KVConnectorConfig:
         "engine_id": ktc.engine_id,
         "load_failure_policy": ktc.kv_load_failure_policy,
         "world_size": parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        # vLLM's worker sets parallel_config.rank (pp_rank * tp_size + tp_rank) before it
+        # builds its connector; the scheduler process keeps 0.
+        "rank": parallel.rank,
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
         # vLLM builds KV events only when kv_events_config enables them; so do we.
         "enable_kv_cache_events": bool(events is not None and events.enable_kv_cache_events),
     })
