@@ -214,6 +214,27 @@ def test_a_shard_too_short_for_the_slot_is_a_failed_load(tmp_path):
     worker.close()
 
 
+def test_each_rank_budgets_and_evicts_only_its_own_files(tmp_path):
+    """Ranks share a directory; a rank restarting indexes only its own shard's files, so
+    its size budget never evicts another rank's shard (which would kill the chunk)."""
+    def rank_tier(rank, capacity):
+        return DiskTier({"path": str(tmp_path), "capacity_bytes": capacity}, shard=Shard(rank, 2))
+    key = _okeys(1)[0]
+    with rank_tier(0, 1 << 20) as zero:
+        zero.store([(tier_key(key, Shard(0, 2)), b"0" * 100)])
+        assert zero.flush(30)
+    other = _okeys(2)[1]
+    with rank_tier(1, 150) as one:  # room for one value of its own
+        assert one.bytes_used == 0
+        one.store([(tier_key(key, Shard(1, 2)), b"1" * 100)])
+        one.store([(tier_key(other, Shard(1, 2)), b"1" * 100)])
+        assert one.flush(30)
+    names = {p.name for p in tmp_path.rglob("*.kvb")}
+    assert f"{key[:-4].hex()}-g0-r0of2x1.kvb" in names  # rank 0's shard survived
+    assert f"{key[:-4].hex()}-g0-r1of2x1.kvb" not in names  # rank 1 evicted its own, older one
+    assert f"{other[:-4].hex()}-g0-r1of2x1.kvb" in names
+
+
 # --------------------------------------------------------------------- end to end
 def _tp_run(connector, world_size, trace, pipeline_parallel_size=1, before_run=None):
     engine, tp = tp_engine(EngineConfig(connector=connector, **ENGINE), world_size, pipeline_parallel_size)

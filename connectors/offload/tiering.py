@@ -58,12 +58,13 @@ logger = logging.getLogger(__name__)
 _MAX_DESCRIBED = 100_000
 
 
-def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: bool
-               ) -> list[SecondaryTier]:
+def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: bool,
+               shard: Shard | None = None) -> list[SecondaryTier]:
     """Create the tiers of ``extra_config["tiers"]`` (validated by ``OffloadConfig``).
 
     A Redis tier without a ``layout`` gets ``layout`` (the connector's chunk geometry), so
-    engines whose KV bytes differ never share keys.
+    engines whose KV bytes differ never share keys. ``shard``: the worker's (see
+    :class:`~connectors.tiers.SecondaryTier`).
 
     Raises:
         ConfigError: a bad tier setting.
@@ -73,7 +74,7 @@ def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: b
         for spec in specs:
             if spec.get("type") == "redis":
                 spec = {"layout": layout, **spec}
-            tiers.append(make_tier(spec, enable_events=enable_events))
+            tiers.append(make_tier(spec, enable_events=enable_events, shard=shard))
     except BaseException:
         for tier in tiers:
             tier.close()

@@ -78,7 +78,7 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         self._recv_failed: set[str] = set()
         cfg = offload_config
         self.tiers = WorkerTiers(make_tiers(cfg.tiers, layout=cfg.layout,
-                                            enable_events=cfg.enable_events),
+                                            enable_events=cfg.enable_events, shard=shard),
                                  block_sizes=[g.block_size for g in cfg.groups] or [cfg.gpu_block_size],
                                  shard=shard) if cfg.tiers else None
         self._tier_waiting: dict[int, TransferJobSpec] = {}  # loads waiting for tier reads

@@ -54,8 +54,10 @@ __all__ = [
 ]
 
 
-def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryTier:
-    """Create a tier from ``{"type": "disk" | "redis", <its config fields>}``.
+def make_tier(spec: dict[str, Any], *, enable_events: bool = True, shard: Shard | None = None
+              ) -> SecondaryTier:
+    """Create a tier from ``{"type": "disk" | "redis", <its config fields>}``; ``shard``:
+    the worker shard whose keys it writes (see :class:`SecondaryTier`).
 
     Raises:
         ConfigError: an unknown type, or a bad / unknown field of its config.
@@ -69,7 +71,7 @@ def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryT
         raise ConfigError(msg)
     module, cls_name = TIER_TYPES[kind]
     cls: Callable[..., SecondaryTier] = getattr(import_module(f"{__name__}.{module}"), cls_name)
-    return cls(spec, enable_events=enable_events)
+    return cls(spec, enable_events=enable_events, shard=shard)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

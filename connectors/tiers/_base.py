@@ -61,6 +61,9 @@ class SecondaryTier(ABC):
         max_pending_stores: store batches that may wait for I/O; more are dropped.
         io_threads: threads doing the tier's I/O.
         enable_events: record stored / removed keys for :meth:`take_events`.
+        shard: the worker shard whose keys this instance writes (None: one worker, or a
+            scheduler side that only looks up); a backend that keeps an index of what it
+            holds (the disk tier's size budget) indexes only that shard's keys.
     """
 
     medium: ClassVar[str] = "STORAGE"
@@ -71,11 +74,12 @@ class SecondaryTier(ABC):
     that evicts silently needs one; past it the oldest key is removed from the stream."""
 
     def __init__(self, *, max_pending_stores: int = 64, io_threads: int = 2,
-                 enable_events: bool = True) -> None:
+                 enable_events: bool = True, shard: Shard | None = None) -> None:
         for name, value in (("max_pending_stores", max_pending_stores), ("io_threads", io_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"{type(self).__name__} {name} must be a positive int, got {value!r}"
                 raise ConfigError(msg)
+        self.shard = shard
         self._max_pending = max_pending_stores
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-tier-{self.medium.lower()}")

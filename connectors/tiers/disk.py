@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from connectors.tiers._base import SecondaryTier, TierKey, settings
+from connectors.tiers._base import SecondaryTier, Shard, TierKey, settings
 from connectors.tiers._frame import ABSENT, DAMAGED, HEADER_BYTES, OTHER_SIZE, PLACED, header_matches, payload_length
 from kvconnector_core.errors import ConfigError
 
@@ -49,15 +49,6 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
             views = [views[0][n:], *views[1:]]
             n = 0
     return [v for v in views if v.nbytes]
-
-
-def _is_key_name(name: str) -> bool:
-    """True if ``name`` is a tier key's name (other files are not the tier's: left alone)."""
-    try:
-        TierKey.from_name(name)
-    except ValueError:
-        return False
-    return True
 
 
 class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -93,10 +84,11 @@ class DiskTier(SecondaryTier):
 
     medium: ClassVar[str] = "DISK"
 
-    def __init__(self, config: DiskTierConfig | dict[str, Any], *, enable_events: bool = True) -> None:
+    def __init__(self, config: DiskTierConfig | dict[str, Any], *, enable_events: bool = True,
+                 shard: Shard | None = None) -> None:
         config = settings(config, DiskTierConfig, "disk tier")
         super().__init__(max_pending_stores=config.max_pending_stores,
-                         io_threads=config.io_threads, enable_events=enable_events)
+                         io_threads=config.io_threads, enable_events=enable_events, shard=shard)
         self.config = config
         self.root = Path(config.path) / config.namespace
         try:
@@ -113,6 +105,15 @@ class DiskTier(SecondaryTier):
         name = key.name
         return self.root / name[:2] / (name + _SUFFIX)
 
+    def _is_own(self, name: str) -> bool:
+        """True if ``name`` is the name of a key of this instance's shard. Other files are
+        not its to count or evict: another rank's shards (each rank budgets its own), or
+        no tier's at all."""
+        try:
+            return TierKey.from_name(name).shard == self.shard
+        except ValueError:
+            return False
+
     def _scan(self) -> None:
         """Index the files a previous process left, oldest access first; drop stale temp files."""
         found = []
@@ -121,7 +122,7 @@ class DiskTier(SecondaryTier):
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
-                if entry.name.endswith(_SUFFIX) and _is_key_name(entry.name[: -len(_SUFFIX)]):
+                if entry.name.endswith(_SUFFIX) and self._is_own(entry.name[: -len(_SUFFIX)]):
                     st = entry.stat()
                     found.append((st.st_atime, entry.name, st.st_size))
                 elif entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
