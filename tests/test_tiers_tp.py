@@ -9,7 +9,6 @@ bytes differ, as shards do): each rank's samples must match a run without a conn
 
 from __future__ import annotations
 
-import time
 import zlib
 
 import pytest
@@ -28,6 +27,7 @@ from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.engine import EngineConfig
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash
+from test_offload_tiering import _poll
 from test_tiers_engine import ENGINE, doc_trace, offload
 
 HASH = BlockHash(bytes(range(32)))
@@ -117,14 +117,6 @@ def test_multiconnector_children_inherit_rank_and_pipeline_size(tmp_path):
 
 
 # --------------------------------------------------------------- lookups and bytes
-def _poll(fn, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while (out := fn()) is None or out == []:
-        assert time.monotonic() < deadline, "no answer"
-        time.sleep(0.001)
-    return out
-
-
 def _okeys(n):
     return [bytes([i + 1]) * 32 + (0).to_bytes(4, "big") for i in range(n)]
 
