@@ -308,8 +308,8 @@ def test_synchronous_hits_under_hma_are_recomputed(caplog):
 
 
 # ------------------------------------------------------------------------ events
-@pytest.mark.parametrize("num_workers", [1, 2])
-def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, num_workers):
+@pytest.mark.parametrize(("num_workers", "vanish"), [(1, False), (2, False), (2, True)])
+def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, num_workers, vanish):
     """cpu_offload with a disk tier behind a small CPU tier: the tier's lookups answer
     "ask again" (None) to vLLM's scheduler, a prefix evicted from the CPU tier comes back
     from disk byte for byte, and vLLM publishes the CPU tier's events (scheduler side)
@@ -319,7 +319,11 @@ def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, 
     writes its own shard's files and loads back exactly its own bytes (the rig checks
     every loaded block of every worker). vLLM publishes a worker event only when every
     worker reported it in the same step, and the ranks' disk writes finish on their own
-    threads, so the DISK events are asserted with one worker."""
+    threads, so the DISK events are asserted with one worker.
+
+    ``vanish``: rank 1's shard files are deleted between vLLM's lookup and the load (as
+    another engine's disk budget would): rank 1's load fails, vLLM recomputes the prompt
+    on every rank, and no worker keeps another rank's bytes or a partial chunk."""
     import time
 
     from vllm.sampling_params import SamplingParams
@@ -345,8 +349,23 @@ def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, 
             break
         time.sleep(0.005)
         rig.step()
+    tier1 = rig.workers[-1].connector.worker_side.tiers.tiers[0]
+    if vanish:
+        load_into = tier1.load_into
+
+        def vanishing(keys, dests):
+            for key in keys:
+                tier1._path(key).unlink(missing_ok=True)  # noqa: SLF001
+            return load_into(keys, dests)
+        tier1.load_into = vanishing
     first = rig.add(evicted[0], max_tokens=1)  # on disk, evicted from the CPU tier
     rig.run()
+    if vanish:  # the hit was recomputed on every rank; the byte checks passed meanwhile
+        assert tier1.stats()["disk_load_failures"] == 4
+        assert rig.stats.scheduled_tokens[first] == 67
+        assert_no_leak(rig)
+        rig.shutdown()
+        return
     assert rig.stats.scheduled_tokens[first] == 67 - 64
     assert rig.stats.loaded_layer_blocks_checked == 4 * 4 * num_workers
     media = {f"{type(e).__name__}:{getattr(e, 'medium', None)}" for b in published for e in b.events}
