@@ -8,6 +8,8 @@ against its hash (:meth:`VllmRig.check_blocks`).
 
 from __future__ import annotations
 
+import copy
+
 import os
 import pickle
 import random
@@ -317,6 +319,13 @@ class VllmRig:
             outputs = [_copy(self._worker_step(_copy(so), w)) for w in range(len(self.workers))]
         else:
             outputs = [self._worker_step(so, w) for w in range(len(self.workers))]
+        if self.aggregator:
+            # vLLM's executor aggregates outputs that came through IPC, fresh objects. Here a
+            # worker with nothing to report returns vLLM's EMPTY_MODEL_RUNNER_OUTPUT itself,
+            # and the aggregator writes the folded report onto rank 0's output: onto that
+            # shared constant, so every later empty output repeated it (a receive reported
+            # twice). Regression: rank 1's tier reads lagging behind rank 0's.
+            outputs = [copy.copy(o) for o in outputs]
         out = self.aggregator.aggregate(outputs) if self.aggregator else outputs[0]
         self._async_ids |= {r.request_id for r in sched.requests.values()
                             if r.status.name == "WAITING_FOR_REMOTE_KVS"}
