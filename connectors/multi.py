@@ -228,6 +228,9 @@ class MultiConnector(RoleSplitConnector):
             "enable_kv_cache_events": config.enable_kv_cache_events,
             # Every child runs on every worker: a store is complete only once all report it.
             "world_size": config.world_size,
+            # ... and on each worker holds that worker's shard of every block.
+            "rank": config.rank,
+            "pipeline_parallel_size": config.pipeline_parallel_size,
         }
         configs = []
         for i, child in enumerate(raw):

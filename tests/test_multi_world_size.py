@@ -1,19 +1,16 @@
 """MultiConnector children inherit world_size (regression: they got 1).
 
 With world_size 1 a cpu_offload child completed a store after one worker's report,
-before the other TP/PP ranks had copied theirs, and its refusal of secondary tiers
-under several workers was bypassed.
+before the other TP/PP ranks had copied theirs. (Children inherit the rank too: see
+tests/test_tiers_tp.py.)
 """
 
 from __future__ import annotations
-
-import pytest
 
 from connectors.multi import MultiConnector
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.engine import EngineConfig
-from kvconnector_core.errors import ConfigError
 
 
 def _multi_config(tmp_path, tiers: bool) -> KVConnectorConfig:
@@ -32,9 +29,3 @@ def test_children_get_the_multis_world_size(tmp_path) -> None:
         assert child.config.world_size == 2
     finally:
         multi.shutdown()
-
-
-def test_offload_child_with_tiers_under_tp_is_refused(tmp_path) -> None:
-    kv = EngineConfig(num_gpu_blocks=64, max_model_len=256).kv_cache_config()
-    with pytest.raises(ConfigError, match="need world_size 1"):
-        MultiConnector(_multi_config(tmp_path, tiers=True), KVConnectorRole.SCHEDULER, kv).shutdown()

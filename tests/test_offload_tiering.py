@@ -218,24 +218,3 @@ def test_a_write_without_chunk_info_describes_the_chunk_by_its_block_hash():
     job, pinned = planned
     assert pinned == (key,)
     assert [(w.key, w.block_hashes, w.parent_block_hash) for w in job.writes] == [(key, [key[:-4]], None)]
-
-
-@pytest.mark.parametrize("role", ["scheduler", "worker"])
-def test_tiers_with_several_workers_are_refused_not_shared(tmp_path, role):
-    """TP/PP ranks hold different shards of a block but tier keys carry only its hash:
-    shared keys would load a foreign shard, so the connector refuses that config."""
-    from connectors.offload.connector import OffloadingConnector
-    from kvconnector_core.connector.base import KVConnectorRole
-    from kvconnector_core.connector.config import KVConnectorConfig
-    from kvconnector_core.engine.engine import EngineConfig
-
-    kv_cache_config = EngineConfig(num_gpu_blocks=64, max_model_len=256).kv_cache_config()
-    extra = {"num_cpu_blocks": 8,
-             "tiers": [{"type": "disk", "path": str(tmp_path / "t"), "capacity_bytes": 1 << 20}]}
-    the_role = KVConnectorRole.SCHEDULER if role == "scheduler" else KVConnectorRole.WORKER
-    with pytest.raises(ConfigError, match=r"secondary tiers \(\['disk'\]\) need world_size 1, got world_size=2"):
-        OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config=extra, world_size=2),
-                            the_role, kv_cache_config)
-    one = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config=extra), the_role,
-                              kv_cache_config)
-    one.shutdown()

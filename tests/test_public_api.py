@@ -137,6 +137,7 @@ CONNECTORS_TIERS = [
     "RedisTier",
     "RedisTierConfig",
     "SecondaryTier",
+    "Shard",
     "TierEvent",
     "TierKey",
     "TierLoad",

@@ -174,3 +174,33 @@ def test_unwritable_path_is_a_config_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="cannot be created"):
         DiskTier({"path": str(Path(blocker) / "sub"), "capacity_bytes": 1})
+
+
+def test_a_tier_starting_on_a_directory_leaves_live_writers_temp_files(tmp_path):
+    """Regression: every DiskTier deleted every temp file it found at start, so a TP rank (or
+    an engine) starting while another wrote on the same directory failed that one's store
+    (its rename found no file). Only a crashed writer's stale temp files go."""
+    with DiskTier({"path": str(tmp_path), "capacity_bytes": 1 << 20}) as first:
+        sub = first.root / "ab"
+        sub.mkdir()
+        live, stale = sub / ".tmp-1-2", sub / ".tmp-3-4"
+        live.write_bytes(b"being written")
+        stale.write_bytes(b"left by a crash")
+        old = time.time() - 3600
+        os.utime(stale, (old, old))
+        with DiskTier({"path": str(tmp_path), "capacity_bytes": 1 << 20}):
+            pass
+        assert live.exists()
+        assert not stale.exists()
+
+
+def test_files_that_are_not_tier_keys_are_not_indexed_or_evicted(tmp_path):
+    """A ``.kvb`` file whose name is no key name is not the tier's: never counted or evicted."""
+    (tmp_path / "default" / "zz").mkdir(parents=True)
+    foreign = tmp_path / "default" / "zz" / "notes.kvb"
+    foreign.write_bytes(b"x" * 100)
+    with DiskTier({"path": str(tmp_path), "capacity_bytes": 1}) as tier:
+        assert tier.bytes_used == 0
+        tier.store([(_keys(1)[0], b"value")])
+        tier.flush(30)
+    assert foreign.exists()

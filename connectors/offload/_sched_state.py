@@ -21,6 +21,7 @@ from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.policies import OffloadKey
 from connectors.offload.records import TierWriteJob, TransferJobSpec
 from connectors.offload.tiering import SchedulerTiers, make_tiers
+from connectors.tiers import Shard
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 from kvconnector_core.kv_events import MEDIUM_CPU
 from kvconnector_core.request import lora_name_of
@@ -111,8 +112,11 @@ class SchedulerSideState(KVConnectorSchedulerSide):
         self._hits: dict[str, tuple[tuple[int, int, int, int], int]] = {}
         # Store jobs whose data cannot be trusted (forgotten requests): failed on completion.
         self._poisoned: set[int] = set()
+        # Every worker keeps its shard of a chunk under its own tier key: ask for all.
         self.tiers = SchedulerTiers(make_tiers(cfg.tiers, layout=cfg.layout, enable_events=False),
-                                    self.manager, cfg.sub_blocks_per_chunk) if cfg.tiers else None
+                                    self.manager, cfg.sub_blocks_per_chunk,
+                                    Shard.all_of(config.world_size, config.pipeline_parallel_size),
+                                    ) if cfg.tiers else None
         self._pending_tier_writes: list[TierWriteJob] = []
         self._fence = StoreFence()
 

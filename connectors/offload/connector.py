@@ -25,6 +25,7 @@ from connectors.offload.config import TRANSFER_METHODS, OffloadConfig, OffloadSe
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
 from connectors.offload.scheduler_side import OffloadSchedulerSide
 from connectors.offload.worker_side import OffloadWorkerSide
+from connectors.tiers import Shard
 from kvconnector_core.connector.roles import RoleSplitConnector
 from kvconnector_core.errors import ConfigError
 
@@ -79,15 +80,6 @@ class OffloadingConnector(RoleSplitConnector):
         # Before the base class, which builds the role object from it; the base converts
         # extra_config to settings_type again (cheap) and keeps it as self.settings.
         offload_config = OffloadConfig.from_extra(dict(config.extra_config), kv_cache_config)
-        if offload_config.tiers and config.world_size > 1:
-            # Tier keys name a block by its hash alone, but each TP/PP rank holds its own
-            # shard of the block: ranks would overwrite each other's values and load a
-            # foreign shard. Refuse rather than corrupt until tier keys carry the rank.
-            msg = (f"cpu_offload's secondary tiers ({[t.get('type') for t in offload_config.tiers]}) "
-                   f"need world_size 1, got world_size={config.world_size} (tensor/pipeline "
-                   "parallel ranks would share tier keys and load each other's shards); use "
-                   "the CPU tier alone (drop extra_config['tiers']) or one worker per engine")
-            raise ConfigError(msg)
         if offload_config.enable_events and not config.enable_kv_cache_events:
             # Nobody consumes KV events: build none (the CPU tier's cost 30-40 us a step).
             offload_config = dataclasses.replace(offload_config, enable_events=False)
@@ -120,7 +112,11 @@ class OffloadingConnector(RoleSplitConnector):
 
     def make_worker_side(self) -> OffloadWorkerSide:
         """The worker-side object."""
-        return OffloadWorkerSide(self.offload_config)
+        config = self.config
+        # Under TP / PP this worker's tier keys name its shard (docs/tiers.md).
+        shard = Shard(config.rank, config.world_size, config.pipeline_parallel_size
+                      ) if config.world_size > 1 else None
+        return OffloadWorkerSide(self.offload_config, shard)
 
     @property
     def manager(self) -> CPUOffloadingManager:

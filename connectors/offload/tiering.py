@@ -16,8 +16,10 @@ A tier never sees GPU memory:
   are recomputed and the reserved CPU slots are dropped, never made visible.
 
 Keys: an offload key ends with its KV cache group (4 bytes, big-endian, as in vLLM 0.33);
-:func:`tier_key` splits it into the tier's ``TierKey(block_hash, group)``, so a tier file or
-Redis key names the group.
+:func:`tier_key` splits it into the tier's ``TierKey(block_hash, group, shard)``, so a tier
+file or Redis key names the group, and under tensor / pipeline parallelism the worker's
+shard: each worker writes and reads its own shard's keys, and the scheduler side counts a
+chunk as held only when every worker's shard is (see :class:`TierLookups`).
 
 Primitives: TierLookups, SchedulerTiers, WorkerTiers, make_tiers, tier_key (the records TierRead,
 TierWrite and TierWriteJob are in :mod:`connectors.offload.records`).
@@ -36,7 +38,7 @@ from connectors.offload.events import ChunkInfo, ChunkInfoTable, to_wire_events
 from connectors.offload.manager import OffloadingEvent
 from connectors.offload.policies import OffloadKey
 from connectors.offload.records import TierRead, TierWrite, TierWriteJob
-from connectors.tiers import SecondaryTier, TierKey, make_tier
+from connectors.tiers import SecondaryTier, Shard, TierKey, make_tier
 from kvconnector_core.errors import InvariantError
 from kvconnector_core.kv_cache.hashing import BlockHash
 from kvconnector_core.kv_events import KVCacheEvent
@@ -56,12 +58,13 @@ logger = logging.getLogger(__name__)
 _MAX_DESCRIBED = 100_000
 
 
-def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: bool
-               ) -> list[SecondaryTier]:
+def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: bool,
+               shard: Shard | None = None) -> list[SecondaryTier]:
     """Create the tiers of ``extra_config["tiers"]`` (validated by ``OffloadConfig``).
 
     A Redis tier without a ``layout`` gets ``layout`` (the connector's chunk geometry), so
-    engines whose KV bytes differ never share keys.
+    engines whose KV bytes differ never share keys. ``shard``: the worker's (see
+    :class:`~connectors.tiers.SecondaryTier`).
 
     Raises:
         ConfigError: a bad tier setting.
@@ -71,7 +74,7 @@ def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: b
         for spec in specs:
             if spec.get("type") == "redis":
                 spec = {"layout": layout, **spec}
-            tiers.append(make_tier(spec, enable_events=enable_events))
+            tiers.append(make_tier(spec, enable_events=enable_events, shard=shard))
     except BaseException:
         for tier in tiers:
             tier.close()
@@ -79,10 +82,10 @@ def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: b
     return tiers
 
 
-def tier_key(key: OffloadKey) -> TierKey:
+def tier_key(key: OffloadKey, shard: Shard | None = None) -> TierKey:
     """The tier key of an offload key: its chained hash and its KV cache group (the key's
-    last 4 bytes)."""
-    return TierKey(BlockHash(key[:-4]), int.from_bytes(key[-4:], "big"))
+    last 4 bytes), and the shard of the worker that holds the value (None: one worker)."""
+    return TierKey(BlockHash(key[:-4]), int.from_bytes(key[-4:], "big"), shard)
 
 
 def _offload_key(key: TierKey) -> OffloadKey:
@@ -95,10 +98,16 @@ class TierLookups:
     Every key is asked of tier 0, the keys tier 0 lacks of tier 1, and so on. The answer is
     per key (not a prefix): a sliding-window group needs the chunks of its last window,
     which may follow chunks no tier holds.
+
+    Under tensor / pipeline parallelism every worker keeps its own shard of a chunk under
+    its own key (``shards``): a tier holds the chunk only if it holds every shard, so no
+    worker is sent to load a shard that is not there. All shards of all chunks go in one
+    lookup (one pipeline of ``EXISTS`` on Redis).
     """
 
-    def __init__(self, tiers: Sequence[SecondaryTier]) -> None:
+    def __init__(self, tiers: Sequence[SecondaryTier], shards: Sequence[Shard | None] = (None,)) -> None:
         self.tiers = list(tiers)
+        self.shards = tuple(shards)
         # req id -> (keys asked, per tier its answer for the keys the tiers before it lack)
         self._asked: dict[str, tuple[tuple[OffloadKey, ...], list[list[bool]]]] = {}
 
@@ -121,10 +130,12 @@ class TierLookups:
             if t < len(answers):
                 held = answers[t]
             else:
-                got = tier.lookup_each([tier_key(keys[i]) for i in todo], token=(req_id, t)) if todo else []
+                n = len(self.shards)
+                got = tier.lookup_each([tier_key(keys[i], s) for i in todo for s in self.shards],
+                                       token=(req_id, t)) if todo else []
                 if got is None:
                     return None
-                held = got
+                held = [all(got[j:j + n]) for j in range(0, len(got), n)]
                 answers.append(held)
             for i, h in zip(todo, held, strict=True):
                 if h:
@@ -160,11 +171,13 @@ class SchedulerTiers:
         tiers: the tiers (this side only looks things up in them).
         manager: the CPU tier's slots.
         blocks_per_chunk: CPU sub-blocks per chunk (slot).
+        shards: every worker's shard (``Shard.all_of``); a chunk is in a tier only if
+            all of them are.
     """
 
     def __init__(self, tiers: Sequence[SecondaryTier], manager: CPUOffloadingManager,
-                 blocks_per_chunk: int) -> None:
-        self.lookups = TierLookups(tiers)
+                 blocks_per_chunk: int, shards: Sequence[Shard | None] = (None,)) -> None:
+        self.lookups = TierLookups(tiers, shards)
         self.manager = manager
         self.f = blocks_per_chunk
 
@@ -252,10 +265,19 @@ class _ReadJob:
 
 
 class WorkerTiers:
-    """Worker side: copies chunks between the CPU buffer and the tiers; never blocks a step."""
+    """Worker side: copies chunks between the CPU buffer and the tiers; never blocks a step.
 
-    def __init__(self, tiers: Sequence[SecondaryTier], *, block_sizes: Sequence[int] = (0,)) -> None:
+    Args:
+        tiers: the tiers.
+        block_sizes: per KV cache group, tokens per GPU block (for events).
+        shard: this worker's shard of every block (None: the engine's only worker); it
+            writes and reads only keys of that shard.
+    """
+
+    def __init__(self, tiers: Sequence[SecondaryTier], *, block_sizes: Sequence[int] = (0,),
+                 shard: Shard | None = None) -> None:
         self.tiers = list(tiers)
+        self.shard = shard
         self.block_sizes = list(block_sizes)
         """Per KV cache group, tokens per GPU block (the block size of its events)."""
         # Per tier and group: the chunks the tier announced, reference counted per GPU
@@ -301,7 +323,7 @@ class WorkerTiers:
         """Copy the chunks out of the CPU buffer and queue them on every tier (non-blocking)."""
         if not writes or not self.tiers:
             return
-        items = [(tier_key(w.key), self._read_cpu(w.cpu_block_ids)) for w in writes]
+        items = [(tier_key(w.key, self.shard), self._read_cpu(w.cpu_block_ids)) for w in writes]
         for w in writes:
             self._described[w.key] = (w.block_hashes, w.parent_block_hash)
             self._described.move_to_end(w.key)
@@ -317,7 +339,7 @@ class WorkerTiers:
         for r in reads:
             by_tier.setdefault(r.tier, []).append(r)
         ordered = [r for t in sorted(by_tier) for r in by_tier[t]]
-        loads = [self.tiers[t].load_into([tier_key(r.key) for r in rs],
+        loads = [self.tiers[t].load_into([tier_key(r.key, self.shard) for r in rs],
                                          [self._cpu_views(r.cpu_block_ids) for r in rs])
                  for t, rs in sorted(by_tier.items())]
         self._jobs[job_id] = _ReadJob(ordered, loads)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from connectors.offload.config import OffloadConfig
     from connectors.offload.transfer import KVBlockMover, TransferResult
+    from connectors.tiers import Shard
     from kvconnector_core.kv_events import KVCacheEvent
 
 __all__ = ["OffloadWorkerSide"]
@@ -55,9 +56,11 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
 
     Args:
         offload_config: the validated ``extra_config``.
+        shard: this worker's shard of every block under tensor / pipeline parallelism
+            (None: the engine's only worker); its tier keys name it.
     """
 
-    def __init__(self, offload_config: OffloadConfig) -> None:
+    def __init__(self, offload_config: OffloadConfig, shard: Shard | None = None) -> None:
         self.offload_config = offload_config
         self.mover: KVBlockMover | None = None
         self._worker_jobs: dict[int, _WorkerJob] = {}
@@ -75,9 +78,9 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         self._recv_failed: set[str] = set()
         cfg = offload_config
         self.tiers = WorkerTiers(make_tiers(cfg.tiers, layout=cfg.layout,
-                                            enable_events=cfg.enable_events),
-                                 block_sizes=[g.block_size for g in cfg.groups] or [cfg.gpu_block_size]
-                                 ) if cfg.tiers else None
+                                            enable_events=cfg.enable_events, shard=shard),
+                                 block_sizes=[g.block_size for g in cfg.groups] or [cfg.gpu_block_size],
+                                 shard=shard) if cfg.tiers else None
         self._tier_waiting: dict[int, TransferJobSpec] = {}  # loads waiting for tier reads
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,8 @@
 """Secondary KV tiers behind the CPU tier: local disk and Redis.
 
 A tier stores block values (bytes copied out of the CPU tier) under
-:class:`TierKey` (block hash, KV cache group) and never touches GPU memory. Its methods
+:class:`TierKey` (block hash, KV cache group, and the worker's :class:`Shard` under tensor /
+pipeline parallelism) and never touches GPU memory. Its methods
 never block the engine: lookups may answer None ("ask again"), stores are dropped and
 counted when the tier falls behind, loads are polled. See ``docs/tiers.md``.
 
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnector_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from connectors.tiers._base import SecondaryTier, TierEvent, TierKey, TierLoad
+    from connectors.tiers._base import SecondaryTier, Shard, TierEvent, TierKey, TierLoad
     from connectors.tiers.disk import DiskTier, DiskTierConfig
     from connectors.tiers.redis_tier import RedisTier, RedisTierConfig
 
@@ -29,6 +30,7 @@ _EXPORTS = {
     "RedisTier": "redis_tier",
     "RedisTierConfig": "redis_tier",
     "SecondaryTier": "_base",
+    "Shard": "_base",
     "TierEvent": "_base",
     "TierKey": "_base",
     "TierLoad": "_base",
@@ -44,6 +46,7 @@ __all__ = [
     "RedisTier",
     "RedisTierConfig",
     "SecondaryTier",
+    "Shard",
     "TierEvent",
     "TierKey",
     "TierLoad",
@@ -51,8 +54,10 @@ __all__ = [
 ]
 
 
-def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryTier:
-    """Create a tier from ``{"type": "disk" | "redis", <its config fields>}``.
+def make_tier(spec: dict[str, Any], *, enable_events: bool = True, shard: Shard | None = None
+              ) -> SecondaryTier:
+    """Create a tier from ``{"type": "disk" | "redis", <its config fields>}``; ``shard``:
+    the worker shard whose keys it writes (see :class:`SecondaryTier`).
 
     Raises:
         ConfigError: an unknown type, or a bad / unknown field of its config.
@@ -66,7 +71,7 @@ def make_tier(spec: dict[str, Any], *, enable_events: bool = True) -> SecondaryT
         raise ConfigError(msg)
     module, cls_name = TIER_TYPES[kind]
     cls: Callable[..., SecondaryTier] = getattr(import_module(f"{__name__}.{module}"), cls_name)
-    return cls(spec, enable_events=enable_events)
+    return cls(spec, enable_events=enable_events, shard=shard)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

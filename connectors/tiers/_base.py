@@ -23,7 +23,7 @@ Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Bac
 implement four blocking methods (``_held``, ``_put``, ``_get``, ``_close``), may override
 ``_get_into`` to read into buffers directly, and see only framed bytes.
 
-Primitives: SecondaryTier here; TierKey, TierLoad, TierEvent (in :mod:`connectors.tiers._records`, re-exported).
+Primitives: SecondaryTier here; TierKey, Shard, TierLoad, TierEvent (in :mod:`connectors.tiers._records`, re-exported).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from connectors.tiers._frame import (
     intact_payload,
     unframe_value,
 )
-from connectors.tiers._records import TierEvent, TierKey, TierLoad, settings
+from connectors.tiers._records import Shard, TierEvent, TierKey, TierLoad, settings
 from kvconnector_core.errors import ConfigError
 
-__all__ = ["SecondaryTier", "TierEvent", "TierKey", "TierLoad", "settings"]
+__all__ = ["SecondaryTier", "Shard", "TierEvent", "TierKey", "TierLoad", "settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class SecondaryTier(ABC):
         max_pending_stores: store batches that may wait for I/O; more are dropped.
         io_threads: threads doing the tier's I/O.
         enable_events: record stored / removed keys for :meth:`take_events`.
+        shard: the worker shard whose keys this instance writes (None: one worker, or a
+            scheduler side that only looks up); a backend that keeps an index of what it
+            holds (the disk tier's size budget) indexes only that shard's keys.
     """
 
     medium: ClassVar[str] = "STORAGE"
@@ -71,11 +74,12 @@ class SecondaryTier(ABC):
     that evicts silently needs one; past it the oldest key is removed from the stream."""
 
     def __init__(self, *, max_pending_stores: int = 64, io_threads: int = 2,
-                 enable_events: bool = True) -> None:
+                 enable_events: bool = True, shard: Shard | None = None) -> None:
         for name, value in (("max_pending_stores", max_pending_stores), ("io_threads", io_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"{type(self).__name__} {name} must be a positive int, got {value!r}"
                 raise ConfigError(msg)
+        self.shard = shard
         self._max_pending = max_pending_stores
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-tier-{self.medium.lower()}")

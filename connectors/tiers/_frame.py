@@ -28,8 +28,14 @@ _HEADER = len(_MAGIC) + 8 + _DIGEST
 
 
 def _digest(key: TierKey, *parts: bytes | memoryview) -> bytes:
-    """CRC-32 over the key and the payload (given in consecutive parts)."""
+    """CRC-32 over the key and the payload (given in consecutive parts).
+
+    The shard's tag is part of the key, so one rank's value copied under another rank's
+    key fails its check; a key without a shard (one worker) digests as before shards.
+    """
     crc = zlib.crc32(key.group.to_bytes(4, "big"), zlib.crc32(key.block_hash))
+    if key.shard is not None:
+        crc = zlib.crc32(key.shard.tag.encode(), crc)
     for part in parts:
         crc = zlib.crc32(part, crc)
     return crc.to_bytes(_DIGEST, "big")

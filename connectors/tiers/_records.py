@@ -6,6 +6,7 @@ about the tier machinery.
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
 
@@ -14,7 +15,7 @@ import msgspec
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash
 
-__all__ = ["TierEvent", "TierKey", "TierLoad", "settings"]
+__all__ = ["Shard", "TierEvent", "TierKey", "TierLoad", "settings"]
 
 _S = TypeVar("_S")
 
@@ -34,21 +35,75 @@ def settings(config: _S | dict[str, Any], cls: type[_S], what: str) -> _S:
         raise ConfigError(msg) from None
 
 
+class Shard(NamedTuple):
+    """Which part of every KV block one worker holds under tensor / pipeline parallelism.
+
+    Each of ``world_size`` workers holds a different shard of a block (its KV heads, its
+    pipeline stage's layers). A shard of TP=2 is not a shard of TP=4, nor is a rank of
+    TP=4 the same rank of TP=2 x PP=2, so the shard names all three numbers.
+
+    Attributes:
+        rank: the worker's global rank, ``pp_rank * tp_size + tp_rank`` (vLLM's numbering).
+        world_size: workers of the engine (tensor x pipeline parallel size).
+        pipeline_parallel_size: pipeline stages among them.
+    """
+
+    rank: int
+    world_size: int
+    pipeline_parallel_size: int = 1
+
+    @property
+    def tag(self) -> str:
+        """The shard in a key name: ``-r<rank>of<tp size>x<pp size>``."""
+        tp = self.world_size // self.pipeline_parallel_size
+        return f"-r{self.rank}of{tp}x{self.pipeline_parallel_size}"
+
+    @classmethod
+    def all_of(cls, world_size: int, pipeline_parallel_size: int = 1) -> list[Shard | None]:
+        """Every worker's shard, rank order; ``[None]`` for one worker (its keys carry none)."""
+        if world_size == 1:
+            return [None]
+        return [cls(r, world_size, pipeline_parallel_size) for r in range(world_size)]
+
+
+_NAME = re.compile(r"([0-9a-f]*)-g(\d+)(?:-r(\d+)of(\d+)x(\d+))?")
+
+
 class TierKey(NamedTuple):
     """Key of one block value in a secondary tier.
 
     Attributes:
         block_hash: the chained block hash (it identifies the whole prefix).
         group: the KV cache group the block belongs to (hybrid models store per group).
+        shard: the worker's shard of the block under tensor / pipeline parallelism; None
+            with one worker (its key names and checksums are those of a key without it).
     """
 
     block_hash: BlockHash
     group: int = 0
+    shard: Shard | None = None
 
     @property
     def name(self) -> str:
-        """The key as text: ``<hash hex>-g<group>`` (file and Redis key names use it)."""
-        return f"{self.block_hash.hex()}-g{self.group}"
+        """The key as text: ``<hash hex>-g<group>``, then the shard's tag if it has one
+        (file and Redis key names use it)."""
+        base = f"{self.block_hash.hex()}-g{self.group}"
+        return base if self.shard is None else base + self.shard.tag
+
+    @classmethod
+    def from_name(cls, name: str) -> TierKey:
+        """The key whose :attr:`name` is ``name``.
+
+        Raises:
+            ValueError: ``name`` is not a key name.
+        """
+        match = _NAME.fullmatch(name)
+        if match is None:
+            msg = f"{name!r} is not a tier key name (<hash hex>-g<group>[-r<rank>of<tp>x<pp>])"
+            raise ValueError(msg)
+        block_hex, group, rank, tp, pp = match.groups()
+        shard = None if rank is None else Shard(int(rank), int(tp) * int(pp), int(pp))
+        return cls(BlockHash(bytes.fromhex(block_hex)), int(group), shard)
 
 
 class TierEvent(NamedTuple):

@@ -21,20 +21,22 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
 
-from connectors.tiers._base import SecondaryTier, TierKey, settings
+from connectors.tiers._base import SecondaryTier, Shard, TierKey, settings
 from connectors.tiers._frame import ABSENT, DAMAGED, HEADER_BYTES, OTHER_SIZE, PLACED, header_matches, payload_length
 from kvconnector_core.errors import ConfigError
-from kvconnector_core.kv_cache.hashing import BlockHash
 
 __all__ = ["DiskTier", "DiskTierConfig"]
 
 _SUFFIX = ".kvb"
+# A temp file untouched this long is a crashed writer's, not one about to be renamed.
+_STALE_TMP_SECONDS = 60.0
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -82,10 +84,11 @@ class DiskTier(SecondaryTier):
 
     medium: ClassVar[str] = "DISK"
 
-    def __init__(self, config: DiskTierConfig | dict[str, Any], *, enable_events: bool = True) -> None:
+    def __init__(self, config: DiskTierConfig | dict[str, Any], *, enable_events: bool = True,
+                 shard: Shard | None = None) -> None:
         config = settings(config, DiskTierConfig, "disk tier")
         super().__init__(max_pending_stores=config.max_pending_stores,
-                         io_threads=config.io_threads, enable_events=enable_events)
+                         io_threads=config.io_threads, enable_events=enable_events, shard=shard)
         self.config = config
         self.root = Path(config.path) / config.namespace
         try:
@@ -102,17 +105,29 @@ class DiskTier(SecondaryTier):
         name = key.name
         return self.root / name[:2] / (name + _SUFFIX)
 
+    def _is_own(self, name: str) -> bool:
+        """True if ``name`` is the name of a key of this instance's shard. Other files are
+        not its to count or evict: another rank's shards (each rank budgets its own), or
+        no tier's at all."""
+        try:
+            return TierKey.from_name(name).shard == self.shard
+        except ValueError:
+            return False
+
     def _scan(self) -> None:
-        """Index the files a previous process left, oldest access first; drop stray temp files."""
+        """Index the files a previous process left, oldest access first; drop stale temp files."""
         found = []
+        now = time.time()
         for sub in self.root.iterdir():
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
-                if entry.name.endswith(_SUFFIX):
+                if entry.name.endswith(_SUFFIX) and self._is_own(entry.name[: -len(_SUFFIX)]):
                     st = entry.stat()
                     found.append((st.st_atime, entry.name, st.st_size))
-                elif entry.name.startswith(".tmp-"):
+                elif entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                    # Only a crashed writer's: a live one (another TP rank or engine on this
+                    # directory) renames its temp file within milliseconds of creating it.
                     Path(entry.path).unlink(missing_ok=True)
         for _, name, size in sorted(found):
             self._files[name] = size
@@ -174,8 +189,7 @@ class DiskTier(SecondaryTier):
         removed = []
         for victim in victims:
             (self.root / victim[:2] / victim).unlink(missing_ok=True)
-            block_hex, _, group = victim[: -len(_SUFFIX)].rpartition("-g")
-            removed.append(TierKey(BlockHash(bytes.fromhex(block_hex)), int(group)))
+            removed.append(TierKey.from_name(victim[: -len(_SUFFIX)]))
         self._record_event(removed, removed=True)
 
     def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from connectors.tiers._base import SecondaryTier, TierKey, settings
+from connectors.tiers._base import SecondaryTier, Shard, TierKey, settings
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["RedisTier", "RedisTierConfig"]
@@ -178,14 +178,15 @@ class RedisTier(SecondaryTier):
     # Redis evicts without telling: remember a bounded number of announced keys.
     max_announced: ClassVar[int | None] = 100_000
 
-    def __init__(self, config: RedisTierConfig | dict[str, Any], *, enable_events: bool = True) -> None:
+    def __init__(self, config: RedisTierConfig | dict[str, Any], *, enable_events: bool = True,
+                 shard: Shard | None = None) -> None:
         if isinstance(config, dict) and "password" in config:
             msg = ("the redis tier takes no 'password' setting: a config file is no place for a "
                    "secret; name an environment variable (password_env) or a file (password_file)")
             raise ConfigError(msg)
         config = settings(config, RedisTierConfig, "redis tier")
         super().__init__(max_pending_stores=config.max_pending_stores,
-                         io_threads=config.io_threads, enable_events=enable_events)
+                         io_threads=config.io_threads, enable_events=enable_events, shard=shard)
         self.config = config
         self._prefix = config.key_prefix
         self._redis: Any = None if config.cluster else _client(config)

@@ -58,6 +58,13 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             report to the scheduler side; a transfer job is done only when all
             of them have reported it. 1 in kvconnector's own engine; the vLLM
             adapter sets it from vLLM's parallel config.
+        rank: this worker's global rank among the ``world_size`` (``pp_rank * tp_size +
+            tp_rank``, vLLM's numbering); connectors that keep per-worker data in a store
+            shared by workers (cpu_offload's secondary tiers) key it by rank. 0 for the
+            scheduler-role instance; the vLLM adapter sets it from vLLM's parallel config.
+        pipeline_parallel_size: how many of the ``world_size`` workers are pipeline
+            stages (the rest is tensor parallelism); with ``rank`` it names the shard of
+            every KV block a worker holds.
         quarantine_after_raises: the failure contract's quarantine: once one hook
             of this connector raised this many times in a row, the engine's guard
             stops sending loads and stores through it (see
@@ -82,6 +89,8 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     engine_id: str | None = None
     load_failure_policy: str = "recompute"
     world_size: int = 1
+    rank: int = 0
+    pipeline_parallel_size: int = 1
     quarantine_after_raises: int | None = DEFAULT_QUARANTINE_AFTER_RAISES
     enable_kv_cache_events: bool = True
 
@@ -102,6 +111,14 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             raise ConfigError(msg)
         if self.world_size < 1:
             msg = f"KVConnectorConfig.world_size must be a number of workers >= 1, got {self.world_size!r}"
+            raise ConfigError(msg)
+        if not 0 <= self.rank < self.world_size:
+            msg = (f"KVConnectorConfig.rank must be a worker rank in [0, {self.world_size}) "
+                   f"(world_size={self.world_size}), got {self.rank!r}")
+            raise ConfigError(msg)
+        if self.pipeline_parallel_size < 1 or self.world_size % self.pipeline_parallel_size:
+            msg = (f"KVConnectorConfig.pipeline_parallel_size must be >= 1 and divide "
+                   f"world_size={self.world_size}, got {self.pipeline_parallel_size!r}")
             raise ConfigError(msg)
         if self.quarantine_after_raises is not None and self.quarantine_after_raises < 1:
             msg = ("KVConnectorConfig.quarantine_after_raises must be a number of raises >= 1 or None "

@@ -8,6 +8,8 @@ against its hash (:meth:`VllmRig.check_blocks`).
 
 from __future__ import annotations
 
+import copy
+
 import os
 import pickle
 import random
@@ -136,9 +138,12 @@ class VllmRig:
         self._unhashed: list[tuple[str, int, int, int]] = []
         self.workers = []
         self.kv_caches = []
-        for _ in range(num_workers):
+        for rank in range(num_workers):
             caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], None)
+            # vLLM's worker sets its rank in the parallel config before building its connector.
+            self.cfg.parallel_config.rank = rank
             conn = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.cfg.parallel_config.rank = 0
             conn.register_kv_caches(caches)
             self.workers.append(conn)
             self.kv_caches.append(caches)
@@ -314,6 +319,13 @@ class VllmRig:
             outputs = [_copy(self._worker_step(_copy(so), w)) for w in range(len(self.workers))]
         else:
             outputs = [self._worker_step(so, w) for w in range(len(self.workers))]
+        if self.aggregator:
+            # vLLM's executor aggregates outputs that came through IPC, fresh objects. Here a
+            # worker with nothing to report returns vLLM's EMPTY_MODEL_RUNNER_OUTPUT itself,
+            # and the aggregator writes the folded report onto rank 0's output: onto that
+            # shared constant, so every later empty output repeated it (a receive reported
+            # twice). Regression: rank 1's tier reads lagging behind rank 0's.
+            outputs = [copy.copy(o) for o in outputs]
         out = self.aggregator.aggregate(outputs) if self.aggregator else outputs[0]
         self._async_ids |= {r.request_id for r in sched.requests.values()
                             if r.status.name == "WAITING_FOR_REMOTE_KVS"}

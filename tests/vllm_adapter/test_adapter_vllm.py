@@ -54,6 +54,22 @@ def test_hma_adapter_refuses_a_single_group_connector():
         KVConnectorAdapterHMA(rig.cfg, KVConnectorRole.SCHEDULER, rig.kv_cache_config)
 
 
+def test_the_workers_rank_and_parallel_layout_reach_the_connector_config():
+    """A worker's connector learns its shard from vLLM's parallel config (tier keys carry it)."""
+    from kvconnector_core.errors import ConfigError
+    from kvconnector_core.integrations.vllm import _records
+
+    cfg = make_vllm_config(offload())
+    cfg.parallel_config.tensor_parallel_size = 2
+    cfg.parallel_config.pipeline_parallel_size = 2
+    cfg.parallel_config.rank = 3  # what vLLM's worker of pp rank 1, tp rank 1 sets
+    config = _records.connector_config_from_vllm(cfg)
+    assert (config.world_size, config.rank, config.pipeline_parallel_size) == (4, 3, 2)
+    cfg.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(ConfigError, match="prefill_context_parallel_size=2"):
+        _records.connector_config_from_vllm(cfg)
+
+
 def test_third_party_entry_point_connector_loads_through_the_registry():
     """The TTL example is a separate distribution registered by entry point."""
     from ttl_connector import TTLPinConnector

@@ -56,11 +56,12 @@ def connector_config_from_vllm(vllm_config: VllmConfig) -> KVConnectorConfig:
     ``kv_connector_extra_config["kvconnector"]`` is a kvconnector connector
     config (``name``, ``extra_config``, optionally ``module_path``); ``role``,
     ``engine_id`` and ``load_failure_policy`` come from vLLM's own fields,
-    ``world_size`` from its parallel config and ``enable_kv_cache_events`` from its
-    ``kv_events_config``.
+    ``world_size``, ``rank`` and ``pipeline_parallel_size`` from its parallel config and
+    ``enable_kv_cache_events`` from its ``kv_events_config``.
 
     Raises:
-        ConfigError: the key is missing or not a connector config.
+        ConfigError: the key is missing or not a connector config, or vLLM runs prefill
+            context parallelism (its workers would not all be counted).
     """
     ktc = vllm_config.kv_transfer_config
     raw = (ktc.kv_connector_extra_config or {}).get(EXTRA_CONFIG_KEY) if ktc is not None else None
@@ -76,13 +77,26 @@ def connector_config_from_vllm(vllm_config: VllmConfig) -> KVConnectorConfig:
                "vLLM's kv_role, engine_id and kv_load_failure_policy)")
         raise ConfigError(msg)
     parallel = vllm_config.parallel_config
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        # vLLM then runs tp * pp * pcp workers: world_size would not count them all, and
+        # a job would complete before every worker had moved its part.
+        msg = (f"kvconnector connectors do not support prefill context parallelism "
+               f"(prefill_context_parallel_size={pcp}); use 1")
+        raise ConfigError(msg)
+    world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     events = getattr(vllm_config, "kv_events_config", None)
     return KVConnectorConfig.from_dict({
         **raw,
         "role": ktc.kv_role or "kv_both",
         "engine_id": ktc.engine_id,
         "load_failure_policy": ktc.kv_load_failure_policy,
-        "world_size": parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        "world_size": world_size,
+        # vLLM's worker sets parallel_config.rank (pp_rank * tp_size + tp_rank) before it
+        # builds its connector; the scheduler process keeps 0. Under the external launcher
+        # with data parallelism the rank counts across DP groups (DP outermost).
+        "rank": parallel.rank % world_size,
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
         # vLLM builds KV events only when kv_events_config enables them; so do we.
         "enable_kv_cache_events": bool(events is not None and events.enable_kv_cache_events),
     })
