@@ -131,10 +131,16 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # it has forgotten, and such a request never loads again: it recomputes).
         # Bounded, oldest dropped.
         self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
-        self._reported_sent: OrderedDict[str, None] = OrderedDict()  # sends reported (one each)
+        # Sends reported, until the scheduler side's plans stop listing them as unreported
+        # (vLLM then dropped the request; a later request may reuse its id).
+        self._reported_sent: set[str] = set()
         # Finished requests whose free the wrapped connector delayed, until reported sent
         # (or their blocks were released for a prefix-cache reset).
         self._delayed_frees: dict[str, Any] = {}
+        # Finished requests vLLM keeps until their finished_sending (their free was
+        # delayed): the plans list them, and the worker reports a send only for these.
+        # Unlike _delayed_frees, a prefix-cache reset keeps them (vLLM still waits).
+        self._unreported_sends: set[str] = set()
         self._worker_events: list[Any] = []
         # Requests whose load failed: vLLM asks the connector again when it
         # re-admits them; they recompute instead (as kvconnector's scheduler does),
@@ -277,7 +283,8 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
             self._plans.popitem(last=False)
         meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step,
-                               delayed_frees=set(self._delayed_frees))
+                               delayed_frees=set(self._delayed_frees),
+                               unreported_sends=set(self._unreported_sends))
         self._unplanned_recving, self._unplanned_blocks = set(), set()
         self._answers.clear()
         return meta
@@ -287,6 +294,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         out = output_from_vllm(connector_output)
         for rid in out.finished_sending:
             self._delayed_frees.pop(rid, None)
+        self._unreported_sends -= out.finished_sending
         self._recompute_only |= out.failed_recving
         events = connector_output.kv_cache_events
         if events is not None:
@@ -317,6 +325,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         delay, params = self._scheduler().request_finished(request, block_ids)
         if delay:
             self._delayed_frees[request.request_id] = request
+            self._unreported_sends.add(request.request_id)
         return bool(delay), params
 
     def take_events(self) -> list[Any]:

@@ -169,6 +169,10 @@ class AdapterMetadata(VllmMetadata):
         delayed_frees: finished requests whose blocks vLLM holds for the connector's
             stores, not reported sent yet (the worker reports them itself when its
             step's stores failed and it has nothing in flight).
+        unreported_sends: finished requests vLLM keeps until their ``finished_sending``
+            (a delayed free), not reported yet; the worker reports a send only for
+            these, once each (vLLM asserts on a report for a request it dropped, and a
+            later request may reuse a dropped request's id).
     """
 
     inner: Any = None
@@ -176,6 +180,7 @@ class AdapterMetadata(VllmMetadata):
     invalid_block_ids: set[int] = field(default_factory=set)
     step: int = 0
     delayed_frees: set[str] = field(default_factory=set)
+    unreported_sends: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["AdapterWorkerHooks"]
 
 _MAX_REPORTED_RECVING = 100_000
-"""Request ids remembered to drop a second report: a load failed by the adapter that the
-connector also reports later, a delayed free reported twice (vLLM asserts on both)."""
+"""Request ids remembered to drop a second report of a receive: a load failed by the
+adapter that the connector also reports later (vLLM asserts on it)."""
 
 
 def _remember(seen: OrderedDict[str, None], ids: set[str]) -> None:
@@ -57,7 +57,7 @@ class AdapterWorkerHooks(VllmConnectorBase):
     _step_begun: bool
     _step_invalid: set[int]
     _failed_for_connector: OrderedDict[str, None]
-    _reported_sent: OrderedDict[str, None]
+    _reported_sent: set[str]
     connector: Any
 
     def _guard(self) -> GuardedWorker:
@@ -137,10 +137,27 @@ class AdapterWorkerHooks(VllmConnectorBase):
         sending = set(res.finished_sending)
         if guard.stores_failed and isinstance(meta, AdapterMetadata) and meta.delayed_frees:
             sending |= self._frees_it_may_never_learn(meta.delayed_frees)
-        sending = {r for r in sending if r not in self._reported_sent}
-        _remember(self._reported_sent, sending)
+        sending = self._first_reports_of_sends(sending, meta)
         return VllmTransferResults(finished_sending=sending, finished_recving=recving,
                                    failed_recving=failed & recving)
+
+    def _first_reports_of_sends(self, sending: set[str], meta: Any) -> set[str]:
+        """The sends of ``sending`` to report to vLLM: each once per request.
+
+        A send may be reported twice (the worker's own report after failed stores, then
+        the connector's), and vLLM asserts on a report for a request it already
+        dropped. Only requests the plan lists as unreported sends are reported; an id is
+        remembered until the plans stop listing it, which happens only after vLLM has
+        processed its report and dropped the request, so a later request with the same
+        id (vLLM allows reuse once the first is gone) is reported again.
+        """
+        if not isinstance(meta, AdapterMetadata):  # no plan bound: no list to check against
+            sending -= self._reported_sent
+        else:
+            self._reported_sent &= meta.unreported_sends
+            sending = (sending & meta.unreported_sends) - self._reported_sent
+        self._reported_sent |= sending
+        return sending
 
     def _frees_it_may_never_learn(self, delayed_frees: set[str]) -> set[str]:
         """Delayed frees to report sent for a worker whose step's stores failed.
