@@ -28,3 +28,65 @@ def test_a_reused_request_id_gets_its_delayed_free_reported_again(async_scheduli
         assert rig.status("same-id") == "FREED"
         assert_no_leak(rig)
     rig.shutdown()
+
+
+class _LateReceives:
+    """A worker-side connector that reports each finished receive one step late, and in
+    the step the receive really finished names ``bad`` blocks as failed to load (and
+    overwrites them, as a failed transfer would leave them)."""
+
+    def __init__(self, inner, rig: VllmRig, bad: set[int]) -> None:
+        self._inner, self._rig, self._bad = inner, rig, bad
+        self._held: set[str] = set()
+        self._errors: set[int] = set()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def get_transfer_results(self, finished_req_ids):
+        res = self._inner.get_transfer_results(finished_req_ids)
+        late, self._held = self._held, set(res.finished_recving)
+        self._errors = set(self._bad) if self._held else set()
+        for bid in self._errors:  # garbage where the load should have written
+            for tensor in self._rig.kv_caches[0].values():
+                tensor[bid].fill_(7)
+        return type(res)(finished_sending=res.finished_sending, finished_recving=late,
+                         failed_recving=res.failed_recving & late)
+
+    def get_block_ids_with_load_errors(self):
+        errors, self._errors = self._errors, set()
+        return errors
+
+
+def test_hma_load_errors_reported_before_the_receive_finishes_fail_that_receive():
+    """Under HMA (a full and a sliding-window group) vLLM refuses load errors by block
+    id, so the adapter turns them into a failed receive. A connector may name the bad
+    blocks in an earlier step than the one it reports the receive finished in; the
+    failure must still reach that receive (vLLM then recomputes the prompt), not be
+    dropped and the garbage served."""
+    rig = VllmRig(offload(128), num_gpu_blocks=64, sliding_window=40, hma=True,
+                  kv_transfer={"kv_connector": "KVConnectorAdapterHMA"})
+    p = prompt(41, 99)
+    rig.add(p, max_tokens=2)
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache() is True
+    rig.wipe()
+    bad: set[int] = set()
+    forward = rig.connector.update_state_after_alloc
+
+    def note_load(request, blocks, num_external_tokens):
+        if num_external_tokens:  # the last loaded block of the full-attention group
+            group = blocks.blocks[0]
+            bad.add(group[num_external_tokens // rig.block_size - 1].block_id)
+        forward(request, blocks, num_external_tokens)
+
+    rig.connector.update_state_after_alloc = note_load
+    worker = rig.workers[0]
+    worker.connector = worker._worker.connector = _LateReceives(worker.connector, rig, bad)  # noqa: SLF001
+    rid = rig.add(p, max_tokens=2)
+    rig.run()  # byte-checks every block of every running request after each step
+    assert bad and rig.stats.async_loads >= 1
+    assert rig.stats.scheduled_tokens[rid] == 99 + 1  # the failed load was recomputed
+    assert len(rig.stats.outputs[rid]) == 2
+    assert_no_leak(rig)
+    rig.shutdown()

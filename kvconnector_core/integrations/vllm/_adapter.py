@@ -116,10 +116,13 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # answers, and loads that will not happen because planning them raised
         # Plans by step, until their step's report: with async scheduling (vLLM's
         # default) the next plan is built before a step's output is processed.
+        self._recving_blocks: dict[str, set[int]] = {}  # worker, HMA: receives in flight
+        self._poisoned_recving: set[str] = set()  # worker, HMA: receives a load error hit
         self._step = 0
         self._plans: OrderedDict[int, tuple[Any, dict[str, tuple[bool, list[int]]]]] = OrderedDict()
         self._answers: dict[str, bool] = {}
         self._step_loads: dict[str, tuple[bool, list[int]]] = {}  # rid -> (async, block ids)
+        self._step_load_blocks: dict[str, set[int]] = {}  # HMA: rid -> every block its load writes
         self._unplanned_recving: set[str] = set()
         self._unplanned_blocks: set[int] = set()
         self._warned_sync_hma = False
@@ -258,6 +261,11 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         load = (is_async, [b.block_id for b in group[local:local + num_external_tokens // self._block_size]])
         if ok:
             self._step_loads[request.request_id] = load
+            if is_async and self._several_groups:
+                # The worker maps load errors to this receive by these blocks (vLLM's
+                # null block stands for positions out of a sliding window: never loaded).
+                self._step_load_blocks[request.request_id] = {
+                    b.block_id for g in blocks.blocks for b in g if b.block_hash is None and not b.is_null}
         else:
             self._fail_loads({request.request_id: load})
 
@@ -283,9 +291,11 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
             self._plans.popitem(last=False)
         meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step,
+                               load_blocks=self._step_load_blocks,
                                delayed_frees=set(self._delayed_frees),
                                unreported_sends=set(self._unreported_sends))
         self._unplanned_recving, self._unplanned_blocks = set(), set()
+        self._step_load_blocks = {}
         self._answers.clear()
         return meta
 

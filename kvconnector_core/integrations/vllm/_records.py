@@ -169,6 +169,9 @@ class AdapterMetadata(VllmMetadata):
         delayed_frees: finished requests whose blocks vLLM holds for the connector's
             stores, not reported sent yet (the worker reports them itself when its
             step's stores failed and it has nothing in flight).
+        load_blocks: with several KV cache groups (HMA), the asynchronous loads planned
+            this step and every block each writes (all groups): the worker maps load
+            errors by block to the receives they hit, whenever they are reported.
         unreported_sends: finished requests vLLM keeps until their ``finished_sending``
             (a delayed free), not reported yet; the worker reports a send only for
             these, once each (vLLM asserts on a report for a request it dropped, and a
@@ -181,6 +184,7 @@ class AdapterMetadata(VllmMetadata):
     step: int = 0
     delayed_frees: set[str] = field(default_factory=set)
     unreported_sends: set[str] = field(default_factory=set)
+    load_blocks: dict[str, set[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -58,6 +58,8 @@ class AdapterWorkerHooks(VllmConnectorBase):
     _step_invalid: set[int]
     _failed_for_connector: OrderedDict[str, None]
     _reported_sent: set[str]
+    _recving_blocks: dict[str, set[int]]
+    _poisoned_recving: set[str]
     connector: Any
 
     def _guard(self) -> GuardedWorker:
@@ -126,20 +128,38 @@ class AdapterWorkerHooks(VllmConnectorBase):
             failed |= meta.failed_recving
             self._step_invalid |= meta.invalid_block_ids
             _remember(self._failed_for_connector, meta.failed_recving)
-        if self._several_groups and self._step_invalid:
-            # With several KV cache groups vLLM cannot map block ids back to requests
-            # and raises on any load error reported by block. Every load is
-            # asynchronous there (the scheduler side refuses synchronous ones), so the
-            # receives finishing now carry the failure instead, all of them: which one
-            # the blocks belong to is unknown (costs hits, never data).
-            failed |= recving
-            self._step_invalid = set()
+        if self._several_groups:
+            failed |= self._hma_failed_receives(meta, recving)
         sending = set(res.finished_sending)
         if guard.stores_failed and isinstance(meta, AdapterMetadata) and meta.delayed_frees:
             sending |= self._frees_it_may_never_learn(meta.delayed_frees)
         sending = self._first_reports_of_sends(sending, meta)
         return VllmTransferResults(finished_sending=sending, finished_recving=recving,
                                    failed_recving=failed & recving)
+
+    def _hma_failed_receives(self, meta: Any, recving: set[str]) -> set[str]:
+        """With several KV cache groups: the receives of ``recving`` that a load error hit.
+
+        vLLM 0.33 raises on any load error reported by block id when the model has
+        several KV cache groups (``Scheduler._handle_invalid_blocks``); a failed receive
+        is the only report it takes. Every load is asynchronous there (the scheduler
+        side refuses synchronous ones), and the plan names each load's blocks, so an
+        error is charged to the receives holding its blocks, whether it comes in the
+        step their receive finishes or earlier. A block no receive in flight holds
+        fails them all (costs hits, never data).
+        """
+        if isinstance(meta, AdapterMetadata):
+            self._recving_blocks.update(meta.load_blocks)
+        invalid, self._step_invalid = self._step_invalid, set()
+        if invalid:
+            hit = {rid for rid, blocks in self._recving_blocks.items() if blocks & invalid}
+            known = set().union(*self._recving_blocks.values()) if self._recving_blocks else set()
+            self._poisoned_recving |= hit if invalid <= known else set(self._recving_blocks) | recving
+        failed = recving & self._poisoned_recving
+        for rid in recving:
+            self._recving_blocks.pop(rid, None)
+            self._poisoned_recving.discard(rid)
+        return failed
 
     def _first_reports_of_sends(self, sending: set[str], meta: Any) -> set[str]:
         """The sends of ``sending`` to report to vLLM: each once per request.
