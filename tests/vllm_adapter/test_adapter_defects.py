@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
@@ -88,5 +91,49 @@ def test_hma_load_errors_reported_before_the_receive_finishes_fail_that_receive(
     assert bad and rig.stats.async_loads >= 1
     assert rig.stats.scheduled_tokens[rid] == 99 + 1  # the failed load was recomputed
     assert len(rig.stats.outputs[rid]) == 2
+    assert_no_leak(rig)
+    rig.shutdown()
+
+
+# The example disk connector, loaded by module path (its package is not installed in
+# .vllm-venv): synchronous loads, stores written in the step that planned them.
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "disk_connector"))
+
+
+def _disk(path: Path) -> dict:
+    return {"kvconnector": {"name": "DiskConnector", "module_path": "disk_connector.connector",
+                            "extra_config": {"path": str(path)}}}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_disk_example_never_serves_stores_built_on_a_failed_load(tmp_path, async_scheduling):
+    """A synchronous load of a stored prefix fails; the forward of that step computes the
+    rest of the prompt on the garbage, and the disk example stores it. Those files must
+    be deleted when the failure is reported. Under vLLM's async scheduling the report
+    arrives after the next step's plan is built, so a rule keyed on "the last plan"
+    deleted the wrong step's files, and a later request loaded the garbage."""
+    rig = VllmRig(_disk(tmp_path), layout="BLHNC", num_gpu_blocks=40, async_scheduling=async_scheduling)
+    prefix = prompt(61, 64)  # 4 blocks on disk
+    rig.add(prefix + [7], max_tokens=1)
+    rig.run()
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert len(files) == 4
+    assert rig.scheduler.reset_prefix_cache() is True
+    rig.wipe()
+    for path, data in files.items():
+        path.write_bytes(data[:7])  # the prefix's load fails
+    rig.check_every_step = False  # the failed load's blocks hold garbage until recomputed
+    longer = prefix + prompt(62, 48)  # 3 more blocks, computed on the failed load's garbage
+    rig.add(longer + [7], max_tokens=1)
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache() is True
+    rig.wipe()
+    for path, data in files.items():
+        path.write_bytes(data)  # the prefix is whole again: a lookup now reaches past it
+    rig.check_every_step = True
+    rid = rig.add(longer + [8], max_tokens=1)
+    rig.run()
+    # The prefix is loaded; the 3 blocks stored on the failed load are not served.
+    assert rig.stats.scheduled_tokens[rid] == len(longer) + 1 - 64
     assert_no_leak(rig)
     rig.shutdown()
