@@ -137,3 +137,36 @@ def test_disk_example_never_serves_stores_built_on_a_failed_load(tmp_path, async
     assert rig.stats.scheduled_tokens[rid] == len(longer) + 1 - 64
     assert_no_leak(rig)
     rig.shutdown()
+
+
+def test_a_reused_request_id_gets_its_receive_reported_after_an_earlier_failed_load():
+    """The adapter remembers the receives it reported failed for the connector (planning
+    their load raised), to drop the connector's own later report. A later request with
+    the same id (vLLM allows it once the first is gone) that loads asynchronously must
+    still get its receive reported, or vLLM waits for it forever."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40)
+    p = prompt(71, 67)
+    rig.add(p, max_tokens=2)
+    rig.run()
+    inner = rig.connector.connector
+    forward = inner.update_state_after_alloc
+    raised = []
+
+    def raise_once(request, blocks, num_external_tokens):
+        if num_external_tokens and not raised:
+            raised.append(request.request_id)
+            raise RuntimeError("planning the load failed")
+        return forward(request, blocks, num_external_tokens)
+
+    inner.update_state_after_alloc = raise_once
+    for attempt in range(2):
+        assert rig.scheduler.reset_prefix_cache() is True
+        rig.wipe()
+        rig.add(p, max_tokens=2, request_id="same-id")
+        rig.run(max_steps=300)
+        assert rig.status("same-id") == "FREED"
+        assert_no_leak(rig)
+        # first: the failed load was recomputed; then: the load served the prefix
+        assert rig.stats.scheduled_tokens["same-id"] == (67 + 1 if attempt == 0 else 67 + 1 + 67 - 64 + 1)
+    assert raised == ["same-id"] and rig.stats.async_loads >= 1
+    rig.shutdown()

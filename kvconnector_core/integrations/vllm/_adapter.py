@@ -292,6 +292,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
             self._plans.popitem(last=False)
         meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step,
                                load_blocks=self._step_load_blocks,
+                               async_loads={rid for rid, (is_async, _) in loads.items() if is_async},
                                delayed_frees=set(self._delayed_frees),
                                unreported_sends=set(self._unreported_sends))
         self._unplanned_recving, self._unplanned_blocks = set(), set()

@@ -169,6 +169,8 @@ class AdapterMetadata(VllmMetadata):
         delayed_frees: finished requests whose blocks vLLM holds for the connector's
             stores, not reported sent yet (the worker reports them itself when its
             step's stores failed and it has nothing in flight).
+        async_loads: the requests whose asynchronous load this plan carries (a request
+            id the worker remembers from an earlier request's failed load is new again).
         load_blocks: with several KV cache groups (HMA), the asynchronous loads planned
             this step and every block each writes (all groups): the worker maps load
             errors by block to the receives they hit, whenever they are reported.
@@ -185,6 +187,7 @@ class AdapterMetadata(VllmMetadata):
     delayed_frees: set[str] = field(default_factory=set)
     unreported_sends: set[str] = field(default_factory=set)
     load_blocks: dict[str, set[int]] = field(default_factory=dict)
+    async_loads: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -118,11 +118,16 @@ class AdapterWorkerHooks(VllmConnectorBase):
         them by block).
         """
         guard = self._guard()
+        meta = self._connector_metadata
+        if isinstance(meta, AdapterMetadata):
+            # vLLM takes a request id again once the request with it is gone: a new load
+            # under a remembered id is another request's, and its report must pass.
+            for rid in meta.async_loads:
+                self._failed_for_connector.pop(rid, None)
         res = guard.get_transfer_results(set(finished_req_ids))
         self._step_invalid = set(guard.get_block_ids_with_load_errors())
         failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
         recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
-        meta = self._connector_metadata
         if isinstance(meta, AdapterMetadata):
             recving |= meta.failed_recving
             failed |= meta.failed_recving
