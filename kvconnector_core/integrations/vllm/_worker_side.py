@@ -174,7 +174,11 @@ class AdapterWorkerHooks(VllmConnectorBase):
         dropped. Only requests the plan lists as unreported sends are reported; an id is
         remembered until the plans stop listing it, which happens only after vLLM has
         processed its report and dropped the request, so a later request with the same
-        id (vLLM allows reuse once the first is gone) is reported again.
+        id is reported again. vLLM 0.33 allows that reuse: ``Scheduler.add_request``
+        checks only live requests (``v1/core/sched/scheduler.py``), and the front end's
+        random suffix on client ids (``InputProcessor.assign_request_id``) is off with
+        ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` and absent for requests sent to the
+        engine core directly.
         """
         if not isinstance(meta, AdapterMetadata):  # no plan bound: no list to check against
             sending -= self._reported_sent
