@@ -1,0 +1,79 @@
+"""Scheduler behaviour that one-line mutations of kvconnector_core/scheduler/ changed without
+any test failing (found by a mutation sweep; each test here fails on its mutant).
+
+Each asserts what a caller or the connector can see: the step's output, block accounting,
+request status and the load-failure stats."""
+
+from __future__ import annotations
+
+from kvconnector_core import RequestStatus
+
+from test_scheduler import make_connector, make_scheduler, req
+from test_scheduler_policies import step
+
+
+def _free(s) -> int:
+    return s.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_a_load_the_connector_never_planned_gives_its_blocks_back_at_once():
+    """update_state_after_alloc raising for a request with a hit: the load never happens,
+    the request waits to start over, and the blocks allocated for the load are free again
+    in the same step (a request that does not run holds none)."""
+    c = make_connector()
+    c.raise_in.add("update_state_after_alloc")
+    s = make_scheduler(connector=c)
+    c.external["a"] = (16, False)
+    s.add_request(req("a", n=20))
+    before = _free(s)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {}
+    assert s.requests["a"].status == RequestStatus.WAITING
+    assert not any(s.kv_cache_manager.get_block_ids("a"))
+    assert _free(s) == before
+
+
+def test_only_a_step_that_admits_a_synchronous_load_says_it_has_sync_loads():
+    """``SchedulerOutput.has_sync_kv_loads`` tells the worker to load before the forward:
+    set in a step that admits a synchronous load, not in a step whose admissions load nothing."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    s.add_request(req("miss", n=20))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"miss": 20}
+    assert out.has_sync_kv_loads is False
+    c.external["hit"] = (16, False)
+    s.add_request(req("hit", n=20, base=500))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["hit"] == 4
+    assert out.has_sync_kv_loads is True
+
+
+def test_an_aborted_requests_failed_load_does_not_fail_a_later_request_with_its_id():
+    """A request aborted after its async load was reported failed, before it consumed the
+    report; a later request reusing its id loads successfully and must keep its hit (not
+    be treated as failed and recomputed)."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (16, True)
+    s.add_request(req("a", n=20))
+    step(s)  # "a" waits for its load
+    assert s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    out = s.schedule()
+    s.update_from_output(out, _kv(s, out, finished_recving={"a"}, failed_recving={"a"}))
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    step(s)
+    assert "a" not in s.requests and _free(s) == 39
+    s.add_request(req("a", n=20))  # the id again, same hit
+    step(s)
+    out = s.schedule()
+    s.update_from_output(out, _kv(s, out, finished_recving={"a"}))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 4}  # served by the load
+    assert s.stats.num_failed_loads_recovered == 0
+
+
+def _kv(s, out, **kv):
+    from test_scheduler import fake_model_output
+
+    return fake_model_output(s, out, **kv)
