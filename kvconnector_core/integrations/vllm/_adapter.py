@@ -116,8 +116,6 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # answers, and loads that will not happen because planning them raised
         # Plans by step, until their step's report: with async scheduling (vLLM's
         # default) the next plan is built before a step's output is processed.
-        self._recving_blocks: dict[str, set[int]] = {}  # worker, HMA: receives in flight
-        self._poisoned_recving: set[str] = set()  # worker, HMA: receives a load error hit
         self._step = 0
         self._plans: OrderedDict[int, tuple[Any, dict[str, tuple[bool, list[int]]]]] = OrderedDict()
         self._answers: dict[str, bool] = {}
@@ -129,6 +127,10 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # worker side
         self._step_begun = False
         self._step_invalid: set[int] = set()
+        # HMA: the asynchronous loads in flight and the blocks each writes, and those a
+        # load error already hit (reported failed when their receive finishes)
+        self._recving_blocks: dict[str, set[int]] = {}
+        self._poisoned_recving: set[str] = set()
         # Receives the adapter reported failed for the connector: a later report of the
         # same request by the connector is dropped (vLLM asserts on a report for a request
         # it has forgotten, and such a request never loads again: it recomputes).
