@@ -124,21 +124,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._unplanned_recving: set[str] = set()
         self._unplanned_blocks: set[int] = set()
         self._warned_sync_hma = False
-        # worker side
-        self._step_begun = False
-        self._step_invalid: set[int] = set()
-        # HMA: the asynchronous loads in flight and the blocks each writes, and those a
-        # load error already hit (reported failed when their receive finishes)
-        self._recving_blocks: dict[str, set[int]] = {}
-        self._poisoned_recving: set[str] = set()
-        # Receives the adapter reported failed for the connector: a later report of the
-        # same request by the connector is dropped (vLLM asserts on a report for a request
-        # it has forgotten, and such a request never loads again: it recomputes).
-        # Bounded, oldest dropped.
-        self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
-        # Sends reported, until the scheduler side's plans stop listing them as unreported
-        # (vLLM then dropped the request; a later request may reuse its id).
-        self._reported_sent: set[str] = set()
+        self._init_worker_state()
         # Finished requests whose free the wrapped connector delayed, until reported sent
         # (or their blocks were released for a prefix-cache reset).
         self._delayed_frees: dict[str, Any] = {}

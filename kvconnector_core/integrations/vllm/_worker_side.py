@@ -62,6 +62,23 @@ class AdapterWorkerHooks(VllmConnectorBase):
     _poisoned_recving: set[str]
     connector: Any
 
+    def _init_worker_state(self) -> None:
+        """The worker side's state (the adapter's ``__init__`` calls this)."""
+        self._step_begun = False
+        self._step_invalid = set()
+        # HMA: the asynchronous loads in flight and the blocks each writes, and those a
+        # load error already hit (reported failed when their receive finishes)
+        self._recving_blocks = {}
+        self._poisoned_recving = set()
+        # Receives the adapter reported failed for the connector: a later report of the
+        # same request by the connector is dropped (vLLM asserts on a report for a request
+        # it has forgotten, and such a request never loads again: it recomputes).
+        # Bounded, oldest dropped.
+        self._failed_for_connector = OrderedDict()
+        # Sends reported, until the scheduler side's plans stop listing them as unreported
+        # (vLLM then dropped the request; a later request may reuse its id).
+        self._reported_sent = set()
+
     def _guard(self) -> GuardedWorker:
         if self._worker is None:
             msg = "worker-side hook called on the adapter's scheduler-role instance"
