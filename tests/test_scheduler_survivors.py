@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvconnector_core import RequestStatus
 
-from test_scheduler import make_connector, make_scheduler, req
+from test_scheduler import make_connector, make_scheduler, req, run_to_completion
 from test_scheduler_policies import step
 
 
@@ -77,3 +77,28 @@ def _kv(s, out, **kv):
     from test_scheduler import fake_model_output
 
     return fake_model_output(s, out, **kv)
+
+
+def test_a_failed_async_load_with_nothing_valid_starts_over_as_a_fresh_request():
+    """An async load that failed from its first block leaves nothing valid: the request
+    gives back the blocks the load held and starts over as a fresh request, so it takes
+    the prefix another request cached meanwhile and computes only the rest."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (32, True)
+    s.add_request(req("a", n=40))
+    step(s)  # "a" waits for its load
+    held = s.kv_cache_manager.get_block_ids("a")[0]
+    s.add_request(req("b", n=40))  # the same prompt, computed (and cached) meanwhile
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 40}
+    cached = s.kv_cache_manager.get_block_ids("b")[0][:9]
+    out = s.schedule()
+    s.update_from_output(out, _kv(s, out, finished_recving={"a"}, failed_recving={"a"},
+                                  invalid_block_ids={held[0]}))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["a"] == 40 - 36  # a local hit of 9 blocks (36 tokens)
+    assert s.kv_cache_manager.get_block_ids("a")[0][:9] == cached  # not the failed load's
+    assert s.stats.num_failed_loads_recovered == 1
+    run_to_completion(s)
+    assert _free(s) == 39
