@@ -102,3 +102,44 @@ def test_a_failed_async_load_with_nothing_valid_starts_over_as_a_fresh_request()
     assert s.stats.num_failed_loads_recovered == 1
     run_to_completion(s)
     assert _free(s) == 39
+
+
+def test_a_request_that_finishes_in_the_step_of_its_sync_load_finishes_cleanly():
+    """A request whose synchronous load runs in the step it finishes in (one output token):
+    the step completes, the request finishes and every block returns (its blocks were
+    freed with it, so there is nothing left to cache)."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (16, False)
+    s.add_request(req("a", n=20, max_tokens=1))
+    out, done = step(s)
+    assert out.num_scheduled_tokens == {"a": 4}
+    assert [r.request_id for r in done] == ["a"]
+    assert done[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert _free(s) == 39
+
+
+def test_a_running_request_whose_sync_load_failed_is_not_offered_to_the_connector_again():
+    """After a failed synchronous load the request recomputes; if it is preempted later,
+    its re-admission must not ask the connector again (a connector that keeps failing
+    would otherwise cost it a rollback every time)."""
+    c = make_connector()
+    s = make_scheduler(num_blocks=12, connector=c, budget=64)  # 11 usable blocks
+    s.add_request(req("b", n=20, max_tokens=20, base=500))
+    step(s)
+    c.external["a"] = (16, False)
+    s.add_request(req("a", n=20, max_tokens=20))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 1, "a": 4}  # 16 of a's tokens are loaded
+    bad = s.kv_cache_manager.get_block_ids("a")[0][0]
+    s.update_from_output(out, _kv(s, out, invalid_block_ids={bad}))
+    preempted = False
+    for _ in range(60):  # both grow; "a", the newer, is preempted and comes back
+        out, _ = step(s)
+        preempted |= "a" in out.preempted_req_ids
+        if preempted and s.requests.get("a") is not None and s.requests["a"].status == RequestStatus.RUNNING:
+            break
+    assert preempted
+    asked = [rid for hook, rid in c.calls if hook == "get_num_new_matched_tokens"]
+    assert asked.count("a") == 1
+    assert s.stats.num_failed_loads_recovered == 1
