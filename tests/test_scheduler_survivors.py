@@ -143,3 +143,22 @@ def test_a_running_request_whose_sync_load_failed_is_not_offered_to_the_connecto
     asked = [rid for hook, rid in c.calls if hook == "get_num_new_matched_tokens"]
     assert asked.count("a") == 1
     assert s.stats.num_failed_loads_recovered == 1
+
+
+def test_a_request_aborted_while_loading_is_dropped_once_its_load_reports_and_its_id_is_free():
+    """Aborted while its async load runs, a request keeps its blocks until the load
+    reports finished; then it is dropped entirely: blocks back, and its id free for a new
+    request (the scheduler refuses an id that is still in use)."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    c.external["a"] = (16, True)
+    s.add_request(req("a", n=20))
+    step(s)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert _free(s) < 39  # the worker may still be writing the blocks
+    out = s.schedule()
+    s.update_from_output(out, _kv(s, out, finished_recving={"a"}))
+    assert "a" not in s.requests and _free(s) == 39
+    c.external.pop("a")
+    s.add_request(req("a", n=20, max_tokens=1))  # the id is free again
+    assert [r.request_id for r in run_to_completion(s)] == ["a"]
