@@ -6,6 +6,8 @@ request status and the load-failure stats."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvconnector_core import RequestStatus
 
 from test_scheduler import make_connector, make_scheduler, req, run_to_completion
@@ -162,3 +164,75 @@ def test_a_request_aborted_while_loading_is_dropped_once_its_load_reports_and_it
     c.external.pop("a")
     s.add_request(req("a", n=20, max_tokens=1))  # the id is free again
     assert [r.request_id for r in run_to_completion(s)] == ["a"]
+
+
+def test_a_preempted_request_gives_back_its_blocks_in_the_step_it_is_preempted():
+    """Preemption frees the victim's blocks at once: the pool count rises by them and the
+    victim holds none while it waits."""
+    s = make_scheduler(num_blocks=4, budget=64)  # 3 usable blocks
+    s.add_request(req("a", n=4, max_tokens=8))
+    s.add_request(req("b", n=4, max_tokens=8, base=100))
+    step(s)  # a and b: 1 block each
+    assert _free(s) == 1
+    out = s.schedule()  # both need a second block: a takes the free one, b is preempted
+    assert out.preempted_req_ids == {"b"}
+    assert not any(s.kv_cache_manager.get_block_ids("b"))
+    assert _free(s) == 1
+
+
+def test_a_rejected_request_is_finished_with_the_connector_and_its_id_freed():
+    """A request that can never fit is rejected: the connector hears it finished, the
+    worker is told (finished_req_ids) and the id can be used again."""
+    c = make_connector()
+    s = make_scheduler(num_blocks=8, connector=c, budget=64)
+    s.add_request(req("big", n=60, max_tokens=1))  # 15 blocks, the pool has 7
+    out, done = step(s)
+    assert [r.request_id for r in done] == ["big"] and done[0].status == RequestStatus.FINISHED_ERROR
+    assert ("request_finished", "big") in c.calls
+    assert "big" in out.finished_req_ids
+    assert "big" not in s.requests
+    s.add_request(req("big", n=8, max_tokens=1))
+    assert [r.request_id for r in run_to_completion(s)] == ["big"]
+
+
+def test_an_aborted_running_request_is_never_scheduled_again():
+    s = make_scheduler(budget=64)
+    s.add_request(req("a", n=8, max_tokens=10))
+    s.add_request(req("b", n=8, max_tokens=10, base=100))
+    step(s)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert s.get_num_unfinished_requests() == 1
+    run_to_completion(s)
+    assert _free(s) == 39
+
+
+@pytest.mark.timeout(30)  # a failed request left in the waiting queue would spin forever
+def test_under_the_fail_policy_a_failed_async_load_fails_its_request_only():
+    """load_failure_policy="fail": the request whose async load failed finishes with an
+    error (reported to the caller), gives back its blocks, and the others run on."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64, policy="fail")
+    c.external["a"] = (16, True)
+    s.add_request(req("a", n=20))
+    s.add_request(req("b", n=8, base=100))
+    step(s)
+    out = s.schedule()
+    done = s.update_from_output(out, _kv(s, out, finished_recving={"a"}, failed_recving={"a"}))
+    done += run_to_completion(s)
+    status = {r.request_id: r.status for r in done}
+    assert status == {"a": RequestStatus.FINISHED_ERROR, "b": RequestStatus.FINISHED_LENGTH_CAPPED}
+    assert s.stats.num_requests_failed == 1
+    assert _free(s) == 39
+
+
+def test_a_reused_request_id_counts_its_prompt_again():
+    """The prompt-token stats count each request's prompt once, a later request that
+    reuses a finished request's id included."""
+    s = make_scheduler(budget=64)
+    s.add_request(req("a", n=8, max_tokens=1))
+    run_to_completion(s)
+    s.add_request(req("a", n=12, max_tokens=1, base=100))
+    run_to_completion(s)
+    assert s.stats.num_prompt_tokens == 8 + 12
