@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvconnector_core import RequestStatus
+from kvconnector_core.errors import InvariantError
 
 from test_scheduler import make_connector, make_scheduler, req, run_to_completion
 from test_scheduler_policies import step
@@ -236,3 +237,14 @@ def test_a_reused_request_id_counts_its_prompt_again():
     s.add_request(req("a", n=12, max_tokens=1, base=100))
     run_to_completion(s)
     assert s.stats.num_prompt_tokens == 8 + 12
+
+
+def test_a_waiting_request_with_nothing_to_compute_is_an_invariant_error():
+    """Unreachable through the public API (hits and loads always leave a token to
+    compute); a state that breaks it raises, naming the request, instead of parking the
+    request as if the pool were full (a mutation there survived every test)."""
+    s = make_scheduler(budget=64)
+    s.add_request(req("a", n=8))
+    s.requests["a"].num_computed_tokens = 8  # as if everything were computed already
+    with pytest.raises(InvariantError, match="'a' has nothing to compute or load"):
+        s.schedule()
