@@ -248,3 +248,27 @@ def test_a_waiting_request_with_nothing_to_compute_is_an_invariant_error():
     s.requests["a"].num_computed_tokens = 8  # as if everything were computed already
     with pytest.raises(InvariantError, match="'a' has nothing to compute or load"):
         s.schedule()
+
+
+def test_a_reused_id_aborted_while_loading_is_freed_without_waiting_for_a_send():
+    """A request aborted while loading, whose connector delayed its free, is dropped once
+    its send reports; a later request with the same id, aborted while loading with no
+    delayed free, is dropped as soon as its load reports (nothing will ever be sent)."""
+    c = make_connector()
+    s = make_scheduler(connector=c, budget=64)
+    for delayed in (True, False):
+        if delayed:
+            c.delay_free.add("a")
+        else:
+            c.delay_free.discard("a")
+        c.external["a"] = (16, True)
+        s.add_request(req("a", n=20))
+        step(s)
+        s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+        out = s.schedule()
+        s.update_from_output(out, _kv(s, out, finished_recving={"a"}))
+        if delayed:
+            out = s.schedule()
+            s.update_from_output(out, _kv(s, out, finished_sending={"a"}))
+        assert "a" not in s.requests and _free(s) == 39
+    assert not s.has_unfinished_requests() or run_to_completion(s) == []
