@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnector_core import RequestStatus
+from kvconnector_core import RequestStatus, SlidingWindowSpec
 from kvconnector_core.errors import InvariantError
 
-from test_scheduler import make_connector, make_scheduler, req, run_to_completion
+from test_scheduler import BS, make_connector, make_scheduler, req, run_to_completion
 from test_scheduler_policies import step
 
 
@@ -272,3 +272,19 @@ def test_a_reused_id_aborted_while_loading_is_freed_without_waiting_for_a_send()
             s.update_from_output(out, _kv(s, out, finished_sending={"a"}))
         assert "a" not in s.requests and _free(s) == 39
     assert not s.has_unfinished_requests() or run_to_completion(s) == []
+
+
+def test_blocks_reserved_for_a_parked_sliding_window_request_are_window_capped():
+    """Fresh admissions leave free the blocks a request parked for an async load still
+    needs; with sliding-window attention that need is capped by the window (as admission
+    counts it), so a fresh request that fits beside the capped need is admitted now."""
+    c = make_connector()
+    s = make_scheduler(num_blocks=80, connector=c, budget=128, max_model_len=512,
+                       spec=SlidingWindowSpec(BS, 1, 1, sliding_window=8))
+    c.external["a"] = (8, True)
+    s.add_request(req("a", n=200))
+    step(s)  # "a" holds 2 blocks and waits for its load; it still needs 33 (48 uncapped)
+    assert s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    s.add_request(req("b", n=160, base=1000))  # needs 35 blocks (capped); 77 are free
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 128}
