@@ -26,7 +26,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvconnector_core.connector.guard import GuardedScheduler
-from kvconnector_core.errors import ConfigError
+from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
 from kvconnector_core.kv_events import KVCacheEvent
@@ -307,6 +307,9 @@ class Scheduler(_StepOutput, _Admission):
             num_computed = (num_local + num_external) if fresh else req.num_computed_tokens
             num_new = 0 if load_async else min(req.num_tokens - num_computed, budget)
             own_need = 0 if fresh else self._remaining_need(req)
+            if num_new == 0 and num_external == 0:  # unreachable: hits and loads leave a token to compute
+                raise InvariantError(f"request {req.request_id!r} has nothing to compute or load at admission "
+                                     f"(num_tokens={req.num_tokens}, num_computed_tokens={num_computed})")
 
             blocks = kvm.allocate_slots(
                 req,
@@ -318,7 +321,7 @@ class Scheduler(_StepOutput, _Admission):
                 delay_cache_blocks=num_external > 0,
                 full_sequence_must_fit=fresh,
                 reserved_blocks=max(0, reserved - own_need),
-            ) if (num_new > 0 or num_external > 0) else None
+            )
             if blocks is None:
                 if not fresh and not self.running and not num_scheduled:
                     # It holds blocks but cannot grow and nothing runs that could

@@ -7,8 +7,11 @@ that became full. Worker side: loads read files into the GPU blocks before the f
 forward's KV already written.
 
 A step whose loads failed ran its forward on blocks that were never loaded, so the blocks
-it stored hold wrong KV: the scheduler side deletes that step's files when the step's
-report names a failed load (and when the guard reports the step's plan failed).
+it stored hold wrong KV, and so may the blocks stored in later steps of the same request.
+When a report names failed blocks (or the guard reports a plan's loads failed), the
+scheduler side deletes every file stored since admission by each request holding one of
+them. Keyed by request, not by "the last plan": under vLLM's async scheduling the next
+step's plan is already built when a step's report arrives.
 """
 
 from __future__ import annotations
@@ -93,7 +96,11 @@ class DiskConnector(KVConnectorBase_V1):
         self._planner = StorePlanner(self.block_size)
         self._planned: set[str] = set()  # stored this run (files appear at the step's end)
         self._plan = DiskMetadata()
-        self._step_stores: list[tuple[str, int]] = []  # the last plan's stores
+        # per request: its blocks, and the files it stored since admission (deleted if a
+        # load into one of its blocks fails); finished requests are kept until the next
+        # report, which may still name their blocks
+        self._requests: dict[str, tuple[set[int], list[str]]] = {}
+        self._finished: dict[str, tuple[set[int], list[str]]] = {}
         # worker side
         self._view: torch.Tensor | None = None
         self._errors: set[int] = set()
@@ -129,6 +136,7 @@ class DiskConnector(KVConnectorBase_V1):
         start = self._matched.pop(rid, 0)
         end_block = -(-(start + num_external_tokens) // bs)
         self._planner.admit(request, ids, first_block=end_block)
+        self._requests.setdefault(rid, (set(), []))[0].update(ids)
         if num_external_tokens > 0:
             self._plan.loads += [(bytes(request.block_hashes[i]).hex(), ids[i])
                                  for i in range(start // bs, end_block)]
@@ -140,39 +148,55 @@ class DiskConnector(KVConnectorBase_V1):
             if not self._has(name):
                 self._planned.add(name)
                 self._plan.stores.append((name, block_id))
+                self._requests.setdefault(request.request_id, (set(), []))[1].append(name)
         plan, self._plan = self._plan, DiskMetadata()
-        self._step_stores = plan.stores
         return plan
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """A failed load in the step: its forward ran on blocks never loaded, so delete the
-        blocks it stored (a later step stores them again, recomputed)."""
-        if connector_output.invalid_block_ids or connector_output.loads_failed:
-            self._unstore(self._step_stores)
+        """Failed loads: delete what the requests holding the failed blocks stored."""
+        if connector_output.invalid_block_ids:
+            self._unstore_requests_holding(connector_output.invalid_block_ids)
+        self._finished = {}
 
     def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
                     stores_failed: bool) -> None:
-        """A worker hook raised: the plan's stores are wrong (failed loads) or may be
-        missing (failed stores); neither may be served."""
-        if (loads_failed or stores_failed) and isinstance(connector_metadata, DiskMetadata):
-            self._unstore(connector_metadata.stores)
+        """A worker hook raised: the plan's stores may be missing (failed stores), and any
+        of its loads may have failed, so what their requests stored is wrong."""
+        if not isinstance(connector_metadata, DiskMetadata):
+            return
+        if stores_failed:
+            self._unstore([name for name, _ in connector_metadata.stores])
+        if loads_failed:
+            self._unstore_requests_holding({block_id for _, block_id in connector_metadata.loads})
+
+    def _unstore_requests_holding(self, block_ids: set[int]) -> None:
+        """A forward read these blocks unloaded: every file stored since admission by a
+        request holding one is wrong (those of later steps too, built on the same blocks)."""
+        for blocks, stored in (*self._requests.values(), *self._finished.values()):
+            if blocks & block_ids:
+                self._unstore(stored)
+                stored.clear()
 
     def forget_requests(self, request_ids: set[str]) -> None:
         """Plan nothing more for these requests."""
         for rid in request_ids:
-            self._planner.forget(rid)
-            self._matched.pop(rid, None)
+            self._finish(rid)
 
-    def _unstore(self, stores: list[tuple[str, int]]) -> None:
-        for name, _ in stores:
+    def _unstore(self, names: list[str]) -> None:
+        for name in names:
             self._planned.discard(name)
             (self.directory / name).unlink(missing_ok=True)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """Stores are synchronous: nothing holds the blocks."""
-        self._planner.forget(request.request_id)
-        self._matched.pop(request.request_id, None)
+        self._finish(request.request_id)
         return False, None
+
+    def _finish(self, rid: str) -> None:
+        self._planner.forget(rid)
+        self._matched.pop(rid, None)
+        if rid in self._requests:
+            self._finished[rid] = self._requests.pop(rid)
 
     # --------------------------------------------------------------- worker side
 

@@ -120,21 +120,18 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._plans: OrderedDict[int, tuple[Any, dict[str, tuple[bool, list[int]]]]] = OrderedDict()
         self._answers: dict[str, bool] = {}
         self._step_loads: dict[str, tuple[bool, list[int]]] = {}  # rid -> (async, block ids)
+        self._step_load_blocks: dict[str, set[int]] = {}  # HMA: rid -> every block its load writes
         self._unplanned_recving: set[str] = set()
         self._unplanned_blocks: set[int] = set()
         self._warned_sync_hma = False
-        # worker side
-        self._step_begun = False
-        self._step_invalid: set[int] = set()
-        # Receives the adapter reported failed for the connector: a later report of the
-        # same request by the connector is dropped (vLLM asserts on a report for a request
-        # it has forgotten, and such a request never loads again: it recomputes).
-        # Bounded, oldest dropped.
-        self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
-        self._reported_sent: OrderedDict[str, None] = OrderedDict()  # sends reported (one each)
+        self._init_worker_state()
         # Finished requests whose free the wrapped connector delayed, until reported sent
         # (or their blocks were released for a prefix-cache reset).
         self._delayed_frees: dict[str, Any] = {}
+        # Finished requests vLLM keeps until their finished_sending (their free was
+        # delayed): the plans list them, and the worker reports a send only for these.
+        # Unlike _delayed_frees, a prefix-cache reset keeps them (vLLM still waits).
+        self._unreported_sends: set[str] = set()
         self._worker_events: list[Any] = []
         # Requests whose load failed: vLLM asks the connector again when it
         # re-admits them; they recompute instead (as kvconnector's scheduler does),
@@ -252,6 +249,11 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         load = (is_async, [b.block_id for b in group[local:local + num_external_tokens // self._block_size]])
         if ok:
             self._step_loads[request.request_id] = load
+            if is_async and self._several_groups:
+                # The worker maps load errors to this receive by these blocks (vLLM's
+                # null block stands for positions out of a sliding window: never loaded).
+                self._step_load_blocks[request.request_id] = {
+                    b.block_id for g in blocks.blocks for b in g if b.block_hash is None and not b.is_null}
         else:
             self._fail_loads({request.request_id: load})
 
@@ -277,8 +279,12 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
             self._plans.popitem(last=False)
         meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step,
-                               delayed_frees=set(self._delayed_frees))
+                               load_blocks=self._step_load_blocks,
+                               async_loads={rid for rid, (is_async, _) in loads.items() if is_async},
+                               delayed_frees=set(self._delayed_frees),
+                               unreported_sends=set(self._unreported_sends))
         self._unplanned_recving, self._unplanned_blocks = set(), set()
+        self._step_load_blocks = {}
         self._answers.clear()
         return meta
 
@@ -287,6 +293,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         out = output_from_vllm(connector_output)
         for rid in out.finished_sending:
             self._delayed_frees.pop(rid, None)
+        self._unreported_sends -= out.finished_sending
         self._recompute_only |= out.failed_recving
         events = connector_output.kv_cache_events
         if events is not None:
@@ -317,6 +324,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         delay, params = self._scheduler().request_finished(request, block_ids)
         if delay:
             self._delayed_frees[request.request_id] = request
+            self._unreported_sends.add(request.request_id)
         return bool(delay), params
 
     def take_events(self) -> list[Any]:

@@ -183,6 +183,15 @@ class AdapterMetadata(VllmMetadata):
         delayed_frees: finished requests whose blocks vLLM holds for the connector's
             stores, not reported sent yet (the worker reports them itself when its
             step's stores failed and it has nothing in flight).
+        async_loads: the requests whose asynchronous load this plan carries (a request
+            id the worker remembers from an earlier request's failed load is new again).
+        load_blocks: with several KV cache groups (HMA), the asynchronous loads planned
+            this step and every block each writes (all groups): the worker maps load
+            errors by block to the receives they hit, whenever they are reported.
+        unreported_sends: finished requests vLLM keeps until their ``finished_sending``
+            (a delayed free), not reported yet; the worker reports a send only for
+            these, once each (vLLM asserts on a report for a request it dropped, and a
+            later request may reuse a dropped request's id).
     """
 
     inner: Any = None
@@ -190,6 +199,9 @@ class AdapterMetadata(VllmMetadata):
     invalid_block_ids: set[int] = field(default_factory=set)
     step: int = 0
     delayed_frees: set[str] = field(default_factory=set)
+    unreported_sends: set[str] = field(default_factory=set)
+    load_blocks: dict[str, set[int]] = field(default_factory=dict)
+    async_loads: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["AdapterWorkerHooks"]
 
 _MAX_REPORTED_RECVING = 100_000
-"""Request ids remembered to drop a second report: a load failed by the adapter that the
-connector also reports later, a delayed free reported twice (vLLM asserts on both)."""
+"""Request ids remembered to drop a second report of a receive: a load failed by the
+adapter that the connector also reports later (vLLM asserts on it)."""
 
 
 def _remember(seen: OrderedDict[str, None], ids: set[str]) -> None:
@@ -57,8 +57,27 @@ class AdapterWorkerHooks(VllmConnectorBase):
     _step_begun: bool
     _step_invalid: set[int]
     _failed_for_connector: OrderedDict[str, None]
-    _reported_sent: OrderedDict[str, None]
+    _reported_sent: set[str]
+    _recving_blocks: dict[str, set[int]]
+    _poisoned_recving: set[str]
     connector: Any
+
+    def _init_worker_state(self) -> None:
+        """The worker side's state (the adapter's ``__init__`` calls this)."""
+        self._step_begun = False
+        self._step_invalid = set()
+        # HMA: the asynchronous loads in flight and the blocks each writes, and those a
+        # load error already hit (reported failed when their receive finishes)
+        self._recving_blocks = {}
+        self._poisoned_recving = set()
+        # Receives the adapter reported failed for the connector: a later report of the
+        # same request by the connector is dropped (vLLM asserts on a report for a request
+        # it has forgotten, and such a request never loads again: it recomputes).
+        # Bounded, oldest dropped.
+        self._failed_for_connector = OrderedDict()
+        # Sends reported, until the scheduler side's plans stop listing them as unreported
+        # (vLLM then dropped the request; a later request may reuse its id).
+        self._reported_sent = set()
 
     def _guard(self) -> GuardedWorker:
         if self._worker is None:
@@ -116,31 +135,75 @@ class AdapterWorkerHooks(VllmConnectorBase):
         them by block).
         """
         guard = self._guard()
+        meta = self._connector_metadata
+        if isinstance(meta, AdapterMetadata):
+            # vLLM takes a request id again once the request with it is gone: a new load
+            # under a remembered id is another request's, and its report must pass.
+            for rid in meta.async_loads:
+                self._failed_for_connector.pop(rid, None)
         res = guard.get_transfer_results(set(finished_req_ids))
         self._step_invalid = set(guard.get_block_ids_with_load_errors())
         failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
         recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
-        meta = self._connector_metadata
         if isinstance(meta, AdapterMetadata):
             recving |= meta.failed_recving
             failed |= meta.failed_recving
             self._step_invalid |= meta.invalid_block_ids
             _remember(self._failed_for_connector, meta.failed_recving)
-        if self._several_groups and self._step_invalid:
-            # With several KV cache groups vLLM cannot map block ids back to requests
-            # and raises on any load error reported by block. Every load is
-            # asynchronous there (the scheduler side refuses synchronous ones), so the
-            # receives finishing now carry the failure instead, all of them: which one
-            # the blocks belong to is unknown (costs hits, never data).
-            failed |= recving
-            self._step_invalid = set()
+        if self._several_groups:
+            failed |= self._hma_failed_receives(meta, recving)
         sending = set(res.finished_sending)
         if guard.stores_failed and isinstance(meta, AdapterMetadata) and meta.delayed_frees:
             sending |= self._frees_it_may_never_learn(meta.delayed_frees)
-        sending = {r for r in sending if r not in self._reported_sent}
-        _remember(self._reported_sent, sending)
+        sending = self._first_reports_of_sends(sending, meta)
         return VllmTransferResults(finished_sending=sending, finished_recving=recving,
                                    failed_recving=failed & recving)
+
+    def _hma_failed_receives(self, meta: Any, recving: set[str]) -> set[str]:
+        """With several KV cache groups: the receives of ``recving`` that a load error hit.
+
+        vLLM 0.33 raises on any load error reported by block id when the model has
+        several KV cache groups (``Scheduler._handle_invalid_blocks``); a failed receive
+        is the only report it takes. Every load is asynchronous there (the scheduler
+        side refuses synchronous ones), and the plan names each load's blocks, so an
+        error is charged to the receives holding its blocks, whether it comes in the
+        step their receive finishes or earlier. A block no receive in flight holds
+        fails them all (costs hits, never data).
+        """
+        if isinstance(meta, AdapterMetadata):
+            self._recving_blocks.update(meta.load_blocks)
+        invalid, self._step_invalid = self._step_invalid, set()
+        if invalid:
+            hit = {rid for rid, blocks in self._recving_blocks.items() if blocks & invalid}
+            known = set().union(*self._recving_blocks.values()) if self._recving_blocks else set()
+            self._poisoned_recving |= hit if invalid <= known else set(self._recving_blocks) | recving
+        failed = recving & self._poisoned_recving
+        for rid in recving:
+            self._recving_blocks.pop(rid, None)
+            self._poisoned_recving.discard(rid)
+        return failed
+
+    def _first_reports_of_sends(self, sending: set[str], meta: Any) -> set[str]:
+        """The sends of ``sending`` to report to vLLM: each once per request.
+
+        A send may be reported twice (the worker's own report after failed stores, then
+        the connector's), and vLLM asserts on a report for a request it already
+        dropped. Only requests the plan lists as unreported sends are reported; an id is
+        remembered until the plans stop listing it, which happens only after vLLM has
+        processed its report and dropped the request, so a later request with the same
+        id is reported again. vLLM 0.33 allows that reuse: ``Scheduler.add_request``
+        checks only live requests (``v1/core/sched/scheduler.py``), and the front end's
+        random suffix on client ids (``InputProcessor.assign_request_id``) is off with
+        ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` and absent for requests sent to the
+        engine core directly.
+        """
+        if not isinstance(meta, AdapterMetadata):  # no plan bound: no list to check against
+            sending -= self._reported_sent
+        else:
+            self._reported_sent &= meta.unreported_sends
+            sending = (sending & meta.unreported_sends) - self._reported_sent
+        self._reported_sent |= sending
+        return sending
 
     def _frees_it_may_never_learn(self, delayed_frees: set[str]) -> set[str]:
         """Delayed frees to report sent for a worker whose step's stores failed.
