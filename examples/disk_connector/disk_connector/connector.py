@@ -77,12 +77,20 @@ class DiskConnector(KVConnectorBase_V1):
         """Create the connector; see :class:`DiskSettings` for ``extra_config``.
 
         Raises:
-            ConfigError: bad settings, no KV cache config, or several KV cache groups.
+            ConfigError: bad settings, no KV cache config, several KV cache groups, or
+                more than one worker.
         """
         super().__init__(*args, **kwargs)
         kvc = self.kv_cache_config
         if kvc is None or len(kvc.kv_cache_groups) != 1:
             msg = "DiskConnector needs a KV cache config with exactly one KV cache group"
+            raise ConfigError(msg)
+        # Files are named by block hash alone: under tensor or pipeline parallelism every
+        # rank holds a different shard of a block, would write the same file, and could
+        # load another rank's shard. cpu_offload's disk tier names the shard in its keys.
+        if self.config.world_size > 1:
+            msg = (f"DiskConnector supports one worker, got world_size={self.config.world_size}: "
+                   "its files carry no rank; use cpu_offload with a disk tier under TP/PP")
             raise ConfigError(msg)
         settings: DiskSettings = self.settings
         self.block_size = kvc.kv_cache_groups[0].kv_cache_spec.block_size

@@ -84,3 +84,19 @@ def test_typo_in_settings_names_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match=r"unknown extra_config key 'fsnyc' \(did you mean 'fsync'\?\)"):
         DiskConnector(disk(tmp_path, fsnyc=True), KVConnectorRole.SCHEDULER, make_kv_cache_config())
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_refuses_more_than_one_worker(tmp_path, role):
+    """Its files carry no rank, so two TP ranks would write (and read) each other's shard:
+    it refuses world_size > 1 on both sides and names the value."""
+    import msgspec
+
+    from kvconnector_core.connector.base import KVConnectorRole
+    from kvconnector_core.errors import ConfigError
+    from kvconnector_core.testing import make_kv_cache_config
+
+    config = msgspec.structs.replace(disk(tmp_path), world_size=2, rank=1)
+    with pytest.raises(ConfigError, match=r"world_size=2"):
+        DiskConnector(config, KVConnectorRole[role], make_kv_cache_config())
+    assert not any(tmp_path.iterdir())  # refused before it created anything
