@@ -28,8 +28,10 @@ from types import FrameType
 
 import pytest
 
-DEFAULT_TIMEOUT_S = 120.0
-"""Per-test limit: generous, so that it never fires in a normal run on a loaded machine."""
+DEFAULT_TIMEOUT_S = 600.0
+"""Per-test limit. Generous on purpose: the slowest test takes ~40 s on an idle 2-core
+machine and was seen past 120 s on one loaded ~7x (a false failure is worse than a slow
+one); a hang still fails within minutes instead of running into CI's limit."""
 
 ENV_VAR = "KVCONNECTOR_TEST_TIMEOUT"
 GRACE_S = 30.0
