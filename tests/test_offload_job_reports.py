@@ -1,0 +1,41 @@
+"""How the offload connector's scheduler side books the worker's job reports.
+
+A report names job ids; the scheduler side must tolerate a report it already booked (or
+of a job it dropped), count one report per worker before completing a job, and release
+what a job pinned exactly once.
+"""
+
+from __future__ import annotations
+
+from connectors.offload._sched_state import JobRecord, group_suffix
+from connectors.offload.connector import OffloadingConnector
+from connectors.offload.records import OffloadWorkerMetadata
+from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
+from kvconnector_core.testing import make_kv_cache_config
+
+
+def _side(world_size: int = 1, num_cpu_blocks: int = 8):
+    cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": num_cpu_blocks},
+                            world_size=world_size)
+    return OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
+
+
+def _report(done: list[int] = (), failed: list[int] = ()) -> KVConnectorOutput:  # type: ignore[assignment]
+    meta = OffloadWorkerMetadata(done_job_ids=list(done), failed_job_ids=list(failed))
+    return KVConnectorOutput(kv_connector_worker_meta=meta)
+
+
+def _planned_store(side, job_id: int, key: bytes) -> None:
+    assert side.manager.prepare_store([key]) is not None
+    side._jobs[job_id] = JobRecord("r", (key,), is_store=True)  # noqa: SLF001 - a planned store job
+
+
+def test_a_job_reported_again_is_ignored() -> None:
+    side = _side()
+    key = b"k" + group_suffix(0)
+    _planned_store(side, 0, key)
+    side.update_connector_output(_report(done=[0]))
+    side.update_connector_output(_report(done=[0]))  # e.g. a late duplicate: no KeyError
+    side.update_connector_output(_report(failed=[0]))  # nor does a late failure undo the store
+    assert side.manager.lookup([key]) == 1
+    assert not side.has_pending_work()
