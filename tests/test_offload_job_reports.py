@@ -7,11 +7,13 @@ what a job pinned exactly once.
 
 from __future__ import annotations
 
+import pytest
+
 from connectors.offload._sched_state import JobRecord, group_suffix
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import OffloadWorkerMetadata
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
-from kvconnector_core.testing import make_kv_cache_config
+from kvconnector_core.testing import make_kv_cache_config, make_request, scheduler_output_for
 
 
 def _side(world_size: int = 1, num_cpu_blocks: int = 8):
@@ -39,3 +41,18 @@ def test_a_job_reported_again_is_ignored() -> None:
     side.update_connector_output(_report(failed=[0]))  # nor does a late failure undo the store
     assert side.manager.lookup([key]) == 1
     assert not side.has_pending_work()
+
+
+@pytest.mark.parametrize("outcome", ["done", "failed"])
+def test_a_finished_store_stops_fencing_its_blocks(outcome: str) -> None:
+    """Once a store is reported (either way) the engine may rewrite the windowed blocks
+    it read: a later allocation of them makes the worker wait for nothing; a store still
+    in flight is still waited for."""
+    side = _side()
+    for job_id, block in ((0, 5), (1, 6)):
+        _planned_store(side, job_id, bytes([job_id]) + group_suffix(0))
+        side._fence.add(job_id, [block])  # noqa: SLF001 - the store reads a sliding-window block
+    side.update_connector_output(_report(**{outcome: [0]}))
+    request = make_request(32)
+    plan = side.build_connector_meta(scheduler_output_for([(request, ([5, 6],), 0)]))
+    assert plan.flush_job_ids == [1]
