@@ -56,3 +56,22 @@ def test_a_finished_store_stops_fencing_its_blocks(outcome: str) -> None:
     request = make_request(32)
     plan = side.build_connector_meta(scheduler_output_for([(request, ([5, 6],), 0)]))
     assert plan.flush_job_ids == [1]
+
+
+@pytest.mark.parametrize(("outcome", "visible"), [("done", 1), ("failed", 0)])
+def test_chunks_a_load_promoted_from_a_tier_are_visible_only_if_it_worked(outcome: str, visible: int) -> None:
+    """A load that promotes tier chunks reads them into reserved CPU slots first; when the
+    worker reports the load failed (a tier read failed), those slots hold no valid KV and
+    must never be served."""
+    side = _side()
+    held, promoted = b"h" + group_suffix(0), b"p" + group_suffix(0)
+    assert side.manager.prepare_store([held]) is not None
+    side.manager.complete_store([held])
+    assert side.manager.prepare_store([promoted]) is not None  # the promotion's reserved slot
+    side.manager.prepare_load([held])
+    side._jobs[0] = JobRecord("r", (held,), is_store=False, promoted=(promoted,))  # noqa: SLF001 - a planned load
+    side.update_connector_output(_report(**{outcome: [0]}))
+    assert side.manager.lookup([promoted]) == visible
+    assert side.manager.lookup([held]) == 1
+    assert all(entry.ref_cnt == 0 for _, entry in side.manager.policy)  # unpinned either way
+    assert not side.has_pending_work()
