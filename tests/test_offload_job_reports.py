@@ -75,3 +75,21 @@ def test_chunks_a_load_promoted_from_a_tier_are_visible_only_if_it_worked(outcom
     assert side.manager.lookup([held]) == 1
     assert all(entry.ref_cnt == 0 for _, entry in side.manager.policy)  # unpinned either way
     assert not side.has_pending_work()
+
+
+def test_a_failed_receive_reported_without_its_job_unpins_only_that_requests_load() -> None:
+    """The worker may report a receive failed without naming its job (its load was never
+    submitted, e.g. start_load_kv raised first): that load's CPU chunks are unpinned, so
+    they can be evicted again; another request's load in flight stays pinned."""
+    side = _side()
+    keys = {rid: bytes(rid, "ascii") + group_suffix(0) for rid in ("r", "s")}
+    for job_id, (rid, key) in enumerate(keys.items()):
+        assert side.manager.prepare_store([key]) is not None
+        side.manager.complete_store([key])
+        side.manager.prepare_load([key])
+        side._jobs[job_id] = JobRecord(rid, (key,), is_store=False)  # noqa: SLF001 - a planned load
+    side.update_connector_output(KVConnectorOutput(finished_recving={"r"}, failed_recving={"r"}))
+    pins = {key: entry.ref_cnt for key, entry in side.manager.policy}
+    assert pins == {keys["r"]: 0, keys["s"]: 1}
+    side.update_connector_output(_report(done=[1]))
+    assert not side.has_pending_work()
