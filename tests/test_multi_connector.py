@@ -622,3 +622,32 @@ def test_a_failed_load_keeps_the_multi_pending_until_planned():
     assert sched.has_pending_work()
     sched.build_connector_meta(empty_scheduler_output())
     assert not sched.has_pending_work()
+
+
+def test_a_resent_delayed_free_the_children_already_reported_is_settled_on_the_worker():
+    """A delayed free re-sent after a failed plan can reach the worker after its child
+    reported it (children report a request once); the plan that settles it makes the
+    worker side stop waiting, so it keeps no state for the request."""
+    sched, worker = pair(child(delay_free=True))
+    request = make_request()
+    rid = request.request_id
+    assert sched.request_finished(request, [1])[0] is True
+    finished = empty_scheduler_output()
+    finished.finished_req_ids = {rid}
+    first = check_metadata_roundtrip(sched.build_connector_meta(finished))
+    sched.plan_failed(first, loads_failed=False, stores_failed=True)  # its delayed free is sent again
+    resent = check_metadata_roundtrip(sched.build_connector_meta(empty_scheduler_output()))
+    assert resent.delayed_sends == {rid: [0]}
+    reports = []
+    for plan, done in ((first, {rid}), (resent, set())):
+        worker.bind_connector_metadata(plan)
+        worker.start_load_kv()
+        worker.wait_for_save()
+        reports.append(worker.get_transfer_results(done).finished_sending)
+        worker.clear_connector_metadata()
+    assert reports == [{rid}, set()]
+    sched.update_connector_output(KVConnectorOutput(finished_sending={rid}))
+    settling = check_metadata_roundtrip(sched.build_connector_meta(empty_scheduler_output()))
+    assert settling.settled_sends == [rid]
+    worker.bind_connector_metadata(settling)
+    assert worker.num_request_states() == 0
