@@ -223,6 +223,7 @@ def test_delayed_free_reported_once_after_every_child():
     reports = [step(sched, worker, finished={request.request_id})[0].finished_sending]
     reports += [step(sched, worker)[0].finished_sending for _ in range(4)]
     assert reports == [set(), set(), {request.request_id}, set(), set()]
+    assert worker.num_request_states() == 0  # nothing kept once reported
 
 
 def test_no_delay_when_no_child_asks_and_params_merge():
@@ -284,6 +285,32 @@ def test_worker_load_hook_failure_fails_that_childs_loads():
     _, errors = step(sched, worker)
     assert errors == set(manager.get_block_ids(request.request_id)[0][:2])
     assert "start_load_kv" in worker.children[1].hooks_called()  # the others still ran
+
+
+def test_a_childs_load_failure_leaves_the_other_childs_loads_alone():
+    """Only the loads the failing child planned are reported failed: a load planned by
+    another child in the same step is not (its request would be recomputed for nothing)."""
+    children = (child(hit_tokens=8), child("Raising", raise_in=["start_load_kv"], hit_tokens=4))
+    sched, worker = pair(*children)
+    request = make_request(13)
+    assert admit(sched, make_kv_cache_manager(), request) == (8, False)  # child 0 loads it
+    res, errors = step(sched, worker)
+    assert errors == set() and not res.failed_recving
+    assert worker.get_kv_connector_stats()["hook_errors"] == {"Raising.start_load_kv": 1}
+
+
+def test_an_async_load_failed_by_the_multi_is_reported_once_and_forgotten():
+    """The multi reports a failing child's async load as a failed receive itself; the
+    child's own late report of that receive is swallowed, and no state is kept for it."""
+    children = (child("Raising", raise_in=["start_load_kv"], hit_tokens=8, load_async=True),)
+    sched, worker = pair(*children)
+    request = make_request(13)
+    admit(sched, make_kv_cache_manager(), request)
+    res, _ = step(sched, worker)
+    assert res.finished_recving == {request.request_id} == res.failed_recving
+    assert worker.num_request_states() == 0
+    res, _ = step(sched, worker)
+    assert not res.finished_recving and not res.failed_recving
 
 
 def test_child_with_undeclared_metadata_type_is_skipped():
