@@ -54,6 +54,17 @@ class SlowSender(RecordingConnector):
         return done or None, recving
 
 
+class FailedReceiver(RecordingConnector):
+    """Reports each of its asynchronous loads as a failed receive."""
+
+    name = "FailedReceiver"
+
+    def get_transfer_results(self, finished_req_ids):
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving |= results.finished_recving
+        return results
+
+
 class Raising(RecordingConnector):
     """Raises from the hooks named in extra_config['raise_in']."""
 
@@ -106,7 +117,7 @@ class WrongMetaType(RecordingConnector):
 
 
 REGISTRY = ConnectorRegistry()
-for _cls in (RecordingConnector, SlowSender, Raising, Evented, OtherMetaConnector, WrongMetaType):
+for _cls in (RecordingConnector, SlowSender, FailedReceiver, Raising, Evented, OtherMetaConnector, WrongMetaType):
     REGISTRY.add(_cls)
 
 
@@ -273,6 +284,9 @@ def test_loader_failing_after_alloc_reports_failed_load(load_async):
     assert errors == set(manager.get_block_ids(request.request_id)[0][:2])
     expected = {request.request_id} if load_async else set()
     assert res.finished_recving == expected and res.failed_recving == expected
+    res, errors = step(sched, worker, finished={request.request_id})  # reported once only
+    assert errors == set() and not res.finished_recving and not res.failed_recving
+    assert worker.num_request_states() == 0  # the receive the child never reports is forgotten
 
 
 def test_worker_load_hook_failure_fails_that_childs_loads():
@@ -311,6 +325,24 @@ def test_an_async_load_failed_by_the_multi_is_reported_once_and_forgotten():
     assert worker.num_request_states() == 0
     res, _ = step(sched, worker)
     assert not res.finished_recving and not res.failed_recving
+
+
+def test_a_childs_own_failed_receive_is_reported_failed():
+    sched, worker = pair(child(), child("FailedReceiver", hit_tokens=8, load_async=True))
+    request = make_request(13)
+    assert admit(sched, make_kv_cache_manager(), request) == (8, True)
+    res, _ = step(sched, worker)
+    assert res.finished_recving == {request.request_id} == res.failed_recving
+
+
+def test_the_worker_report_names_the_child_whose_loads_failed():
+    """The step's report tells the scheduler side which child's loads failed (it then
+    tells that child plan_failed)."""
+    sched, worker = pair(child(), child("Raising", raise_in=["start_load_kv"]))
+    step(sched, worker)
+    meta = worker.build_connector_worker_meta()
+    assert meta is not None and meta.loads_failed == (1,) and meta.stores_failed == ()
+    assert worker.build_connector_worker_meta() is None  # reported once
 
 
 def test_child_with_undeclared_metadata_type_is_skipped():
