@@ -65,6 +65,18 @@ class FailedReceiver(RecordingConnector):
         return results
 
 
+class WorkerPending(RecordingConnector):
+    """A worker side with tier events of its own and, if told, work still pending."""
+
+    name = "WorkerPending"
+
+    def get_kv_connector_kv_cache_events(self):
+        return [BlockRemoved([self._config.extra_config["tag"]], "DISK")]
+
+    def has_pending_work(self):
+        return bool(self._config.extra_config.get("pending", False))
+
+
 class Raising(RecordingConnector):
     """Raises from the hooks named in extra_config['raise_in']."""
 
@@ -117,7 +129,7 @@ class WrongMetaType(RecordingConnector):
 
 
 REGISTRY = ConnectorRegistry()
-for _cls in (RecordingConnector, SlowSender, FailedReceiver, Raising, Evented, OtherMetaConnector, WrongMetaType):
+for _cls in (RecordingConnector, SlowSender, FailedReceiver, WorkerPending, Raising, Evented, OtherMetaConnector, WrongMetaType):
     REGISTRY.add(_cls)
 
 
@@ -340,9 +352,21 @@ def test_the_worker_report_names_the_child_whose_loads_failed():
     tells that child plan_failed)."""
     sched, worker = pair(child(), child("Raising", raise_in=["start_load_kv"]))
     step(sched, worker)
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    worker.bind_connector_metadata(check_metadata_roundtrip(plan))
+    worker.start_load_kv()
     meta = worker.build_connector_worker_meta()
     assert meta is not None and meta.loads_failed == (1,) and meta.stores_failed == ()
+    assert meta.step == plan.step  # the step whose plan failed, under async scheduling too
     assert worker.build_connector_worker_meta() is None  # reported once
+
+
+def test_worker_events_and_pending_work_come_from_every_child():
+    _, worker = pair(child("WorkerPending", tag=1), child("WorkerPending", tag=2))
+    assert [e.block_hashes for e in worker.get_kv_connector_kv_cache_events()] == [[1], [2]]
+    assert not worker.has_pending_work()
+    _, worker = pair(child("WorkerPending", tag=1), child("WorkerPending", tag=2, pending=True))
+    assert worker.has_pending_work()
 
 
 def test_child_with_undeclared_metadata_type_is_skipped():
