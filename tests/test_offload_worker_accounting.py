@@ -107,3 +107,18 @@ def test_a_delayed_free_waits_for_a_store_still_unsubmitted_of_another_request()
     _, _, _, meta = _step(worker, OffloadingConnectorMetadata())
     assert meta == OffloadWorkerMetadata(done_job_ids=[1])
     assert not worker.has_pending_work()
+
+
+def test_a_preempted_requests_store_is_copied_before_its_blocks_can_be_rewritten() -> None:
+    """vLLM calls handle_preemptions before it binds the step's plan: the preempted
+    request's store queued in the last step must be copied right there, since the engine
+    may hand its blocks to another request in this very step."""
+    worker, caches = _worker()
+    want = _block(caches, 3)
+    _step(worker, OffloadingConnectorMetadata(stores=[TransferJobSpec(0, "p", [3], [2])]))
+    worker.handle_preemptions(OffloadingConnectorMetadata(preempted_req_ids=["p"]))
+    for t in caches.values():
+        t[3] = 0  # the block is rewritten by its next owner
+    _step(worker, OffloadingConnectorMetadata(preempted_req_ids=["p"]))
+    _step(worker, OffloadingConnectorMetadata(loads=[TransferJobSpec(1, "q", [9], [2])]))
+    assert all(torch.equal(a, b) for a, b in zip(_block(caches, 9), want, strict=True))
