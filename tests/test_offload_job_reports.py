@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.offload._sched_state import JobRecord, group_suffix
+from connectors.offload._sched_state import JobRecord, ReqState, group_suffix
 from connectors.offload.connector import OffloadingConnector
-from connectors.offload.records import OffloadWorkerMetadata
+from connectors.offload.records import (
+    OffloadingConnectorMetadata,
+    OffloadWorkerMetadata,
+    TierWriteJob,
+    TransferJobSpec,
+)
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
-from kvconnector_core.testing import make_kv_cache_config, make_request, scheduler_output_for
+from kvconnector_core.testing import empty_scheduler_output, make_kv_cache_config, make_request, scheduler_output_for
 
 
 def _side(world_size: int = 1, num_cpu_blocks: int = 8):
@@ -93,3 +98,71 @@ def test_a_failed_receive_reported_without_its_job_unpins_only_that_requests_loa
     assert pins == {keys["r"]: 0, keys["s"]: 1}
     side.update_connector_output(_report(done=[1]))
     assert not side.has_pending_work()
+
+
+def _held(side, key: bytes) -> None:
+    assert side.manager.prepare_store([key]) is not None
+    side.manager.complete_store([key])
+
+
+def _pins(side) -> dict[bytes, int]:
+    return {key: entry.ref_cnt for key, entry in side.manager.policy}
+
+
+def test_a_forgotten_request_loses_its_unsent_load_and_its_stores_in_flight() -> None:
+    """forget_requests (the guard's answer to a hook that raised for the request): its
+    load not yet sent is dropped and unpinned, and a store of it still in flight fails
+    when it completes, so nothing it computed becomes visible; no state is left."""
+    side = _side()
+    loaded, stored = b"l" + group_suffix(0), b"s" + group_suffix(0)
+    _held(side, loaded)
+    side.manager.prepare_load([loaded])
+    side._jobs[0] = JobRecord("r", (loaded,), is_store=False)  # noqa: SLF001 - a planned load
+    side._pending_loads.append(TransferJobSpec(0, "r", [4], [0]))  # noqa: SLF001 - not sent yet
+    _planned_store(side, 1, stored)
+    side._reqs["r"] = ReqState(make_request(request_id="r"), store_jobs={1})  # noqa: SLF001
+    side.forget_requests({"r"})
+    assert _pins(side)[loaded] == 0
+    assert side.build_connector_meta(empty_scheduler_output()).loads == []
+    side.update_connector_output(_report(done=[1]))  # the worker copied it: still never visible
+    assert side.manager.lookup([stored]) == 0
+    assert not side._reqs and not side.has_pending_work()  # noqa: SLF001
+
+
+def test_a_failed_plan_releases_what_it_named() -> None:
+    """plan_failed: a failed plan's loads are unpinned; with its stores failed, its stores
+    never become visible, its tier writes' CPU slots are unpinned, the stores in flight of
+    its preempted requests fail, and its delayed frees are sent again."""
+    side = _side()
+    loaded, written, stored, preempted = (bytes([c]) + group_suffix(0) for c in b"lwsp")
+    for key in (loaded, written):
+        _held(side, key)
+        side.manager.prepare_load([key])
+    side._jobs[0] = JobRecord("a", (loaded,), is_store=False)  # noqa: SLF001
+    side._jobs[1] = JobRecord("", (written,), is_store=False)  # noqa: SLF001 - a tier write
+    _planned_store(side, 2, stored)
+    _planned_store(side, 3, preempted)
+    side._reqs["p"] = ReqState(make_request(request_id="p"), store_jobs={3})  # noqa: SLF001
+    plan = OffloadingConnectorMetadata(
+        loads=[TransferJobSpec(0, "a", [4], [0])], tier_writes=[TierWriteJob(1, [])],
+        stores=[TransferJobSpec(2, "b", [5], [1])], preempted_req_ids=["p"], delayed_free_req_ids=["d"])
+    side.plan_failed(plan, loads_failed=True, stores_failed=True)
+    assert _pins(side)[loaded] == 0 and _pins(side)[written] == 0
+    assert side.manager.lookup([stored]) == 0 and stored not in _pins(side)  # its slot given back
+    side.update_connector_output(_report(done=[3]))  # the preempted request's store read rewritten blocks
+    assert side.manager.lookup([preempted]) == 0
+    assert side.build_connector_meta(empty_scheduler_output()).delayed_free_req_ids == ["d"]
+
+
+def test_a_finished_request_is_kept_until_its_stores_are_done_and_its_free_is_reported() -> None:
+    side = _side()
+    key = b"k" + group_suffix(0)
+    _planned_store(side, 0, key)
+    request = make_request(request_id="r")
+    side._reqs["r"] = ReqState(request, store_jobs={0})  # noqa: SLF001 - a store in flight
+    assert side.request_finished(request, [1]) == (True, None)  # blocks kept while it reads them
+    assert side.build_connector_meta(empty_scheduler_output()).delayed_free_req_ids == ["r"]
+    side.update_connector_output(_report(done=[0]))
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
+    assert side.manager.lookup([key]) == 1
+    assert not side._reqs and not side.has_pending_work()  # noqa: SLF001
