@@ -166,3 +166,15 @@ def test_a_finished_request_is_kept_until_its_stores_are_done_and_its_free_is_re
     side.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
     assert side.manager.lookup([key]) == 1
     assert not side._reqs and not side.has_pending_work()  # noqa: SLF001
+
+
+def test_a_resent_delayed_free_reported_meanwhile_is_not_sent_again() -> None:
+    side = _side()
+    _planned_store(side, 0, b"k" + group_suffix(0))
+    request = make_request(request_id="r")
+    side._reqs["r"] = ReqState(request, store_jobs={0})  # noqa: SLF001 - a store in flight
+    assert side.request_finished(request, [1])[0] is True
+    plan = side.build_connector_meta(empty_scheduler_output())
+    side.plan_failed(plan, loads_failed=False, stores_failed=True)  # its delayed free is due again
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r"}))  # but was reported meanwhile
+    assert side.build_connector_meta(empty_scheduler_output()).delayed_free_req_ids == []
