@@ -178,3 +178,21 @@ def test_a_resent_delayed_free_reported_meanwhile_is_not_sent_again() -> None:
     side.plan_failed(plan, loads_failed=False, stores_failed=True)  # its delayed free is due again
     side.update_connector_output(KVConnectorOutput(finished_sending={"r"}))  # but was reported meanwhile
     assert side.build_connector_meta(empty_scheduler_output()).delayed_free_req_ids == []
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["aligned", "mid-chunk"])
+def test_hits_only_recency_touches_the_whole_chunks_hit_when_the_request_finishes(half: bool) -> None:
+    """Recency "hits_only": at its finish, the whole chunks the request's admission hit
+    become the most recent; a chunk it hit only in part (or only stored) keeps its rank."""
+    cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8, "recency": "hits_only"})
+    side = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
+    ct = side.offload_config.chunk_tokens
+    request = make_request(3 * ct + 1, request_id="r")
+    hit, partial = (request.block_hashes[c] + group_suffix(0) for c in (0, 1))
+    other = b"o" + group_suffix(0)
+    for key in (hit, partial, other):  # least recent first
+        _held(side, key)
+    assert ct >= 2
+    side._reqs["r"] = ReqState(request, hit_tokens=ct + (ct // 2 if half else 0))  # noqa: SLF001 - its admission's hit
+    side.request_finished(request, [1])
+    assert [key for key, _ in side.manager.policy] == [partial, other, hit]
