@@ -122,3 +122,37 @@ def test_a_preempted_requests_store_is_copied_before_its_blocks_can_be_rewritten
     _step(worker, OffloadingConnectorMetadata(preempted_req_ids=["p"]))
     _step(worker, OffloadingConnectorMetadata(loads=[TransferJobSpec(1, "q", [9], [2])]))
     assert all(torch.equal(a, b) for a, b in zip(_block(caches, 9), want, strict=True))
+
+
+class _SlowCompletions:
+    """Wraps the mover: a job is reported finished one poll later than it could be (a
+    DMA still running)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.held = real, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def get_finished(self):
+        out, self.held = self.held, self.real.get_finished()
+        return out
+
+
+def test_a_finished_request_is_not_reported_sent_while_its_store_runs() -> None:
+    worker, _ = _worker()
+    worker.worker_side.mover = _SlowCompletions(worker.worker_side.mover)
+    plan = OffloadingConnectorMetadata(stores=[TransferJobSpec(0, "r", [1], [0])], delayed_free_req_ids=["r"])
+    results, _, _, meta = _step(worker, plan, finished={"r"})
+    assert results.finished_sending == set() and meta is None  # its blocks are still being read
+    results, _, _, meta = _step(worker, OffloadingConnectorMetadata())
+    assert results.finished_sending == {"r"} and meta == OffloadWorkerMetadata(done_job_ids=[0])
+
+
+def test_shutdown_copies_the_stores_still_queued() -> None:
+    worker, _ = _worker()
+    _step(worker, OffloadingConnectorMetadata(stores=[TransferJobSpec(0, "r", [6], [3])]))
+    mover = worker.worker_side.mover
+    worker.shutdown()
+    # CPU sub-block 3 holds GPU block 6, plane by plane.
+    assert all(torch.equal(cpu[3], gpu[6]) for gpu, cpu in zip(mover.layout.planes, mover.cpu_planes, strict=True))
