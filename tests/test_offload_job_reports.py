@@ -141,6 +141,7 @@ def test_a_failed_plan_releases_what_it_named() -> None:
     side._jobs[0] = JobRecord("a", (loaded,), is_store=False)  # noqa: SLF001
     side._jobs[1] = JobRecord("", (written,), is_store=False)  # noqa: SLF001 - a tier write
     _planned_store(side, 2, stored)
+    side._fence.add(2, [7])  # noqa: SLF001 - the failed store read a sliding-window block
     _planned_store(side, 3, preempted)
     side._reqs["p"] = ReqState(make_request(request_id="p"), store_jobs={3})  # noqa: SLF001
     plan = OffloadingConnectorMetadata(
@@ -151,7 +152,9 @@ def test_a_failed_plan_releases_what_it_named() -> None:
     assert side.manager.lookup([stored]) == 0 and stored not in _pins(side)  # its slot given back
     side.update_connector_output(_report(done=[3]))  # the preempted request's store read rewritten blocks
     assert side.manager.lookup([preempted]) == 0
-    assert side.build_connector_meta(empty_scheduler_output()).delayed_free_req_ids == ["d"]
+    plan = side.build_connector_meta(scheduler_output_for([(make_request(32), ([7],), 0)]))
+    assert plan.delayed_free_req_ids == ["d"]
+    assert plan.flush_job_ids == []  # nothing reads block 7 any more
 
 
 def test_a_finished_request_is_kept_until_its_stores_are_done_and_its_free_is_reported() -> None:

@@ -220,6 +220,24 @@ def test_a_step_without_a_plan_invalidates_its_sync_loads_blocks():
     assert "bind_connector_metadata" not in conn.calls
 
 
+class _ReceivesWithUnknownErrors(_RecordingWorker):
+    def get_finished(self, finished_req_ids):
+        self._rec("get_finished")
+        return None, {"a"}
+
+
+def test_receives_fail_when_the_connector_cannot_tell_its_load_errors():
+    """get_block_ids_with_load_errors raised: which loads failed is unknown, so every
+    receive the step reports is a failed one (recomputed, never trusted)."""
+    mc = ModelConfig(layer_types=("full",))
+    cfg = make_kv_cache_config(mc, block_size=4)
+    conn = _ReceivesWithUnknownErrors(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    conn.raise_in = {"get_block_ids_with_load_errors"}
+    runner = ModelRunner(mc, cfg, connector=conn)
+    out = runner.execute_model(SchedulerOutput([], CachedRequestData.make_empty(), {}, 0, set(), set(), _Meta()))
+    assert out.kv_connector_output.finished_recving == {"a"} == out.kv_connector_output.failed_recving
+
+
 class _PreemptionRecorder(_RecordingWorker):
     def handle_preemptions(self, connector_metadata):
         self._rec("handle_preemptions")
