@@ -87,6 +87,17 @@ def test_seven_abstract_hooks():
         missing(REC, KVConnectorRole.SCHEDULER)
 
 
+def test_capability_defaults():
+    """A connector that declares nothing loads synchronously, gets the per-layer hooks,
+    needs no block pool and handles one KV cache group (the documented defaults)."""
+    caps = ("supports_async_load", "has_sync_kv_loads", "uses_layer_hooks", "requires_block_pool",
+            "supports_multiple_kv_cache_groups", "required_kv_cache_layout")
+    assert {c: getattr(Minimal, c) for c in caps} == {
+        "supports_async_load": False, "has_sync_kv_loads": False, "uses_layer_hooks": True,
+        "requires_block_pool": False, "supports_multiple_kv_cache_groups": False,
+        "required_kv_cache_layout": None}
+
+
 def test_optional_hook_defaults():
     """Every optional hook has a documented no-op default."""
     conn = Minimal(KVConnectorConfig(name="Minimal"), KVConnectorRole.SCHEDULER)

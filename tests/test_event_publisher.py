@@ -60,10 +60,15 @@ def test_default_endpoints_bind_loopback_only():
     ({"endpoint": "127.0.0.1:5557"}, "not a ZeroMQ endpoint"),
     ({"endpoint": "tcp://127.0.0.1:5", "replay_endpoint": "tcp://127.0.0.1:5"}, "must differ"),
     ({"buffer_steps": 0}, "buffer_steps must be a positive int, got 0"),
+    ({"endpoint": "tcp://127.0.0.1:65536"}, "no valid port"),
 ])
 def test_bad_config_names_the_value(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
         EventPublisherConfig(**kwargs)
+
+
+def test_the_highest_port_is_valid():
+    assert EventPublisherConfig(endpoint="tcp://127.0.0.1:65535").endpoint.endswith(":65535")
 
 
 def test_taken_port_is_a_config_error_naming_the_endpoint():
@@ -123,6 +128,37 @@ def test_replay_is_bounded_by_buffer_steps_and_counts_what_is_lost():
     assert [b.seq for b in got[:-1]] == [live.seq - 2, live.seq - 1]
     assert all(b.replayed for b in got[:-1])
     assert sub.missed == live.seq - 2
+
+
+def test_a_replay_ends_on_the_publishers_end_marker_and_counts_the_batches_it_lacks(caplog):
+    """Asked for 0..7 while 3..5 are buffered: 3..5 come back, 0..2 and 6..7 are missed,
+    and the answer ends on the end marker (not on the reply timeout)."""
+    config = msgspec.structs.replace(ANY_PORT, buffer_steps=3)
+    with ZmqEventPublisher(config) as pub:
+        for k in range(6):
+            pub.publish(_batch(k))
+        assert pub.drain(30)
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout=30.0) as sub, \
+                caplog.at_level("WARNING", logger="kvconnector_core.event_publisher"):
+            got = list(sub.replay(0, 8))
+    assert [(b.seq, b.replayed) for b in got] == [(3, True), (4, True), (5, True)]
+    assert sub.missed == 5
+    assert not caplog.records
+
+
+def test_live_batches_come_once_each_in_order():
+    with ZmqEventPublisher(ANY_PORT) as pub:
+        sub = EventSubscriber(pub.endpoint, pub.replay_endpoint)
+        got: list = []
+        k = 0
+        while len(got) < 4 and k < 4000:
+            pub.publish(_batch(k))
+            k += 1
+            got += sub.receive(timeout=0.05)
+        sub.close()
+    seqs = [b.seq for b in got]
+    assert len(seqs) >= 4 and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert sub.next_seq == seqs[-1] + 1
 
 
 def test_publish_never_blocks_a_full_queue_drops_and_counts():

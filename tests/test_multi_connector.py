@@ -54,6 +54,29 @@ class SlowSender(RecordingConnector):
         return done or None, recving
 
 
+class FailedReceiver(RecordingConnector):
+    """Reports each of its asynchronous loads as a failed receive."""
+
+    name = "FailedReceiver"
+
+    def get_transfer_results(self, finished_req_ids):
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving |= results.finished_recving
+        return results
+
+
+class WorkerPending(RecordingConnector):
+    """A worker side with tier events of its own and, if told, work still pending."""
+
+    name = "WorkerPending"
+
+    def get_kv_connector_kv_cache_events(self):
+        return [BlockRemoved([self._config.extra_config["tag"]], "DISK")]
+
+    def has_pending_work(self):
+        return bool(self._config.extra_config.get("pending", False))
+
+
 class Raising(RecordingConnector):
     """Raises from the hooks named in extra_config['raise_in']."""
 
@@ -106,7 +129,7 @@ class WrongMetaType(RecordingConnector):
 
 
 REGISTRY = ConnectorRegistry()
-for _cls in (RecordingConnector, SlowSender, Raising, Evented, OtherMetaConnector, WrongMetaType):
+for _cls in (RecordingConnector, SlowSender, FailedReceiver, WorkerPending, Raising, Evented, OtherMetaConnector, WrongMetaType):
     REGISTRY.add(_cls)
 
 
@@ -223,6 +246,7 @@ def test_delayed_free_reported_once_after_every_child():
     reports = [step(sched, worker, finished={request.request_id})[0].finished_sending]
     reports += [step(sched, worker)[0].finished_sending for _ in range(4)]
     assert reports == [set(), set(), {request.request_id}, set(), set()]
+    assert worker.num_request_states() == 0  # nothing kept once reported
 
 
 def test_no_delay_when_no_child_asks_and_params_merge():
@@ -272,6 +296,9 @@ def test_loader_failing_after_alloc_reports_failed_load(load_async):
     assert errors == set(manager.get_block_ids(request.request_id)[0][:2])
     expected = {request.request_id} if load_async else set()
     assert res.finished_recving == expected and res.failed_recving == expected
+    res, errors = step(sched, worker, finished={request.request_id})  # reported once only
+    assert errors == set() and not res.finished_recving and not res.failed_recving
+    assert worker.num_request_states() == 0  # the receive the child never reports is forgotten
 
 
 def test_worker_load_hook_failure_fails_that_childs_loads():
@@ -284,6 +311,62 @@ def test_worker_load_hook_failure_fails_that_childs_loads():
     _, errors = step(sched, worker)
     assert errors == set(manager.get_block_ids(request.request_id)[0][:2])
     assert "start_load_kv" in worker.children[1].hooks_called()  # the others still ran
+
+
+def test_a_childs_load_failure_leaves_the_other_childs_loads_alone():
+    """Only the loads the failing child planned are reported failed: a load planned by
+    another child in the same step is not (its request would be recomputed for nothing)."""
+    children = (child(hit_tokens=8), child("Raising", raise_in=["start_load_kv"], hit_tokens=4))
+    sched, worker = pair(*children)
+    request = make_request(13)
+    assert admit(sched, make_kv_cache_manager(), request) == (8, False)  # child 0 loads it
+    res, errors = step(sched, worker)
+    assert errors == set() and not res.failed_recving
+    assert worker.get_kv_connector_stats()["hook_errors"] == {"Raising.start_load_kv": 1}
+
+
+def test_an_async_load_failed_by_the_multi_is_reported_once_and_forgotten():
+    """The multi reports a failing child's async load as a failed receive itself; the
+    child's own late report of that receive is swallowed, and no state is kept for it."""
+    children = (child("Raising", raise_in=["start_load_kv"], hit_tokens=8, load_async=True),)
+    sched, worker = pair(*children)
+    request = make_request(13)
+    admit(sched, make_kv_cache_manager(), request)
+    res, _ = step(sched, worker)
+    assert res.finished_recving == {request.request_id} == res.failed_recving
+    assert worker.num_request_states() == 0
+    res, _ = step(sched, worker)
+    assert not res.finished_recving and not res.failed_recving
+
+
+def test_a_childs_own_failed_receive_is_reported_failed():
+    sched, worker = pair(child(), child("FailedReceiver", hit_tokens=8, load_async=True))
+    request = make_request(13)
+    assert admit(sched, make_kv_cache_manager(), request) == (8, True)
+    res, _ = step(sched, worker)
+    assert res.finished_recving == {request.request_id} == res.failed_recving
+
+
+def test_the_worker_report_names_the_child_whose_loads_failed():
+    """The step's report tells the scheduler side which child's loads failed (it then
+    tells that child plan_failed)."""
+    sched, worker = pair(child(), child("Raising", raise_in=["start_load_kv"]))
+    step(sched, worker)
+    plan = sched.build_connector_meta(empty_scheduler_output())
+    worker.bind_connector_metadata(check_metadata_roundtrip(plan))
+    worker.start_load_kv()
+    meta = worker.build_connector_worker_meta()
+    assert meta is not None and meta.loads_failed == (1,) and meta.stores_failed == ()
+    assert meta.step == plan.step  # the step whose plan failed, under async scheduling too
+    assert worker.build_connector_worker_meta() is None  # reported once
+
+
+def test_worker_events_and_pending_work_come_from_every_child():
+    _, worker = pair(child("WorkerPending", tag=1), child("WorkerPending", tag=2))
+    assert [e.block_hashes for e in worker.get_kv_connector_kv_cache_events()] == [[1], [2]]
+    assert not worker.has_pending_work()
+    _, worker = pair(child("WorkerPending", tag=1), child("WorkerPending", tag=2, pending=True))
+    assert worker.has_pending_work()
 
 
 def test_child_with_undeclared_metadata_type_is_skipped():
@@ -622,3 +705,32 @@ def test_a_failed_load_keeps_the_multi_pending_until_planned():
     assert sched.has_pending_work()
     sched.build_connector_meta(empty_scheduler_output())
     assert not sched.has_pending_work()
+
+
+def test_a_resent_delayed_free_the_children_already_reported_is_settled_on_the_worker():
+    """A delayed free re-sent after a failed plan can reach the worker after its child
+    reported it (children report a request once); the plan that settles it makes the
+    worker side stop waiting, so it keeps no state for the request."""
+    sched, worker = pair(child(delay_free=True))
+    request = make_request()
+    rid = request.request_id
+    assert sched.request_finished(request, [1])[0] is True
+    finished = empty_scheduler_output()
+    finished.finished_req_ids = {rid}
+    first = check_metadata_roundtrip(sched.build_connector_meta(finished))
+    sched.plan_failed(first, loads_failed=False, stores_failed=True)  # its delayed free is sent again
+    resent = check_metadata_roundtrip(sched.build_connector_meta(empty_scheduler_output()))
+    assert resent.delayed_sends == {rid: [0]}
+    reports = []
+    for plan, done in ((first, {rid}), (resent, set())):
+        worker.bind_connector_metadata(plan)
+        worker.start_load_kv()
+        worker.wait_for_save()
+        reports.append(worker.get_transfer_results(done).finished_sending)
+        worker.clear_connector_metadata()
+    assert reports == [{rid}, set()]
+    sched.update_connector_output(KVConnectorOutput(finished_sending={rid}))
+    settling = check_metadata_roundtrip(sched.build_connector_meta(empty_scheduler_output()))
+    assert settling.settled_sends == [rid]
+    worker.bind_connector_metadata(settling)
+    assert worker.num_request_states() == 0

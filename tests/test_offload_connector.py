@@ -177,6 +177,8 @@ def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> 
     assert result.metrics.connector_hit_tokens == 0
     assert len(eng.scheduler_connector.manager.policy) == 0  # every slot given back
     assert not [e for e in events if isinstance(e, BlockStored)]
+    # Nor is anything kept for their wire events (it would only grow).
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
 
 
 def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -278,3 +278,47 @@ def test_module_path_with_a_registry_name_names_the_attribute_to_use():
     message = str(info.value)
     assert "not its registry name or alias: use 'OffloadingConnector'" in message, message
     assert "KVConnectorBase_V1" not in message, message
+
+
+def test_an_empty_alias_is_rejected():
+    with pytest.raises(InvalidConnectorError, match="invalid alias ''"):
+        ConnectorRegistry().add(Second, aliases=("",))
+
+
+def test_registering_a_class_again_keeps_its_aliases_and_origin():
+    """A second add of the same class only adds aliases: the first ones and the plugin
+    it came from stay."""
+    reg = load(ep("a", plugin(Second), "dist-a"))
+    reg.add(Second, aliases=("one",))
+    reg.add(Second, aliases=("two",))
+    entry = reg.get_entry("two")
+    assert entry.aliases == ("second", "one", "two")
+    assert (entry.distribution, entry.source) == ("dist-a", "a")
+
+
+def test_names_are_sorted_whatever_the_registration_order():
+    reg = ConnectorRegistry()
+    reg.add(Second)
+    reg.add(RecordingConnector)
+    assert reg.names() == ["RecordingConnector", "Second"]
+    assert [e.name for e in reg] == ["RecordingConnector", "Second"]
+
+
+def test_unknown_name_names_the_plugins_that_failed():
+    """The connector asked for may live in a plugin that failed to load: say which."""
+    reg = load(ep("broken", ImportError("no module named zzz"), "dist-broken"), ep("ok", plugin(Second)))
+    with pytest.raises(UnknownConnectorError, match=r"plugins with errors.*broken"):
+        reg.get("Missing")
+
+
+def test_module_path_naming_an_abstract_class_is_rejected():
+    cfg = KVConnectorConfig(name="KVConnectorBase_V1", module_path="kvconnector_core.connector.base")
+    with pytest.raises(InvalidConnectorError, match="not a concrete connector class"):
+        get_connector_class(cfg, registry=ConnectorRegistry())
+
+
+def test_reset_registry_makes_the_next_get_registry_load_again():
+    first = get_registry()
+    reset_registry()
+    second = get_registry()
+    assert second is not first and second.names() == first.names()

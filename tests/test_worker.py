@@ -206,6 +206,75 @@ def test_raising_worker_hooks_are_contained_and_failed_sync_load_reports_blocks(
     assert conn.calls[-1] == "clear_connector_metadata"
 
 
+def test_a_step_without_a_plan_invalidates_its_sync_loads_blocks():
+    """The scheduler side built no plan (its build_connector_meta raised) in a step with
+    synchronous loads: the loads never ran, so the blocks they were to fill are invalid."""
+    mc = ModelConfig(layer_types=("full",))
+    cfg = make_kv_cache_config(mc, block_size=4)
+    conn = _RecordingWorker(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    runner = ModelRunner(mc, cfg, connector=conn)
+    so = SchedulerOutput([NewRequestData("a", list(range(10)), ([5, 6, 7],), 8)],
+                         CachedRequestData.make_empty(), {"a": 2}, 2, set(), set(), None, has_sync_kv_loads=True)
+    out = runner.execute_model(so)
+    assert out.kv_connector_output.invalid_block_ids == {5, 6}
+    assert "bind_connector_metadata" not in conn.calls
+
+
+class _ReceivesWithUnknownErrors(_RecordingWorker):
+    def get_finished(self, finished_req_ids):
+        self._rec("get_finished")
+        return None, {"a"}
+
+
+def test_receives_fail_when_the_connector_cannot_tell_its_load_errors():
+    """get_block_ids_with_load_errors raised: which loads failed is unknown, so every
+    receive the step reports is a failed one (recomputed, never trusted)."""
+    mc = ModelConfig(layer_types=("full",))
+    cfg = make_kv_cache_config(mc, block_size=4)
+    conn = _ReceivesWithUnknownErrors(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    conn.raise_in = {"get_block_ids_with_load_errors"}
+    runner = ModelRunner(mc, cfg, connector=conn)
+    out = runner.execute_model(SchedulerOutput([], CachedRequestData.make_empty(), {}, 0, set(), set(), _Meta()))
+    assert out.kv_connector_output.finished_recving == {"a"} == out.kv_connector_output.failed_recving
+
+
+class _PreemptionRecorder(_RecordingWorker):
+    def handle_preemptions(self, connector_metadata):
+        self._rec("handle_preemptions")
+        self.preemption_plan = connector_metadata
+
+
+class _NoLayerHooks(_RecordingWorker):
+    uses_layer_hooks = False
+
+
+def test_handle_preemptions_gets_the_steps_plan_right_after_bind():
+    mc = ModelConfig(layer_types=("full",))
+    cfg = make_kv_cache_config(mc, block_size=4)
+    conn = _PreemptionRecorder(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    runner = ModelRunner(mc, cfg, connector=conn)
+    conn.calls.clear()
+    plan = _Meta(step=3)
+    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)], CachedRequestData.make_empty(),
+                         {"a": 3}, 3, set(), set(), plan)
+    runner.execute_model(so)
+    assert conn.calls[:2] == ["bind_connector_metadata", "handle_preemptions"]
+    assert conn.preemption_plan == plan
+
+
+def test_a_connector_without_layer_hooks_gets_no_per_layer_calls():
+    mc = ModelConfig(layer_types=("full", "full"))
+    cfg = make_kv_cache_config(mc)
+    conn = _NoLayerHooks(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
+    runner = ModelRunner(mc, cfg, connector=conn)
+    conn.calls.clear()
+    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)], CachedRequestData.make_empty(),
+                         {"a": 3}, 3, set(), set(), _Meta())
+    out = runner.execute_model(so)
+    assert conn.calls == ["bind_connector_metadata"] + ["start_load_kv"] + TAIL
+    assert out.sampled_token_ids["a"]
+
+
 def test_runner_rejects_inconsistent_plans():
     """Too few blocks, unknown cached requests and unknown tokens raise InvariantError."""
     mc = ModelConfig(layer_types=("full",))
