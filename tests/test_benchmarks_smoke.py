@@ -261,6 +261,19 @@ def test_bench_tiers_disk_rows_run_and_check_the_read_back(tmp_path, capsys) -> 
     assert row["store_ratio"] > 0 and row["load_ratio"] > 0
 
 
+def test_bench_tier_shards_runs_and_refuses_unequal_work(capsys, monkeypatch) -> None:
+    """bench_tier_shards.py times 1, 2 and 4 shards on disk, and refuses a run in which a
+    side does not find every chunk (here: nothing was stored)."""
+    import bench_tier_shards
+
+    assert bench_tier_shards.main(["--chunks", "4", "--repeats", "1", "--skip-redis"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| disk |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2", "4"]
+    monkeypatch.setattr(bench_tier_shards, "_fill", lambda spec, keys: None)
+    with pytest.raises(SystemExit, match="4 of 4 chunks not found"):
+        bench_tier_shards.main(["--chunks", "4", "--repeats", "1", "--skip-redis"])
+
+
 def test_transfer_benchmarks_run_every_variant_on_cpu(tmp_path: Path) -> None:
     """bench_transfer and bench_interference run end to end on CPU and every row checks out."""
     import json
