@@ -1,0 +1,48 @@
+"""Edge cases of the offload connector's scheduler-side load and store planning.
+
+Each test pins one decision of ``_sched_loads`` / ``_sched_stores`` that the engine-level
+tests do not reach: the role gate, chunk boundaries of a hit and of a store, and what
+the worker is told to copy.
+"""
+
+from __future__ import annotations
+
+import types
+
+from connectors.offload.connector import OffloadingConnector
+from kvconnector_core.connector.base import KVConnectorRole
+from kvconnector_core.connector.config import KVConnectorConfig
+from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+
+def kv_config(block_size: int = 16) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8)
+    return KVCacheConfig(num_blocks=32, kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+
+
+def side_of(extra: dict, role: str = "kv_both"):  # noqa: ANN201 - the private scheduler side
+    cfg = KVConnectorConfig(name="cpu_offload", role=role, extra_config=extra)
+    return OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, kv_config()).scheduler_side
+
+
+def request(rid: str, hashes: list[bytes], num_tokens: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=num_tokens)
+
+
+def hold(side, hashes: list[bytes], chunks: range) -> None:  # noqa: ANN001
+    """Store (and complete) the given chunks of a request with these block hashes."""
+    keys = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in chunks]  # noqa: SLF001
+    side.manager.complete_store(side.manager.prepare_store(keys).keys_to_store)
+
+
+HASHES = [bytes([i]) * 8 for i in range(8)]
+
+
+def test_a_producer_finds_no_hit_even_for_held_chunks() -> None:
+    """Role kv_producer only stores: chunks the tier holds are never offered as a hit."""
+    side = side_of({"num_cpu_blocks": 16}, role="kv_producer")
+    hold(side, HASHES, range(4))
+    assert side.get_num_new_matched_tokens(request("r", HASHES, 8 * 16 + 1), 0) == (0, False)
+    both = side_of({"num_cpu_blocks": 16})
+    hold(both, HASHES, range(4))
+    assert both.get_num_new_matched_tokens(request("r", HASHES, 8 * 16 + 1), 0) == (64, True)
