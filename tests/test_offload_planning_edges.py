@@ -46,3 +46,27 @@ def test_a_producer_finds_no_hit_even_for_held_chunks() -> None:
     both = side_of({"num_cpu_blocks": 16})
     hold(both, HASHES, range(4))
     assert both.get_num_new_matched_tokens(request("r", HASHES, 8 * 16 + 1), 0) == (64, True)
+
+
+def test_a_local_hit_inside_a_chunk_needs_that_chunk_held() -> None:
+    """With 32-token chunks, a 16-token GPU hit ends inside chunk 0: the CPU hit must
+    start with chunk 0 (its second block is loaded from it). Chunk 0 missing means no
+    hit, however many later chunks are held."""
+    side = side_of({"num_cpu_blocks": 16, "blocks_per_chunk": 2})
+    hold(side, HASHES, range(1, 4))
+    assert side.get_num_new_matched_tokens(request("r", HASHES, 8 * 16 + 1), 16) == (0, False)
+    hold(side, HASHES, range(1))
+    assert side.get_num_new_matched_tokens(request("r", HASHES, 8 * 16 + 1), 16) == (128 - 16, True)
+
+
+def test_a_fully_local_hit_costs_no_lookup() -> None:
+    """When the GPU hit already covers every chunk, the CPU tier is not asked."""
+    side = side_of({"num_cpu_blocks": 16})
+    hold(side, HASHES, range(8))
+    calls: list[int] = []
+    lookup = side.manager.lookup
+    side.manager.lookup = lambda keys: calls.append(1) or lookup(keys)
+    assert side.get_num_new_matched_tokens(request("r", HASHES, 8 * 16 + 1), 128) == (0, False)
+    assert calls == []
+    assert side.get_num_new_matched_tokens(request("r2", HASHES, 8 * 16 + 1), 112) == (16, True)
+    assert calls == [1]  # one chunk left: asked
