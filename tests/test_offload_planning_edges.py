@@ -70,3 +70,62 @@ def test_a_fully_local_hit_costs_no_lookup() -> None:
     assert calls == []
     assert side.get_num_new_matched_tokens(request("r2", HASHES, 8 * 16 + 1), 112) == (16, True)
     assert calls == [1]  # one chunk left: asked
+
+
+def _admission(held: range = range(8)):  # noqa: ANN202 - (side, request, its 8 blocks)
+    from kvconnector_core.kv_cache.block_pool import KVCacheBlock
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.request import Request
+
+    side = side_of({"num_cpu_blocks": 16})
+    req = Request("r", list(range(8 * 16 + 1)), 4, hash_block_size=16)
+    hold(side, list(req.block_hashes), held)
+    return side, req, KVCacheBlocks(([KVCacheBlock(i) for i in range(1, 9)],))
+
+
+def _empty_output():  # noqa: ANN202
+    from kvconnector_core.scheduler.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData([], set(), [], [], []),
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                           finished_req_ids=set(), preempted_req_ids=set())
+
+
+def test_a_load_is_planned_once_when_the_allocation_is_reported_twice() -> None:
+    side, req, blocks = _admission()
+    assert side.get_num_new_matched_tokens(req, 0) == (128, True)
+    side.update_state_after_alloc(req, blocks, 128)
+    side.update_state_after_alloc(req, blocks, 128)
+    loads = side.build_connector_meta(_empty_output()).loads
+    assert [job.gpu_block_ids for job in loads] == [list(range(1, 9))]
+
+
+def test_without_a_lookup_the_load_starts_after_the_hashed_gpu_prefix() -> None:
+    """Another connector answered the lookup: the GPU prefix hit is the leading blocks
+    that carry a hash, and only the blocks after it are loaded, from their own chunks."""
+    side, req, blocks = _admission()
+    for block, h in zip(blocks.blocks[0][:2], req.block_hashes, strict=False):
+        block.block_hash = h
+    side.update_state_after_alloc(req, blocks, 96)
+    (job,) = side.build_connector_meta(_empty_output()).loads
+    assert job.gpu_block_ids == list(range(3, 9))
+    slots = side.manager.prepare_load([side._key(req, 0, c) for c in range(2, 8)]).block_ids  # noqa: SLF001
+    assert job.cpu_block_ids == list(slots)
+
+
+def test_a_forgotten_request_gets_no_load() -> None:
+    """After the guard forgets a request (its store still in flight), a new allocation
+    for it plans nothing."""
+    from kvconnector_core.scheduler.output import NewRequestData
+
+    side, req, blocks = _admission(held=range(4, 8))
+    side.update_state_after_alloc(req, blocks, 0)
+    out = _empty_output()
+    out.scheduled_new_reqs.append(NewRequestData("r", list(req.prompt_token_ids), ([b.block_id for b in blocks.blocks[0]],), 0))
+    out.num_scheduled_tokens["r"] = 64
+    assert len(side.build_connector_meta(out).stores) == 1  # chunks 0-3, in flight
+    side.forget_requests({"r"})
+    for block, h in zip(blocks.blocks[0][:4], req.block_hashes, strict=False):
+        block.block_hash = h
+    side.update_state_after_alloc(req, blocks, 64)
+    assert side.build_connector_meta(_empty_output()).loads == []
