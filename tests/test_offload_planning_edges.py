@@ -20,7 +20,7 @@ def kv_config(block_size: int = 16) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=32, kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
 
 
-def side_of(extra: dict, role: str = "kv_both"):  # noqa: ANN201 - the private scheduler side
+def side_of(extra: dict, role: str = "kv_both"):
     cfg = KVConnectorConfig(name="cpu_offload", role=role, extra_config=extra)
     return OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, kv_config()).scheduler_side
 
@@ -29,9 +29,9 @@ def request(rid: str, hashes: list[bytes], num_tokens: int) -> types.SimpleNames
     return types.SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=num_tokens)
 
 
-def hold(side, hashes: list[bytes], chunks: range) -> None:  # noqa: ANN001
+def hold(side, hashes: list[bytes], chunks: range) -> None:
     """Store (and complete) the given chunks of a request with these block hashes."""
-    keys = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in chunks]  # noqa: SLF001
+    keys = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in chunks]
     side.manager.complete_store(side.manager.prepare_store(keys).keys_to_store)
 
 
@@ -72,7 +72,7 @@ def test_a_fully_local_hit_costs_no_lookup() -> None:
     assert calls == [1]  # one chunk left: asked
 
 
-def _admission(held: range = range(8)):  # noqa: ANN202 - (side, request, its 8 blocks)
+def _admission(held: range = range(8)):
     from kvconnector_core.kv_cache.block_pool import KVCacheBlock
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.request import Request
@@ -83,7 +83,7 @@ def _admission(held: range = range(8)):  # noqa: ANN202 - (side, request, its 8 
     return side, req, KVCacheBlocks(([KVCacheBlock(i) for i in range(1, 9)],))
 
 
-def _empty_output():  # noqa: ANN202
+def _empty_output():
     from kvconnector_core.scheduler.output import CachedRequestData, SchedulerOutput
 
     return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData([], set(), [], [], []),
@@ -109,7 +109,7 @@ def test_without_a_lookup_the_load_starts_after_the_hashed_gpu_prefix() -> None:
     side.update_state_after_alloc(req, blocks, 96)
     (job,) = side.build_connector_meta(_empty_output()).loads
     assert job.gpu_block_ids == list(range(3, 9))
-    slots = side.manager.prepare_load([side._key(req, 0, c) for c in range(2, 8)]).block_ids  # noqa: SLF001
+    slots = side.manager.prepare_load([side._key(req, 0, c) for c in range(2, 8)]).block_ids
     assert job.cpu_block_ids == list(slots)
 
 
@@ -121,7 +121,8 @@ def test_a_forgotten_request_gets_no_load() -> None:
     side, req, blocks = _admission(held=range(4, 8))
     side.update_state_after_alloc(req, blocks, 0)
     out = _empty_output()
-    out.scheduled_new_reqs.append(NewRequestData("r", list(req.prompt_token_ids), ([b.block_id for b in blocks.blocks[0]],), 0))
+    ids = [b.block_id for b in blocks.blocks[0]]
+    out.scheduled_new_reqs.append(NewRequestData("r", list(req.prompt_token_ids), (ids,), 0))
     out.num_scheduled_tokens["r"] = 64
     assert len(side.build_connector_meta(out).stores) == 1  # chunks 0-3, in flight
     side.forget_requests({"r"})
