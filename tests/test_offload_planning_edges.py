@@ -134,7 +134,7 @@ def test_a_forgotten_request_gets_no_load() -> None:
 
 
 # ------------------------------------------------------------------ with a disk tier
-def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, factor: int = 1):  # noqa: ANN001, ANN201
+def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, factor: int = 1):
     """A scheduler side with a disk tier holding chunks ``on_disk`` and the CPU tier
     holding ``in_cpu`` of the request with block hashes HASHES."""
     from connectors.offload.tiering import tier_key
@@ -144,7 +144,7 @@ def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, fact
     tier = DiskTier({"path": str(path), "capacity_bytes": 1 << 20})
     ns = types.SimpleNamespace(block_hashes=HASHES)
     probe = side_of({"num_cpu_blocks": 4, "blocks_per_chunk": factor})
-    tier.store([(tier_key(probe._key(ns, 0, c)), b"x") for c in on_disk])  # noqa: SLF001
+    tier.store([(tier_key(probe._key(ns, 0, c)), b"x") for c in on_disk])
     tier.flush(30)
     side = side_of({"num_cpu_blocks": num_cpu_blocks, "blocks_per_chunk": factor,
                     "tiers": [{"type": "disk", "path": str(path), "capacity_bytes": 1 << 20}]})
@@ -152,7 +152,7 @@ def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, fact
     return side
 
 
-def ask(side, req) -> tuple[int | None, bool]:  # noqa: ANN001
+def ask(side, req) -> tuple[int | None, bool]:
     """The lookup's answer once the tier has answered."""
     deadline = time.monotonic() + 30
     while (out := side.get_num_new_matched_tokens(req, 0))[0] is None:
@@ -161,26 +161,26 @@ def ask(side, req) -> tuple[int | None, bool]:  # noqa: ANN001
     return out
 
 
-def test_a_prompt_the_cpu_tier_serves_whole_does_not_wait_for_the_tiers(tmp_path) -> None:  # noqa: ANN001
+def test_a_prompt_the_cpu_tier_serves_whole_does_not_wait_for_the_tiers(tmp_path) -> None:
     """128 tokens, all 8 chunks in the CPU tier: the hit (one block short of the end)
     is answered at once, without asking the tiers (which answer a step later)."""
     side = tiered(tmp_path, on_disk=range(8), in_cpu=range(8), num_cpu_blocks=16)
     assert side.get_num_new_matched_tokens(request("r", HASHES, 128), 0) == (112, True)
 
 
-def test_a_tier_hit_runs_through_chunks_the_cpu_tier_holds(tmp_path) -> None:  # noqa: ANN001
+def test_a_tier_hit_runs_through_chunks_the_cpu_tier_holds(tmp_path) -> None:
     """Chunk 0 in the CPU tier, chunks 1-3 on disk: one hit of all four."""
     side = tiered(tmp_path, on_disk=range(1, 4), in_cpu=range(1), num_cpu_blocks=16)
     assert ask(side, request("r", HASHES, 4 * 16 + 1)) == (64, True)
 
 
-def test_promotions_may_take_every_free_cpu_slot(tmp_path) -> None:  # noqa: ANN001
+def test_promotions_may_take_every_free_cpu_slot(tmp_path) -> None:
     """Four chunks on disk and exactly four free CPU slots: all four are promoted."""
     side = tiered(tmp_path, on_disk=range(4), in_cpu=range(0), num_cpu_blocks=4)
     assert ask(side, request("r", HASHES, 4 * 16 + 1)) == (64, True)
 
 
-def test_a_hit_too_big_for_the_cpu_slots_is_cut_by_one_chunk(tmp_path) -> None:  # noqa: ANN001
+def test_a_hit_too_big_for_the_cpu_slots_is_cut_by_one_chunk(tmp_path) -> None:
     """32-token chunks; the prompt's hit would end at 112 (4 chunks, the last one
     partly) but 3 CPU slots are free: the hit is cut to the 3 chunks that fit (96)."""
     side = tiered(tmp_path, on_disk=range(4), in_cpu=range(0), num_cpu_blocks=3, factor=2)
