@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 import types
 
+import pytest
+
 from connectors.offload.connector import OffloadingConnector
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
@@ -134,21 +136,22 @@ def test_a_forgotten_request_gets_no_load() -> None:
 
 
 # ------------------------------------------------------------------ with a disk tier
-def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, factor: int = 1):
+def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, factor: int = 1,
+           hashes: list[bytes] = HASHES):
     """A scheduler side with a disk tier holding chunks ``on_disk`` and the CPU tier
-    holding ``in_cpu`` of the request with block hashes HASHES."""
+    holding ``in_cpu`` of the request with these block hashes."""
     from connectors.offload.tiering import tier_key
     from connectors.tiers import DiskTier
 
     path = tmp_path / "disk"
     tier = DiskTier({"path": str(path), "capacity_bytes": 1 << 20})
-    ns = types.SimpleNamespace(block_hashes=HASHES)
+    ns = types.SimpleNamespace(block_hashes=hashes)
     probe = side_of({"num_cpu_blocks": 4, "blocks_per_chunk": factor})
     tier.store([(tier_key(probe._key(ns, 0, c)), b"x") for c in on_disk])
     tier.flush(30)
     side = side_of({"num_cpu_blocks": num_cpu_blocks, "blocks_per_chunk": factor,
                     "tiers": [{"type": "disk", "path": str(path), "capacity_bytes": 1 << 20}]})
-    hold(side, HASHES, in_cpu)
+    hold(side, hashes, in_cpu)
     return side
 
 
@@ -185,3 +188,29 @@ def test_a_hit_too_big_for_the_cpu_slots_is_cut_by_one_chunk(tmp_path) -> None:
     partly) but 3 CPU slots are free: the hit is cut to the 3 chunks that fit (96)."""
     side = tiered(tmp_path, on_disk=range(4), in_cpu=range(0), num_cpu_blocks=3, factor=2)
     assert ask(side, request("r", HASHES, 7 * 16 + 1)) == (96, True)
+
+
+def test_a_failed_promotion_plan_unpins_the_cpu_chunks_of_the_load(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """If the tiers cannot plan the promotions, admission fails and the CPU-held chunks
+    the load had pinned are released (evictable again), not leaked."""
+    from kvconnector_core.errors import InvariantError
+    from kvconnector_core.kv_cache.block_pool import KVCacheBlock
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
+    from kvconnector_core.request import Request
+
+    req = Request("r", list(range(4 * 16 + 1)), 4, hash_block_size=16)
+    side = tiered(tmp_path, on_disk=range(1, 4), in_cpu=range(1), num_cpu_blocks=16,
+                  hashes=list(req.block_hashes))
+    assert ask(side, req) == (64, True)
+    key = side._key(req, 0, 0)  # noqa: SLF001
+    evictable = side.manager.num_evictable_blocks
+
+    def refuse(*_: object) -> list:
+        raise InvariantError("no CPU slot")
+
+    monkeypatch.setattr(side.tiers, "plan_promotion", refuse)
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(1, 5)],))
+    with pytest.raises(InvariantError, match="no CPU slot"):
+        side.update_state_after_alloc(req, blocks, 64)
+    assert side.manager.policy.get(key).ref_cnt == 0
+    assert side.manager.num_evictable_blocks == evictable
