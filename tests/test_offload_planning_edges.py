@@ -190,7 +190,7 @@ def test_a_hit_too_big_for_the_cpu_slots_is_cut_by_one_chunk(tmp_path) -> None:
     assert ask(side, request("r", HASHES, 7 * 16 + 1)) == (96, True)
 
 
-def test_a_failed_promotion_plan_unpins_the_cpu_chunks_of_the_load(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_failed_promotion_plan_unpins_the_cpu_chunks_of_the_load(tmp_path, monkeypatch) -> None:
     """If the tiers cannot plan the promotions, admission fails and the CPU-held chunks
     the load had pinned are released (evictable again), not leaked."""
     from kvconnector_core.errors import InvariantError
@@ -202,7 +202,7 @@ def test_a_failed_promotion_plan_unpins_the_cpu_chunks_of_the_load(tmp_path, mon
     side = tiered(tmp_path, on_disk=range(1, 4), in_cpu=range(1), num_cpu_blocks=16,
                   hashes=list(req.block_hashes))
     assert ask(side, req) == (64, True)
-    key = side._key(req, 0, 0)  # noqa: SLF001
+    key = side._key(req, 0, 0)
     evictable = side.manager.num_evictable_blocks
 
     def refuse(*_: object) -> list:
