@@ -214,3 +214,16 @@ def test_a_failed_promotion_plan_unpins_the_cpu_chunks_of_the_load(tmp_path, mon
         side.update_state_after_alloc(req, blocks, 64)
     assert side.manager.policy.get(key).ref_cnt == 0
     assert side.manager.num_evictable_blocks == evictable
+
+
+def test_a_scheduled_request_without_block_ids_plans_no_store() -> None:
+    """A new request reported with no block ids: nothing to copy from, so no store
+    (never a job whose CPU slots have no GPU blocks)."""
+    from kvconnector_core.scheduler.output import NewRequestData
+
+    side, req, blocks = _admission(held=range(0))
+    side.update_state_after_alloc(req, blocks, 0)
+    out = _empty_output()
+    out.scheduled_new_reqs.append(NewRequestData("r", list(req.prompt_token_ids), (), 0))
+    out.num_scheduled_tokens["r"] = 64
+    assert side.build_connector_meta(out).stores == []
