@@ -227,3 +227,41 @@ def test_a_scheduled_request_without_block_ids_plans_no_store() -> None:
     out.scheduled_new_reqs.append(NewRequestData("r", list(req.prompt_token_ids), (), 0))
     out.num_scheduled_tokens["r"] = 64
     assert side.build_connector_meta(out).stores == []
+
+
+def _schedule_new(side, req, blocks, tokens: int):
+    """Report the request scheduled for its first ``tokens`` tokens; the step's plan."""
+    from kvconnector_core.scheduler.output import NewRequestData
+
+    out = _empty_output()
+    ids = [b.block_id for b in blocks.blocks[0]]
+    out.scheduled_new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids), (ids,), 0))
+    out.num_scheduled_tokens[req.request_id] = tokens
+    return side.build_connector_meta(out)
+
+
+def test_a_forgotten_request_stores_nothing_more() -> None:
+    from kvconnector_core.scheduler.output import CachedRequestData
+
+    side, req, blocks = _admission(held=range(0))
+    side.update_state_after_alloc(req, blocks, 0)
+    assert len(_schedule_new(side, req, blocks, 32).stores) == 1  # chunks 0-1, in flight
+    side.forget_requests({"r"})
+    out = _empty_output()
+    out.scheduled_cached_reqs = CachedRequestData(["r"], set(), [[]], [None], [32])
+    out.num_scheduled_tokens["r"] = 64
+    assert side.build_connector_meta(out).stores == []
+
+
+def test_offering_a_held_chunk_for_storing_makes_it_recent() -> None:
+    """Recency "all_keys" (vLLM 0.33): a request that completes a chunk the CPU tier
+    already holds uses it, so the next eviction takes another, older chunk."""
+    side, req, blocks = _admission(held=range(0))
+    side.manager.complete_store(side.manager.prepare_store([side._key(req, 0, 0)]).keys_to_store)
+    others = [bytes([200 + i]) * 8 + bytes(4) for i in range(15)]  # group 0
+    side.manager.complete_store(side.manager.prepare_store(others).keys_to_store)  # the tier is full
+    side.update_state_after_alloc(req, blocks, 0)
+    _schedule_new(side, req, blocks, 16)  # completes chunk 0: held, so reused
+    side.manager.prepare_store([b"new!" * 2 + bytes(4)])  # evicts the least recent chunk
+    assert side.manager.lookup([side._key(req, 0, 0)]) == 1
+    assert side.manager.lookup(others[:1]) == 0
