@@ -136,6 +136,16 @@ def test_a_forgotten_request_gets_no_load() -> None:
 
 
 # ------------------------------------------------------------------ with a disk tier
+_OPEN: list = []  # scheduler sides with tiers, shut down after each test (their I/O threads)
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_tiered_sides():
+    yield
+    while _OPEN:
+        _OPEN.pop().shutdown()
+
+
 def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, factor: int = 1,
            hashes: list[bytes] = HASHES):
     """A scheduler side with a disk tier holding chunks ``on_disk`` and the CPU tier
@@ -149,8 +159,10 @@ def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, fact
     probe = side_of({"num_cpu_blocks": 4, "blocks_per_chunk": factor})
     tier.store([(tier_key(probe._key(ns, 0, c)), b"x") for c in on_disk])
     tier.flush(30)
+    tier.close()
     side = side_of({"num_cpu_blocks": num_cpu_blocks, "blocks_per_chunk": factor,
                     "tiers": [{"type": "disk", "path": str(path), "capacity_bytes": 1 << 20}]})
+    _OPEN.append(side)
     hold(side, hashes, in_cpu)
     return side
 
