@@ -194,6 +194,46 @@ def test_a_tier_starting_on_a_directory_leaves_live_writers_temp_files(tmp_path)
         assert not stale.exists()
 
 
+def test_a_tier_starting_while_others_rename_and_evict_files_indexes_the_rest(tmp_path, monkeypatch):
+    """Regression: a file listed by the start-up scan but renamed (a live writer's temp file)
+    or evicted (another engine's budget) before it was stat'ed raised FileNotFoundError out
+    of DiskTier() and left the directory iterator open. Seen with 4 TP ranks starting
+    together on one directory; here the other writers act between the listing and the stat."""
+    import connectors.tiers.disk as disk
+
+    with DiskTier({"path": str(tmp_path), "capacity_bytes": 1 << 20}) as first:
+        keys = _keys(3)
+        first.store([(k, b"value") for k in keys])
+        first.flush(30)
+        sub = first.root / first._path(keys[0]).parent.name  # noqa: SLF001
+        (sub / ".tmp-1-2").write_bytes(b"being written")
+    victim = first._path(keys[1])  # noqa: SLF001
+    real_scandir = disk.os.scandir
+
+    class Racing:
+        """os.scandir whose listed files vanish before the caller stats them."""
+
+        def __init__(self, path):
+            self.it = real_scandir(path)
+            self.entries = list(self.it)
+            for entry in self.entries:
+                if entry.name.startswith(".tmp-") or entry.path == str(victim):
+                    os.unlink(entry.path)
+
+        def __iter__(self):
+            return iter(self.entries)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            self.it.close()
+
+    monkeypatch.setattr(disk.os, "scandir", Racing)
+    with DiskTier({"path": str(tmp_path), "capacity_bytes": 1 << 20}) as second:
+        assert second.bytes_used == 2 * first._path(keys[0]).stat().st_size  # noqa: SLF001
+
+
 def test_files_that_are_not_tier_keys_are_not_indexed_or_evicted(tmp_path):
     """A ``.kvb`` file whose name is no key name is not the tier's: never counted or evicted."""
     (tmp_path / "default" / "zz").mkdir(parents=True)

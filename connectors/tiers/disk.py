@@ -121,14 +121,20 @@ class DiskTier(SecondaryTier):
         for sub in self.root.iterdir():
             if not sub.is_dir():
                 continue
-            for entry in os.scandir(sub):
-                if entry.name.endswith(_SUFFIX) and self._is_own(entry.name[: -len(_SUFFIX)]):
-                    st = entry.stat()
-                    found.append((st.st_atime, entry.name, st.st_size))
-                elif entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
-                    # Only a crashed writer's: a live one (another TP rank or engine on this
-                    # directory) renames its temp file within milliseconds of creating it.
-                    Path(entry.path).unlink(missing_ok=True)
+            with os.scandir(sub) as entries:
+                for entry in entries:
+                    # Other writers (TP ranks, engines) share the directory: a file listed
+                    # here may be renamed or evicted before it is stat'ed; skip it then.
+                    try:
+                        if entry.name.endswith(_SUFFIX) and self._is_own(entry.name[: -len(_SUFFIX)]):
+                            st = entry.stat()
+                            found.append((st.st_atime, entry.name, st.st_size))
+                        elif entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                            # Only a crashed writer's: a live one renames its temp file
+                            # within milliseconds of creating it.
+                            Path(entry.path).unlink(missing_ok=True)
+                    except FileNotFoundError:
+                        continue
         for _, name, size in sorted(found):
             self._files[name] = size
             self._bytes += size
