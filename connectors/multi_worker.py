@@ -92,7 +92,7 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         for req_id, load in plan.failed_loads.items():
             self._fail_load(req_id, load)
         for i, (guard, raw) in enumerate(zip(self.guards, plan.children)):
-            guard.begin_step()
+            guard.begin_step(sync_loads=False)  # the guard above the multi reads load errors before the saves
             self._bound[i] = False
             self._child_plans[i] = None
             if i in plan.skipped_children:

@@ -44,7 +44,10 @@ BUGS = ("wrong_block", "corrupt_value", "over_claim", "empty_store_claim", "part
 block more than stored; claim a hit while nothing is stored; skip the block in which the
 claim ends when it ends mid-block (these three ignore the missing data silently); load
 every block with its last byte zeroed (the high byte of its last KV element); keep the
-stores of a step whose synchronous load failed (its forward ran on blocks never loaded)."""
+stores of a step whose synchronous load failed (its forward ran on blocks never loaded): the
+worker copies a step's stores a step late, when the next plan is bound, which the guard's
+skipped saves cannot stop, and the scheduler side ignores the failure reports that would
+drop them."""
 
 
 class ReferenceMetadata(KVConnectorMetadata, kw_only=True):
@@ -197,7 +200,17 @@ class ReferenceConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata=None):
         pass
 
+    def bind_connector_metadata(self, connector_metadata):
+        if self.bug == "serve_failed_load_stores":
+            # the previous step's stores, copied now: a step late
+            for key, block_id in getattr(self, "_late_stores", ()):
+                self._store[key] = self._view[block_id].clone()
+            self._late_stores = list(connector_metadata.stores)
+        super().bind_connector_metadata(connector_metadata)
+
     def wait_for_save(self):
+        if self.bug == "serve_failed_load_stores":
+            return  # copied when the next plan is bound
         for key, block_id in self.get_connector_metadata().stores:
             self._store[key] = self._view[block_id].clone()
             self._add("bytes_stored", self._store[key].numel())

@@ -87,6 +87,19 @@ class LossySync(SyncMemoryConnector):
         self.blocks = Lossy()
 
 
+class UnhandledSync(SyncMemoryConnector):
+    """The sync example with its failure handling taken out: it never learns that a
+    step's load failed, and keeps claiming what that step planned to store."""
+
+    name = "UnhandledSync"
+
+    def update_connector_output(self, connector_output):
+        pass
+
+    def plan_failed(self, connector_metadata, *, loads_failed, stores_failed):
+        pass
+
+
 class LossyAsync(AsyncMemoryConnector):
     name = "LossyAsync"
 
@@ -172,6 +185,17 @@ def test_examples_report_lost_blocks_as_failed_loads(package, name: str):
         report = run_data_check(config("lossy", name), WORKLOADS[workload])
         assert report.ok, str(report)
         assert report.checked.metrics.num_failed_loads_recovered > 0, workload
+
+
+def test_a_sync_connector_without_failure_handling_never_serves_a_failed_loads_stores(package):
+    """The guard skips the saves of a step whose synchronous load failed (its forward ran
+    on blocks never loaded), so the sync example passes the kit's failed-load check even
+    with its own failure handling taken out."""
+    from kvconnector_core.testing import run_failed_load_check
+
+    report = run_failed_load_check(config("lossy", "UnhandledSync"))
+    assert report.ok, str(report)
+    assert report.injected_raises == 1
 
 
 def test_data_check_catches_loading_whole_blocks_of_the_claim_only(package):

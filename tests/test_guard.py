@@ -341,9 +341,10 @@ def test_failed_bind_fails_the_steps_loads_and_stores_and_skips_its_plan_hooks()
     ("wait_for_layer_load", True, False), ("save_kv_layer", False, True), ("wait_for_save", False, True),
 ])
 def test_worker_hook_raise_fails_the_right_transfers(hook, loads, stores):
+    """In a step without synchronous loads (the forward reads no block being loaded)."""
     probe = Probe(KVConnectorRole.WORKER)
     guard = GuardedWorker(probe)
-    guard.begin_step()
+    guard.begin_step(sync_loads=False)
     probe.fail[hook] = 1
     plan = KVConnectorMetadata()
     assert guard.bind_connector_metadata(plan)
@@ -468,3 +469,51 @@ def test_empty_worker_stats_are_no_stats():
     probe = Probe(KVConnectorRole.WORKER)
     probe.get_kv_connector_stats = lambda: {}  # type: ignore[method-assign]
     assert GuardedWorker(probe).get_kv_connector_stats() is None
+
+
+@pytest.mark.parametrize("hook", ["start_load_kv", "wait_for_layer_load"])
+def test_a_raising_sync_load_skips_the_steps_remaining_saves(hook):
+    """In a step with synchronous loads the forward computes on the blocks being loaded:
+    once a load raised, no later save reaches the connector and the stores fail."""
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    guard.begin_step(sync_loads=True)
+    probe.fail[hook] = 1
+    plan = KVConnectorMetadata()
+    assert guard.bind_connector_metadata(plan)
+    guard.start_load_kv()
+    guard.wait_for_layer_load("l0")
+    guard.save_kv_layer("l0", None)
+    guard.wait_for_save()
+    assert guard.loads_failed and guard.stores_failed
+    assert "save_kv_layer" not in probe.hooks() and "wait_for_save" not in probe.hooks()
+
+
+def test_a_reported_sync_load_error_skips_wait_for_save_and_is_still_reported():
+    """Load errors are read before ``wait_for_save`` in a step with synchronous loads: a
+    reported bad block fails the step's stores (never written), and the step's own
+    ``get_block_ids_with_load_errors`` still returns it."""
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    probe.get_block_ids_with_load_errors = lambda: {7}
+    guard.begin_step(sync_loads=True)
+    assert guard.bind_connector_metadata(KVConnectorMetadata())
+    guard.start_load_kv()
+    guard.save_kv_layer("l0", None)
+    guard.wait_for_save()
+    assert guard.stores_failed and not guard.loads_failed
+    assert "wait_for_save" not in probe.hooks()
+    assert guard.get_block_ids_with_load_errors() == {7}
+
+
+def test_without_sync_loads_load_errors_are_read_once_after_the_saves():
+    """A step of asynchronous loads only: the forward reads no block being loaded, so the
+    saves run and the load errors are read once, after them."""
+    probe = Probe(KVConnectorRole.WORKER)
+    guard = GuardedWorker(probe)
+    guard.begin_step(sync_loads=False)
+    assert guard.bind_connector_metadata(KVConnectorMetadata())
+    guard.wait_for_save()
+    guard.get_block_ids_with_load_errors()
+    assert probe.hooks()[-2:] == ["wait_for_save", "get_block_ids_with_load_errors"]
+    assert not guard.stores_failed

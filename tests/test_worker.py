@@ -162,6 +162,8 @@ def _layer_calls(names: list[str]) -> list[str]:
 
 TAIL = ["wait_for_save", "get_finished", "get_block_ids_with_load_errors",
         "get_kv_connector_stats", "clear_connector_metadata"]
+# In a step with synchronous loads the guard reads the load errors before the saves too.
+SYNC_TAIL = ["get_block_ids_with_load_errors", *TAIL]
 
 
 @pytest.mark.parametrize("cls", [_RecordingWorker, _SyncRecordingWorker], ids=["async", "sync"])
@@ -173,9 +175,9 @@ def test_worker_hook_order_matches_reference(cls):
     runner = ModelRunner(mc, cfg, connector=conn)
     assert conn.calls == ["register_kv_caches"]
     layers = _layer_calls(mc.layer_names())
-    expected_step = (["bind_connector_metadata", "start_load_kv"] + layers
+    expected_step = (["bind_connector_metadata", "start_load_kv", *layers, *SYNC_TAIL]
                      if cls.has_sync_kv_loads else
-                     ["bind_connector_metadata"] + layers + ["start_load_kv"]) + TAIL
+                     ["bind_connector_metadata", *layers, "start_load_kv", *TAIL])
     conn.calls.clear()
     so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)],
                          CachedRequestData.make_empty(), {"a": 3}, 3, set(), set(), _Meta())
@@ -187,11 +189,13 @@ def test_worker_hook_order_matches_reference(cls):
     empty = SchedulerOutput.make_empty()
     empty.kv_connector_metadata = _Meta()
     runner.execute_model(empty)
-    assert conn.calls == ["bind_connector_metadata", "start_load_kv"] + TAIL
+    tail = SYNC_TAIL if cls.has_sync_kv_loads else TAIL
+    assert conn.calls == ["bind_connector_metadata", "start_load_kv", *tail]
 
 
 def test_raising_worker_hooks_are_contained_and_failed_sync_load_reports_blocks():
-    """A raising hook is counted, the step completes; a failed sync load marks loaded blocks invalid."""
+    """A raising hook is counted, the step completes; a failed sync load marks loaded blocks
+    invalid, and the step's saves (computed on those blocks) never reach the connector."""
     mc = ModelConfig(layer_types=("full",))
     cfg = make_kv_cache_config(mc, block_size=4)
     conn = _SyncRecordingWorker(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
@@ -201,7 +205,9 @@ def test_raising_worker_hooks_are_contained_and_failed_sync_load_reports_blocks(
     so = SchedulerOutput([NewRequestData("a", list(range(10)), ([5, 6, 7],), 8)],
                          CachedRequestData.make_empty(), {"a": 2}, 2, set(), set(), _Meta())
     out = runner.execute_model(so)
-    assert runner.connector_errors == {"start_load_kv": 1, "wait_for_save": 1}
+    assert runner.connector_errors == {"start_load_kv": 1}
+    assert "wait_for_save" not in conn.calls
+    assert out.kv_connector_output.stores_failed
     assert out.kv_connector_output.invalid_block_ids == {5, 6}
     assert conn.calls[-1] == "clear_connector_metadata"
 
@@ -348,7 +354,7 @@ def test_per_step_sync_flag_runs_start_load_before_the_forward():
                          CachedRequestData.make_empty(), {"a": 3}, 3, set(), set(), _Meta(),
                          has_sync_kv_loads=True)
     runner.execute_model(so)
-    assert conn.calls == ["bind_connector_metadata", "start_load_kv", *layers, *TAIL]
+    assert conn.calls == ["bind_connector_metadata", "start_load_kv", *layers, *SYNC_TAIL]
     conn.calls.clear()
     so = SchedulerOutput([], CachedRequestData(["a"], set(), [[]], [None], [3]), {"a": 1}, 1,
                          set(), set(), _Meta())

@@ -12,10 +12,22 @@ the step's :class:`KVConnectorOutput`:
   ``plan_failed(plan, loads_failed=True)``.
 - ``stores_failed``: the step's stores may not have run or may have read blocks that
   changed (``bind_connector_metadata``, ``handle_preemptions``, ``save_kv_layer`` or
-  ``wait_for_save`` raised); the scheduler side gets ``plan_failed(plan, stores_failed=True)``
-  and must never make them visible.
+  ``wait_for_save`` raised), or they were computed on a failed synchronous load (below);
+  the scheduler side gets ``plan_failed(plan, stores_failed=True)`` and must never make
+  them visible.
 - ``load_errors_unknown``: ``get_block_ids_with_load_errors`` raised; every receive
   reported finished this step is reported failed.
+
+Stores computed on a failed load. In a step with synchronous loads the forward reads the
+blocks those loads write; if a load failed, the KV the step computes on top of it is wrong,
+and so is every store of the step. So the guard learns the step's load errors *before* it
+lets the connector finish its saves: once a load hook raised, later ``save_kv_layer`` calls
+are skipped; and ``wait_for_save`` first reads ``get_block_ids_with_load_errors`` (kept for
+the step's own call of that hook, which returns them together with any later ones). When a
+load failed either way, ``wait_for_save`` is not called and the step's stores fail. A
+connector that stores in ``wait_for_save`` therefore never writes KV computed on a failed
+load, with no failure handling of its own; one that writes in ``save_kv_layer`` drops the
+step's stores in ``plan_failed`` (``stores_failed``).
 
 Primitives: :class:`GuardedWorker`.
 """
@@ -58,6 +70,10 @@ class GuardedWorker(GuardBase):
         self.load_errors_unknown = False
         """``get_block_ids_with_load_errors`` raised this step: which loads failed is unknown."""
         self._has_plan = False
+        self._sync_loads = True  # whether this step may have synchronous loads (begin_step)
+        self._skip_saves = False  # the engine says this step computes on a failed load
+        # load errors read before wait_for_save, returned with the step's own call
+        self._early_errors: set[int] = set()
         # finished_req_ids a raising get_transfer_results did not take: passed again.
         self._unseen_finished: set[str] = set()
         self._uncleared = False  # clear_connector_metadata raised: the plan is still bound
@@ -81,10 +97,22 @@ class GuardedWorker(GuardBase):
         plan ``clear_connector_metadata`` could not unbind (the next bind replaces it)."""
         return bool(self._unseen_finished) or self._uncleared
 
-    def begin_step(self) -> None:
+    def begin_step(self, *, sync_loads: bool = True, skip_saves: bool = False) -> None:
         """Reset the per-step failure flags; a quarantined connector's loads and stores
-        fail every step (the scheduler recomputes and drops them)."""
+        fail every step (the scheduler recomputes and drops them).
+
+        Args:
+            sync_loads: whether the step may have synchronous loads (the forward then
+                reads blocks being loaded, and a failed load fails the step's stores);
+                True when unknown.
+            skip_saves: the engine knows this step computes on a failed load already
+                (vLLM's async scheduling runs a step planned before an earlier step's
+                failure was known): no save hook is called and the stores fail.
+        """
         self.loads_failed = self.stores_failed = self.quarantined
+        self._sync_loads = sync_loads
+        self._skip_saves = skip_saves
+        self._early_errors = set()
         if self._streaks:  # a hook that did not raise in the last step ends its streak
             for hook in [h for h in self._streaks if h not in self._raised_now]:
                 del self._streaks[hook]
@@ -143,18 +171,33 @@ class GuardedWorker(GuardBase):
                 self.loads_failed = True
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
-        """Save one layer; a raise fails the step's stores (later layers are not saved)."""
-        if self._has_plan and not self.stores_failed:
+        """Save one layer; a raise fails the step's stores (later layers are not saved).
+        Skipped once a synchronous load of the step failed (the layer holds KV computed
+        on it)."""
+        if self._skip_saves or (self.loads_failed and self._sync_loads):
+            self.stores_failed = True
+        elif self._has_plan and not self.stores_failed:
             try:
                 self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata)
             except Exception:  # noqa: BLE001 - containing it is the contract
                 self._raised("save_kv_layer", _STORES_FAIL)
                 self.stores_failed = True
 
+    def _saves_poisoned(self) -> bool:
+        """A synchronous load of this step failed, so what the step computed is wrong."""
+        return self._skip_saves or (
+            self._sync_loads and (self.loads_failed or bool(self._early_errors)))
+
     def wait_for_save(self) -> None:
         """End the step's saves (run even after a failed save_kv_layer: the connector may
-        keep bookkeeping there); a raise fails the step's stores."""
-        if self._has_plan:
+        keep bookkeeping there); a raise fails the step's stores. In a step with
+        synchronous loads the load errors are read first, and when a load failed the
+        hook is not called: the step's stores fail (see the module)."""
+        if self._has_plan and self._sync_loads and not self.loads_failed:
+            self._early_errors = self._read_load_errors()
+        if self._saves_poisoned():
+            self.stores_failed = True
+        elif self._has_plan:
             try:
                 self.connector.wait_for_save()
             except Exception:  # noqa: BLE001 - containing it is the contract
@@ -183,8 +226,15 @@ class GuardedWorker(GuardBase):
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed. On a raise this is unknown: the step's loads fail and
-        :attr:`load_errors_unknown` is set."""
+        """Blocks whose load failed (with those read before ``wait_for_save``). On a raise
+        this is unknown: the step's loads fail and :attr:`load_errors_unknown` is set."""
+        errors = self._read_load_errors()
+        if self._early_errors:
+            errors |= self._early_errors
+            self._early_errors = set()
+        return errors
+
+    def _read_load_errors(self) -> set[int]:
         try:
             return set(self.connector.get_block_ids_with_load_errors())
         except Exception:  # noqa: BLE001 - containing it is the contract

@@ -233,7 +233,7 @@ class ModelRunner:
         sync = connector is not None and (so.has_sync_kv_loads or connector.has_sync_kv_loads)
         self._sync_loads = sync
         if connector is not None:
-            connector.begin_step()
+            connector.begin_step(sync_loads=sync)
             plan = so.kv_connector_metadata
             if plan is not None:  # None: the scheduler side built no plan (see the guard)
                 connector.bind_connector_metadata(plan)
