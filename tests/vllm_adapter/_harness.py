@@ -163,7 +163,11 @@ class VllmRig:
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
             if num_external_tokens:
                 group = blocks.blocks[0]
-                local = next((i for i, b in enumerate(group) if b.block_hash is None), len(group))
+                # where the load starts: the local hit the connector was asked with (vLLM
+                # hashes a synchronous load's blocks before this call)
+                answer = getattr(conn, "_answers", {}).get(request.request_id)
+                local = (answer[1] // self.block_size if isinstance(answer, tuple) else
+                         next((i for i, b in enumerate(group) if b.block_hash is None), len(group)))
                 self.stats.hit_tokens += num_external_tokens
                 n = num_external_tokens // self.block_size
                 self._loaded.update(b.block_id for g in blocks.blocks for b in g[local:local + n]

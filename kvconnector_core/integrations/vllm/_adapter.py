@@ -117,8 +117,12 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         # Plans by step, until their step's report: with async scheduling (vLLM's
         # default) the next plan is built before a step's output is processed.
         self._step = 0
+        self._reported_step = 0  # the newest step a report named (see AdapterMetadata)
         self._plans: OrderedDict[int, tuple[Any, dict[str, tuple[bool, list[int]]]]] = OrderedDict()
-        self._answers: dict[str, bool] = {}
+        # rid -> (asynchronous?, the local hit the connector was asked with), until the
+        # request's admission (or its end): a deferred asynchronous load is admitted
+        # steps after the ask
+        self._answers: dict[str, tuple[bool, int]] = {}
         self._step_loads: dict[str, tuple[bool, list[int]]] = {}  # rid -> (async, block ids)
         self._step_load_blocks: dict[str, set[int]] = {}  # HMA: rid -> every block its load writes
         self._unplanned_recving: set[str] = set()
@@ -234,19 +238,17 @@ class KVConnectorAdapter(AdapterWorkerHooks):
                              "are recomputed instead (load asynchronously to serve them)",
                              self._kvc_config.name)
             return 0, False
-        self._answers[request.request_id] = bool(is_async)
+        self._answers[request.request_id] = (bool(is_async), num_computed_tokens)
         return num, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Forwarded (vLLM's KVCacheBlocks is passed as is). If the connector raised while
-        planning a load, the load is reported failed by the worker next step."""
-        is_async = self._answers.pop(request.request_id, False)
+        planning a load, the load is reported failed by the worker in this step."""
+        is_async, local_tokens = self._answers.pop(request.request_id, (True, None))
         ok = self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
         if num_external_tokens == 0:
             return
-        group = blocks.blocks[0]
-        local = next((i for i, b in enumerate(group) if b.block_hash is None), len(group))
-        load = (is_async, [b.block_id for b in group[local:local + num_external_tokens // self._block_size]])
+        load = (is_async, self._load_block_ids(blocks.blocks[0], local_tokens, num_external_tokens))
         if ok:
             self._step_loads[request.request_id] = load
             if is_async and self._several_groups:
@@ -256,6 +258,27 @@ class KVConnectorAdapter(AdapterWorkerHooks):
                     b.block_id for g in blocks.blocks for b in g if b.block_hash is None and not b.is_null}
         else:
             self._fail_loads({request.request_id: load})
+
+    def _load_block_ids(self, group: list[Any], local_tokens: int | None, num_external_tokens: int
+                        ) -> list[int]:
+        """The blocks a load of ``num_external_tokens`` after ``local_tokens`` writes, the
+        one it ends in part-way included (a failed load leaves garbage there too).
+
+        The load starts where the local hit the connector was asked with ends: vLLM 0.33
+        presents a block-aligned local hit and, when it admits an external hit, keeps
+        exactly that local prefix. The blocks' hashes cannot tell it: vLLM hashes a
+        synchronous load's blocks (and those the step computes) when it allocates them.
+        Without an answer (a deferred asynchronous load whose ask was dropped), the first
+        block without a hash starts it: asynchronous loads' blocks are hashed only once
+        they arrived.
+        """
+        bs = self._block_size
+        if local_tokens is None:
+            start = next((i for i, b in enumerate(group) if b.block_hash is None), len(group))
+        else:
+            start = local_tokens // bs
+        end = start + -(-num_external_tokens // bs)
+        return [b.block_id for b in group[start:end] if not b.is_null]
 
     def _fail_loads(self, loads: dict[str, tuple[bool, list[int]]]) -> None:
         """Have the worker report these loads failed (next plan): vLLM must not wait for them."""
@@ -278,14 +301,15 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._plans[self._step] = (plan, loads)
         while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
             self._plans.popitem(last=False)
+        sync_blocks = {b for is_async, ids in loads.values() if not is_async for b in ids}
         meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks, step=self._step,
-                               load_blocks=self._step_load_blocks,
+                               load_blocks=self._step_load_blocks, sync_load_blocks=sync_blocks,
+                               reported_step=self._reported_step,
                                async_loads={rid for rid, (is_async, _) in loads.items() if is_async},
                                delayed_frees=set(self._delayed_frees),
                                unreported_sends=set(self._unreported_sends))
         self._unplanned_recving, self._unplanned_blocks = set(), set()
         self._step_load_blocks = {}
-        self._answers.clear()
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -302,9 +326,11 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         self._scheduler().update_connector_output(out, plan)
         if out.loads_failed:
             # The worker could not run the step's loads: the connector may never report
-            # the ones it has not reported yet (as kvconnector's scheduler does, they
-            # fail; reported next step).
-            self._fail_loads({rid: load for rid, load in loads.items() if rid not in out.finished_recving})
+            # the asynchronous ones it has not reported yet (as kvconnector's scheduler
+            # does, they fail; reported next step). The synchronous ones the worker
+            # reported invalid in that step already (AdapterMetadata.sync_load_blocks).
+            self._fail_loads({rid: load for rid, load in loads.items()
+                              if load[0] and rid not in out.finished_recving})
 
     def _plan_of(self, worker_meta: Any) -> tuple[Any, dict[str, tuple[bool, list[int]]]]:
         """The plan and loads of the step a report names (its worker metadata carries the
@@ -313,6 +339,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         step = worker_meta.step if isinstance(worker_meta, AdapterWorkerMetadata) else None
         if step is None:
             return None, {}
+        self._reported_step = max(self._reported_step, step)
         found = self._plans.get(step, (None, {}))
         while self._plans and next(iter(self._plans)) <= step:
             self._plans.popitem(last=False)
@@ -321,6 +348,7 @@ class KVConnectorAdapter(AdapterWorkerHooks):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forwarded; a delayed free is remembered until it is reported sent."""
         self._recompute_only.discard(request.request_id)
+        self._answers.pop(request.request_id, None)
         delay, params = self._scheduler().request_finished(request, block_ids)
         if delay:
             self._delayed_frees[request.request_id] = request

@@ -183,6 +183,14 @@ class AdapterMetadata(VllmMetadata):
         delayed_frees: finished requests whose blocks vLLM holds for the connector's
             stores, not reported sent yet (the worker reports them itself when its
             step's stores failed and it has nothing in flight).
+        reported_step: the last step whose report the scheduler side had processed when
+            it built this plan (a report that carries flags names its step): a worker
+            whose synchronous load failed in a later step knows this step was planned
+            without knowing it, and computes on the failed load too.
+        sync_load_blocks: the blocks this step's synchronous loads write (the block
+            each ends in part-way included); the forward reads them, so when the worker's
+            loads fail this step, it reports them as load errors in this same step
+            (vLLM then rolls the requests back before it counts their tokens computed).
         async_loads: the requests whose asynchronous load this plan carries (a request
             id the worker remembers from an earlier request's failed load is new again).
         load_blocks: with several KV cache groups (HMA), the asynchronous loads planned
@@ -202,6 +210,8 @@ class AdapterMetadata(VllmMetadata):
     unreported_sends: set[str] = field(default_factory=set)
     load_blocks: dict[str, set[int]] = field(default_factory=dict)
     async_loads: set[str] = field(default_factory=set)
+    sync_load_blocks: set[int] = field(default_factory=set)
+    reported_step: int = 0
 
 
 @dataclass

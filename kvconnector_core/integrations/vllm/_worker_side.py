@@ -56,6 +56,7 @@ class AdapterWorkerHooks(VllmConnectorBase):
     _several_groups: bool
     _step_begun: bool
     _step_invalid: set[int]
+    _failed_sync_step: int | None
     _failed_for_connector: OrderedDict[str, None]
     _reported_sent: set[str]
     _recving_blocks: dict[str, set[int]]
@@ -66,6 +67,8 @@ class AdapterWorkerHooks(VllmConnectorBase):
         """The worker side's state (the adapter's ``__init__`` calls this)."""
         self._step_begun = False
         self._step_invalid = set()
+        # the step of a failed synchronous load the scheduler side may not know of yet
+        self._failed_sync_step: int | None = None
         # HMA: the asynchronous loads in flight and the blocks each writes, and those a
         # load error already hit (reported failed when their receive finishes)
         self._recving_blocks = {}
@@ -85,15 +88,29 @@ class AdapterWorkerHooks(VllmConnectorBase):
             raise InvariantError(msg)
         return self._worker
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, meta: Any) -> None:
         if not self._step_begun:
             self._step_begun = True
-            self._guard().begin_step()
+            sync = not isinstance(meta, AdapterMetadata) or bool(meta.sync_load_blocks)
+            self._guard().begin_step(sync_loads=sync, skip_saves=self._plans_before_failure(meta))
+
+    def _plans_before_failure(self, meta: Any) -> bool:
+        """Whether this step was planned before the scheduler side learned of a failed
+        synchronous load of an earlier step (vLLM's async scheduling plans a step ahead):
+        its requests may still compute on the failed load's blocks, so its saves must
+        not run. Once a plan shows the failure's report was processed, saves resume."""
+        failed = self._failed_sync_step
+        if failed is None or not isinstance(meta, AdapterMetadata):
+            return False
+        if meta.reported_step >= failed:
+            self._failed_sync_step = None
+            return False
+        return True
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Bind the wrapped plan (none when the scheduler side failed to build one)."""
         super().bind_connector_metadata(connector_metadata)
-        self._begin_step()
+        self._begin_step(connector_metadata)
         if connector_metadata.inner is not None:
             self._guard().bind_connector_metadata(connector_metadata.inner)
 
@@ -105,7 +122,7 @@ class AdapterWorkerHooks(VllmConnectorBase):
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
-        self._begin_step()
+        self._begin_step(kv_connector_metadata)
         if kv_connector_metadata.inner is not None:
             self._guard().handle_preemptions(kv_connector_metadata.inner)
 
@@ -143,6 +160,12 @@ class AdapterWorkerHooks(VllmConnectorBase):
                 self._failed_for_connector.pop(rid, None)
         res = guard.get_transfer_results(set(finished_req_ids))
         self._step_invalid = set(guard.get_block_ids_with_load_errors())
+        if isinstance(meta, AdapterMetadata) and meta.sync_load_blocks:
+            if guard.loads_failed:
+                # the forward ran on the step's synchronous loads: vLLM must not count them
+                self._step_invalid |= meta.sync_load_blocks
+            if (guard.loads_failed or self._step_invalid) and self._failed_sync_step is None:
+                self._failed_sync_step = meta.step
         failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
         recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
         if isinstance(meta, AdapterMetadata):
