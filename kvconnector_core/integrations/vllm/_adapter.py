@@ -295,6 +295,11 @@ class KVConnectorAdapter(AdapterWorkerHooks):
         plan = self._scheduler().build_connector_meta(view)
         loads, self._step_loads = self._step_loads, {}
         if plan is None:  # the step's loads are never planned: they fail now
+            # vLLM frees (and may reuse) a failed receive's blocks, so the connector must
+            # never run the load later: an asynchronous one would still go out with its
+            # next plan (the guard forgets only the step's scheduled requests).
+            self._scheduler().forget_requests({rid for rid, (is_async, _) in loads.items()
+                                               if is_async})
             self._fail_loads(loads)
             loads = {}
         self._step += 1
