@@ -66,9 +66,10 @@ class RequestState:
             self.prompt_progress = stats.count_prompt_tokens(source, start, end,
                                                              self.prompt_progress or 0)
 
-    def forget_progress(self) -> None:
+    def drop_live_state(self) -> None:
         """Drop what only a live request needs (it finished; its blocks may stay a while)."""
         self.recompute_only = False
+        self.sync_load = False
         self.async_load_start = None
         self.prompt_progress = None
         self.sent_to_worker = False

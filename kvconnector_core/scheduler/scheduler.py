@@ -475,7 +475,7 @@ class Scheduler:
             delay, params = self.connector.request_finished(req, block_ids[0] if block_ids else [])
             req.kv_transfer_params = params
         self.finished_req_ids.add(rid)
-        state.forget_progress()
+        state.drop_live_state()
         if keep_blocks:
             if delay:
                 state.free_after_load = True
