@@ -100,7 +100,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 500,
     finished: list[Request] = []
     step = 0
     # Steps a test ran by hand before calling this helper: take the scheduler's word for those.
-    seen_by_worker: set[str] = set(sched._sent_to_worker)
+    seen_by_worker = {rid for rid, state in sched._states.items() if state.sent_to_worker}
     while sched.has_unfinished_requests():
         out = sched.schedule()
         # A worker only knows requests sent to it as new (resumed ones included).

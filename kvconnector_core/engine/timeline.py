@@ -17,7 +17,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from kvconnector_core.engine.engine import RunResult
-    from kvconnector_core.scheduler.scheduler import SchedulerStats
+    from kvconnector_core.scheduler.stats import SchedulerStats
 
 __all__ = ["StepRecord", "Timeline", "plot_timeline"]
 

@@ -1,12 +1,20 @@
-"""The scheduler's token accounting: the stats record and where each prompt token came from."""
+"""The scheduler's counters and where each prompt token came from.
+
+Primitives:
+
+- :class:`SchedulerStats` -- counters of what the scheduler did, and the rule that
+  attributes each prompt token once to the GPU prefix cache, the connector or compute.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from kvconnector_core.request import Request
+__all__ = ["SchedulerStats", "TokenSource"]
 
-__all__ = ["SchedulerStats"]
+TokenSource = Literal["computed", "gpu", "connector"]
+"""Where prompt tokens came from: computed by the model, the GPU prefix cache, a connector load."""
 
 
 @dataclass
@@ -41,31 +49,32 @@ class SchedulerStats:
     num_rejected: int = 0
     connector_errors: dict[str, int] = field(default_factory=dict)
 
+    def count_prompt_tokens(self, source: TokenSource, start: int, end: int, progress: int) -> int:
+        """Attribute one request's prompt tokens ``[start, end)`` to ``source``.
 
-class _Accounting:
-    """Scheduler mixin: attributes each prompt token to the GPU cache, the connector or compute."""
+        Tokens at or beyond the request's ``progress`` (how far its prompt was attributed
+        before) count once toward ``source``; tokens below it were counted before and now
+        count as recomputed.
 
-    stats: SchedulerStats
-    _prompt_progress: dict[str, int]
+        Args:
+            source: where the tokens came from.
+            start: first prompt token of the range.
+            end: end of the range, at most the prompt's length.
+            progress: the request's progress before this call.
 
-    def _account(self, req: Request, source: str, start: int, end: int) -> None:
-        """Attribute prompt tokens ``[start, end)`` to ``source`` ("computed", "gpu", "connector").
-
-        Tokens beyond the request's progress count once toward ``source``; tokens
-        below it were counted before and now count as recomputed.
+        Returns:
+            The request's progress after this call.
         """
-        end = min(end, req.num_prompt_tokens)
         if end <= start:
-            return
-        progress = self._prompt_progress.get(req.request_id, 0)
+            return progress
         first = max(0, end - max(start, progress))
-        stats = self.stats
-        stats.num_recomputed_tokens += (end - start) - first
-        if first:
-            self._prompt_progress[req.request_id] = end
-            if source == "computed":
-                stats.num_prefill_tokens_computed += first
-            elif source == "gpu":
-                stats.num_gpu_cache_hit_tokens += first
-            else:
-                stats.num_connector_hit_tokens += first
+        self.num_recomputed_tokens += (end - start) - first
+        if not first:
+            return progress
+        if source == "computed":
+            self.num_prefill_tokens_computed += first
+        elif source == "gpu":
+            self.num_gpu_cache_hit_tokens += first
+        else:
+            self.num_connector_hit_tokens += first
+        return end
