@@ -7,10 +7,9 @@ unpinned step N+1's loads while the worker still ran them, and never released st
 
 from __future__ import annotations
 
-from connectors.multi_records import MultiKVConnectorWorkerMetadata
+from connectors.multi import MultiKVConnectorWorkerMetadata
 from kvconnector_core.connector import KVConnectorOutput
 from kvconnector_core.testing import empty_scheduler_output
-
 from tests.test_multi_connector import child, multi
 
 

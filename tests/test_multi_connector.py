@@ -7,8 +7,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from connectors.multi import FirstHitPolicy, LongestHitPolicy, MultiConnector
-from connectors.multi_records import MultiKVConnectorWorkerMetadata
+from connectors.multi import (
+    ChildConfig,
+    FirstHitPolicy,
+    LongestHitPolicy,
+    MultiConnector,
+    MultiKVConnectorWorkerMetadata,
+    MultiSettings,
+)
 from kvconnector_core.connector import (
     ConnectorRegistry,
     KVConnectorConfig,
@@ -226,6 +232,21 @@ def test_bad_configs():
     with pytest.raises(ConfigError, match=r"\[1\] repeats child 0"):
         MultiConnector(KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [same, same]}),
                        KVConnectorRole.SCHEDULER, registry=REGISTRY)
+
+
+def test_settings_are_typed_child_configs():
+    """extra_config converts to MultiSettings: one ChildConfig per child, the fields a child
+    inherits left unset; a ready KVConnectorConfig child is taken whole."""
+    assert ChildConfig.__struct_fields__ == KVConnectorConfig.__struct_fields__
+    ready = KVConnectorConfig(name="RecordingConnector", role="kv_producer", engine_id="r")
+    cfg = KVConnectorConfig(name="MultiConnector", role="kv_consumer", extra_config={
+        "connectors": [{"name": "RecordingConnector"}, ready], "loader_policy": "first"})
+    connector = MultiConnector(cfg, KVConnectorRole.SCHEDULER, registry=REGISTRY)
+    settings = connector.settings
+    assert isinstance(settings, MultiSettings) and settings.loader_policy == "first"
+    assert settings.connectors[0] == ChildConfig(name="RecordingConnector")
+    assert [c.config.role for c in connector.children] == ["kv_consumer", "kv_producer"]
+    assert connector.children[1].config == ready
 
 
 def test_bind_gpu_block_pool_reaches_every_child():

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.multi_records import (
-    MultiKVConnectorWorkerMetadata,
-    aggregate_stats,
-    call_each,
-    new_hook_errors,
-)
+from connectors.multi import MultiKVConnectorWorkerMetadata
+from connectors.multi.fanout import aggregate_stats, call_each, new_hook_errors
 from connectors.offload.records import OffloadWorkerMetadata
 from kvconnector_core.errors import ConnectorHookError, InvariantError
 
