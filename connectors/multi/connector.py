@@ -9,8 +9,8 @@ Semantics:
 - **Loads.** Every child is asked ``get_num_new_matched_tokens``; a child
   answering None makes the whole answer ``(None, False)`` (ask again next step;
   this mirrors vLLM, and means one undecided child delays admission). Otherwise
-  the :class:`LoaderSelectionPolicy` picks the loader: by default the child with
-  the longest hit, ties to the earlier child. Every other child still gets
+  the :class:`~connectors.multi.policy.LoaderSelectionPolicy` picks the loader: by
+  default the child with the longest hit, ties to the earlier child. Every other child still gets
   ``update_state_after_alloc`` with the same blocks and 0 external tokens, so it
   can plan saves.
 - **Completions.** A request delays its block free if any child asks to, and is
@@ -37,8 +37,9 @@ Semantics:
   :mod:`connectors.multi.policy`.
 - **Stats** are ``{"children": {label: stats}}`` plus the sums of the standard
   byte/second keys, so an engine report works unchanged. **Worker metadata**
-  (``build_connector_worker_meta``) is a :class:`MultiKVConnectorWorkerMetadata`
-  holding each child's by position. In ``update_connector_output`` child ``i``
+  (``build_connector_worker_meta``) is a
+  :class:`~connectors.multi.records.MultiKVConnectorWorkerMetadata` holding each
+  child's by position. In ``update_connector_output`` child ``i``
   gets a copy of the output carrying its own stats and its own worker
   metadata. **Events** are chained. ``shutdown`` reaches every child and
   raises one :class:`ShutdownError` listing all failures.

@@ -114,8 +114,8 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         for i, guard in enumerate(self.guards):
             ext = num_external_tokens if i == loader_index else 0
             ok = guard.update_state_after_alloc(request, blocks, ext)
-            if i == loader_index:
-                load = self._make_load(loader, blocks, num_external_tokens)  # type: ignore[arg-type]
+            if i == loader_index and loader is not None:
+                load = self._make_load(loader, blocks, num_external_tokens)
                 target = self._step_loads if ok else self._step_failed
                 target[request.request_id] = load
 

@@ -223,7 +223,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def has_pending_work(self) -> bool:
         """Whether a child (or its guard) has something to deliver in a later step."""
-        return any([g.has_pending_work() for g in self.guards])  # noqa: C419 - a list, so every guard is asked (each counts its pending asks)
+        # A list, not a generator: every guard is asked (each counts its pending asks).
+        return any([g.has_pending_work() for g in self.guards])  # noqa: C419
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""

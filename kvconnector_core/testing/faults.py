@@ -303,8 +303,8 @@ class FaultInjectingConnector(KVConnectorBase_V1):
     def _block_size(self) -> int | None:
         try:
             # A missing config (None) is one of the cases the except below handles.
-            spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec  # type: ignore[union-attr]
-            return int(spec.block_size)
+            groups = self._kv_cache_config.kv_cache_groups  # type: ignore[union-attr]
+            return int(groups[0].kv_cache_spec.block_size)
         except (AttributeError, IndexError, TypeError):
             return None
 
