@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from kvconnector_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from connectors.multi import LoaderSelectionPolicy, LongestHitPolicy, MultiConnector
+    from connectors.multi.connector import MultiConnector
+    from connectors.multi.policy import LoaderSelectionPolicy, LongestHitPolicy
     from connectors.offload.connector import OffloadingConnector
 
 __all__ = ["LoaderSelectionPolicy", "LongestHitPolicy", "MultiConnector", "OffloadingConnector"]
@@ -30,9 +31,9 @@ __all__ = ["LoaderSelectionPolicy", "LongestHitPolicy", "MultiConnector", "Offlo
 # name -> defining submodule. Imported on first use, which keeps `import connectors` free
 # of torch.
 _LAZY = {
-    "LoaderSelectionPolicy": "multi",
-    "LongestHitPolicy": "multi",
-    "MultiConnector": "multi",
+    "LoaderSelectionPolicy": "multi.policy",
+    "LongestHitPolicy": "multi.policy",
+    "MultiConnector": "multi.connector",
     "OffloadingConnector": "offload.connector",
 }
 

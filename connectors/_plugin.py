@@ -20,7 +20,7 @@ __all__ = ["kvconnector_register_connectors"]
 @hookimpl
 def kvconnector_register_connectors(registry: ConnectorRegistry) -> None:
     """Register MultiConnector and, when it is shipped, the CPU OffloadingConnector."""
-    from connectors.multi import MultiConnector
+    from connectors.multi.connector import MultiConnector
 
     registry.add(MultiConnector)
     try:

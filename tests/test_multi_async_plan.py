@@ -7,10 +7,9 @@ unpinned step N+1's loads while the worker still ran them, and never released st
 
 from __future__ import annotations
 
-from connectors.multi_records import MultiKVConnectorWorkerMetadata
+from connectors.multi import MultiKVConnectorWorkerMetadata
 from kvconnector_core.connector import KVConnectorOutput
 from kvconnector_core.testing import empty_scheduler_output
-
 from tests.test_multi_connector import child, multi
 
 
@@ -27,7 +26,9 @@ def test_childs_failure_reaches_its_own_steps_plan() -> None:
 
     first.build_connector_meta = build  # type: ignore[method-assign]
     failed: list[object] = []
-    first.plan_failed = lambda plan, *, loads_failed, stores_failed: failed.append(plan)  # type: ignore[method-assign]
+    def plan_failed(plan, *, loads_failed, stores_failed):
+        failed.append(plan)
+    first.plan_failed = plan_failed  # type: ignore[method-assign]
     plan_n = sched.build_connector_meta(empty_scheduler_output())  # step N
     sched.build_connector_meta(empty_scheduler_output())  # step N+1, before N's report
     assert len(built) == 2 and built[0] is not built[1]

@@ -7,8 +7,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from connectors.multi import FirstHitPolicy, LongestHitPolicy, MultiConnector
-from connectors.multi_records import MultiKVConnectorWorkerMetadata
+from connectors.multi import (
+    ChildConfig,
+    FirstHitPolicy,
+    LongestHitPolicy,
+    MultiConnector,
+    MultiKVConnectorWorkerMetadata,
+    MultiSettings,
+)
 from kvconnector_core.connector import (
     ConnectorRegistry,
     KVConnectorConfig,
@@ -129,7 +135,8 @@ class WrongMetaType(RecordingConnector):
 
 
 REGISTRY = ConnectorRegistry()
-for _cls in (RecordingConnector, SlowSender, FailedReceiver, WorkerPending, Raising, Evented, OtherMetaConnector, WrongMetaType):
+for _cls in (RecordingConnector, SlowSender, FailedReceiver, WorkerPending, Raising, Evented,
+             OtherMetaConnector, WrongMetaType):
     REGISTRY.add(_cls)
 
 
@@ -137,10 +144,12 @@ def child(name: str = "RecordingConnector", **extra: Any) -> dict[str, Any]:
     return {"name": name, "extra_config": extra}
 
 
-def multi(*children: dict[str, Any], role=KVConnectorRole.SCHEDULER, **extra: Any) -> MultiConnector:
+def multi(*children: dict[str, Any], role=KVConnectorRole.SCHEDULER,
+          **extra: Any) -> MultiConnector:
     # Distinct engine ids: identical children are rejected (they would store everything twice).
     children = tuple({"engine_id": f"child-{i}", **c} for i, c in enumerate(children))
-    cfg = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": list(children), **extra})
+    cfg = KVConnectorConfig(name="MultiConnector",
+                            extra_config={"connectors": list(children), **extra})
     return MultiConnector(cfg, role, make_kv_cache_config(), registry=REGISTRY)
 
 
@@ -149,7 +158,8 @@ def pair(*children, **extra):
 
 
 class TestMultiContract(ConnectorContract):
-    """MultiConnector with heterogeneous children passes the contract (built through the default registry)."""
+    """MultiConnector with heterogeneous children passes the contract (built through the
+    default registry)."""
 
     connector_config = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [
         {"name": "RecordingConnector", "module_path": REC_PATH},
@@ -162,7 +172,8 @@ def admit(sched, manager, request):
     _, local = manager.get_computed_blocks(request)
     hit = sched.get_num_new_matched_tokens(request, local)
     ext = hit[0] or 0
-    assert manager.allocate_slots(request, request.num_tokens - local - ext, num_external_computed_tokens=ext)
+    assert manager.allocate_slots(request, request.num_tokens - local - ext,
+                                  num_external_computed_tokens=ext)
     sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), ext)
     return hit
 
@@ -186,7 +197,8 @@ def step(sched, worker, finished=()):
     ((0, 4, 8), "first", 1),
 ], ids=["longest-tie-earlier", "longest-first", "all-miss", "first-hit"])
 def test_loader_choice_and_others_get_zero(hits, policy, winner):
-    """The policy picks the loader; it gets the external tokens, the others 0, all the same blocks."""
+    """The policy picks the loader; it gets the external tokens, the others 0, all the same
+    blocks."""
     sched = multi(*(child(hit_tokens=h) for h in hits), loader_policy=policy)
     manager = make_kv_cache_manager()
     request = make_request(17)
@@ -194,7 +206,8 @@ def test_loader_choice_and_others_get_zero(hits, policy, winner):
     assert n == (hits[winner] if winner is not None else 0)
     block_ids = manager.get_block_ids(request.request_id)
     for i, c in enumerate(sched.children):
-        ((_, (rid, blocks, ext)),) = [call for call in c.calls if call[0] == "update_state_after_alloc"]
+        ((_, (rid, blocks, ext)),) = [
+            call for call in c.calls if call[0] == "update_state_after_alloc"]
         assert (rid, blocks) == (request.request_id, block_ids)
         assert ext == (n if i == winner else 0)
 
@@ -224,8 +237,24 @@ def test_bad_configs():
         multi(child("Nope"))
     same = {"name": "RecordingConnector", "extra_config": {"hit_tokens": 4}}
     with pytest.raises(ConfigError, match=r"\[1\] repeats child 0"):
-        MultiConnector(KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [same, same]}),
+        MultiConnector(KVConnectorConfig(name="MultiConnector",
+                                         extra_config={"connectors": [same, same]}),
                        KVConnectorRole.SCHEDULER, registry=REGISTRY)
+
+
+def test_settings_are_typed_child_configs():
+    """extra_config converts to MultiSettings: one ChildConfig per child, the fields a child
+    inherits left unset; a ready KVConnectorConfig child is taken whole."""
+    assert ChildConfig.__struct_fields__ == KVConnectorConfig.__struct_fields__
+    ready = KVConnectorConfig(name="RecordingConnector", role="kv_producer", engine_id="r")
+    cfg = KVConnectorConfig(name="MultiConnector", role="kv_consumer", extra_config={
+        "connectors": [{"name": "RecordingConnector"}, ready], "loader_policy": "first"})
+    connector = MultiConnector(cfg, KVConnectorRole.SCHEDULER, registry=REGISTRY)
+    settings = connector.settings
+    assert isinstance(settings, MultiSettings) and settings.loader_policy == "first"
+    assert settings.connectors[0] == ChildConfig(name="RecordingConnector")
+    assert [c.config.role for c in connector.children] == ["kv_consumer", "kv_producer"]
+    assert connector.children[1].config == ready
 
 
 def test_bind_gpu_block_pool_reaches_every_child():
@@ -239,7 +268,8 @@ def test_bind_gpu_block_pool_reaches_every_child():
 
 def test_delayed_free_reported_once_after_every_child():
     """A request delayed by two children is reported finished_sending once, after the slower one."""
-    sched, worker = pair(child(delay_free=True), child("SlowSender", delay_free=True, send_delay=2), child())
+    sched, worker = pair(child(delay_free=True),
+                         child("SlowSender", delay_free=True, send_delay=2), child())
     request = make_request()
     delay, _ = sched.request_finished(request, [1, 2])
     assert delay is True
@@ -262,7 +292,8 @@ def test_receives_errors_stats_events_aggregate():
     _, errors = step(sched, worker)
     assert errors == {3, 4}
     stats = worker.get_kv_connector_stats()
-    assert stats["children"] == {"Evented#0": {"bytes_loaded": 10}, "Evented#1": {"bytes_loaded": 5, "x": 1}}
+    assert stats["children"] == {"Evented#0": {"bytes_loaded": 10},
+                                 "Evented#1": {"bytes_loaded": 5, "x": 1}}
     assert stats["bytes_loaded"] == 15
     assert [e.block_hashes for e in sched.take_events()] == [[1], [2]]
 
@@ -279,15 +310,19 @@ def test_async_receives_are_unioned():
 
 def test_scheduler_hook_failure_is_contained_as_miss():
     """A child raising in get_num_new_matched_tokens is treated as a miss and counted."""
-    sched = multi(child("Raising", raise_in=["get_num_new_matched_tokens"], hit_tokens=16), child(hit_tokens=4))
+    sched = multi(child("Raising", raise_in=["get_num_new_matched_tokens"], hit_tokens=16),
+                  child(hit_tokens=4))
     assert sched.get_num_new_matched_tokens(make_request(), 0) == (4, False)
-    assert sched.get_kv_connector_stats()["hook_errors"] == {"Raising.get_num_new_matched_tokens": 1}
+    errors = sched.get_kv_connector_stats()["hook_errors"]
+    assert errors == {"Raising.get_num_new_matched_tokens": 1}
 
 
 @pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
 def test_loader_failing_after_alloc_reports_failed_load(load_async):
-    """If the loader raises in update_state_after_alloc, the worker reports its blocks (and async request) failed."""
-    children = (child("Raising", raise_in=["update_state_after_alloc"], hit_tokens=8, load_async=load_async),)
+    """If the loader raises in update_state_after_alloc, the worker reports its blocks (and
+    async request) failed."""
+    children = (child("Raising", raise_in=["update_state_after_alloc"], hit_tokens=8,
+                      load_async=load_async),)
     sched, worker = pair(*children)
     manager = make_kv_cache_manager()
     request = make_request(13)
@@ -375,7 +410,8 @@ def test_child_with_undeclared_metadata_type_is_skipped():
     step(sched, worker)
     assert "start_load_kv" not in worker.children[0].hooks_called()
     assert "start_load_kv" in worker.children[1].hooks_called()
-    assert sched.get_kv_connector_stats()["hook_errors"] == {"WrongMetaType.build_connector_meta": 1}
+    errors = sched.get_kv_connector_stats()["hook_errors"]
+    assert errors == {"WrongMetaType.build_connector_meta": 1}
 
 
 def test_save_hook_failure_fails_that_childs_stores_and_tells_its_scheduler_side():
@@ -387,11 +423,13 @@ def test_save_hook_failure_fails_that_childs_stores_and_tells_its_scheduler_side
     worker.wait_for_save()
     assert "wait_for_save" in worker.children[1].hooks_called()
     worker_meta = worker.build_connector_worker_meta()
-    assert worker_meta is not None and worker_meta.stores_failed == (0,) and worker_meta.loads_failed == ()
+    assert worker_meta is not None
+    assert worker_meta.stores_failed == (0,) and worker_meta.loads_failed == ()
     failed: list[tuple[object, bool, bool]] = []
     first = sched.children[0]
-    first.plan_failed = lambda plan, *, loads_failed, stores_failed: failed.append(  # type: ignore[method-assign]
-        (plan, loads_failed, stores_failed))
+    def plan_failed(plan, *, loads_failed, stores_failed):
+        failed.append((plan, loads_failed, stores_failed))
+    first.plan_failed = plan_failed  # type: ignore[method-assign]
     sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker_meta))
     assert len(failed) == 1 and failed[0][1:] == (False, True)
     assert isinstance(failed[0][0], first.metadata_type)
@@ -408,7 +446,8 @@ def test_update_connector_output_reaches_every_child():
 
 def test_shutdown_reaches_every_child_and_lists_failures():
     """shutdown calls every child once and raises one ShutdownError listing all failures."""
-    sched = multi(child("Raising", raise_in=["shutdown"]), child(), child("Raising", raise_in=["shutdown"]))
+    sched = multi(child("Raising", raise_in=["shutdown"]), child(),
+                  child("Raising", raise_in=["shutdown"]))
     with pytest.raises(ShutdownError) as info:
         sched.shutdown()
     assert [name for name, _ in info.value.failures] == ["Raising#0", "Raising#2"]
@@ -470,7 +509,8 @@ def test_handle_preemptions_reaches_children_with_their_own_plans():
 
 
 def test_worker_meta_and_stats_reach_their_own_child():
-    """Worker metadata is aggregated by position; each child gets back only its own, and its own stats."""
+    """Worker metadata is aggregated by position; each child gets back only its own, and its
+    own stats."""
     sched, worker = pair(child("Preempting", tag=1), child(), child("Preempting", tag=3))
     meta = sched.build_connector_meta(empty_scheduler_output())
     worker.bind_connector_metadata(meta)
@@ -478,7 +518,8 @@ def test_worker_meta_and_stats_reach_their_own_child():
     wmeta = worker.build_connector_worker_meta()
     worker.clear_connector_metadata()
     assert wmeta.metadata == ({"worker_meta_of": 1}, None, {"worker_meta_of": 3})
-    out = KVConnectorOutput(finished_sending={"r"}, kv_connector_stats=stats, kv_connector_worker_meta=wmeta)
+    out = KVConnectorOutput(finished_sending={"r"}, kv_connector_stats=stats,
+                            kv_connector_worker_meta=wmeta)
     sched.update_connector_output(out)
     first, middle, third = sched.children
     assert first.outputs[0].kv_connector_worker_meta == {"worker_meta_of": 1}
@@ -498,8 +539,10 @@ def test_no_worker_meta_when_no_child_has_any():
 
 @pytest.mark.parametrize("hook", ["get_transfer_results", "get_block_ids_with_load_errors"])
 def test_worker_report_hook_failure_is_contained(hook):
-    """A child raising from a report hook is logged and counted; the others' results still come back."""
-    children = (child("Raising", raise_in=[hook, "get_finished"]), child("Evented", tag=1, errors=[5]),
+    """A child raising from a report hook is logged and counted; the others' results still
+    come back."""
+    children = (child("Raising", raise_in=[hook, "get_finished"]),
+                child("Evented", tag=1, errors=[5]),
                 child("SlowSender", send_delay=0, delay_free=True))
     sched, worker = pair(*children)
     manager = make_kv_cache_manager()
@@ -537,7 +580,8 @@ def test_guide_multiconnector_example_builds_in_both_roles():
     config = KVConnectorConfig.from_dict(json.loads(block))
     for role in KVConnectorRole:
         conn = create_connector(config, role, make_kv_cache_config())
-        assert [type(c).__name__ for c in conn.children] == ["TTLPinConnector", "OffloadingConnector"]
+        names = [type(c).__name__ for c in conn.children]
+        assert names == ["TTLPinConnector", "OffloadingConnector"]
         conn.shutdown()
 
 
@@ -612,9 +656,12 @@ def test_a_lost_child_plan_fails_its_loads_and_forgets_their_requests():
     """A child whose plan is lost (its build_connector_meta raised) cannot carry out the
     loads it planned this step: they fail now, and the child forgets their requests (an
     async load's request is not in the step's scheduler output, so only the multi knows)."""
-    sched = multi(child("Raising", hit_tokens=8, load_async=True, raise_in=["build_connector_meta"]), child())
+    sched = multi(child("Raising", hit_tokens=8, load_async=True,
+                        raise_in=["build_connector_meta"]), child())
     forgot: list[set[str]] = []
-    sched.children[0].forget_requests = lambda ids: forgot.append(set(ids))  # type: ignore[method-assign]
+    def forget(ids):
+        forgot.append(set(ids))
+    sched.children[0].forget_requests = forget  # type: ignore[method-assign]
     request = make_request()
     admit(sched, make_kv_cache_manager(), request)
     plan = sched.build_connector_meta(empty_scheduler_output())
@@ -639,8 +686,9 @@ def test_failed_loads_reach_only_the_child_whose_loads_failed():
     sched = multi(child(), child())
     failed: dict[int, list[tuple[bool, bool]]] = {0: [], 1: []}
     for i, c in enumerate(sched.children):
-        c.plan_failed = (lambda i: lambda plan, *, loads_failed, stores_failed: failed[i].append(  # type: ignore[method-assign]
-            (loads_failed, stores_failed)))(i)
+        def plan_failed(plan, *, loads_failed, stores_failed, i=i):
+            failed[i].append((loads_failed, stores_failed))
+        c.plan_failed = plan_failed  # type: ignore[method-assign]
     sched.build_connector_meta(empty_scheduler_output())
     meta = MultiKVConnectorWorkerMetadata((None, None), loads_failed=(0,))
     sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
@@ -683,7 +731,8 @@ def test_plan_failed_reaches_children_that_built_a_plan_only():
     sched = multi(child("Raising", raise_in=["build_connector_meta"]), child())
     told: list[int] = []
     for i, c in enumerate(sched.children):
-        c.plan_failed = (lambda i: lambda plan, **kw: told.append(i))(i)  # type: ignore[method-assign]
+        tell = (lambda i: lambda plan, **kw: told.append(i))(i)
+        c.plan_failed = tell  # type: ignore[method-assign]
     plan = sched.build_connector_meta(empty_scheduler_output())
     sched.plan_failed(plan, loads_failed=True, stores_failed=True)
     assert told == [1]
@@ -718,7 +767,8 @@ def test_a_resent_delayed_free_the_children_already_reported_is_settled_on_the_w
     finished = empty_scheduler_output()
     finished.finished_req_ids = {rid}
     first = check_metadata_roundtrip(sched.build_connector_meta(finished))
-    sched.plan_failed(first, loads_failed=False, stores_failed=True)  # its delayed free is sent again
+    # its delayed free is sent again
+    sched.plan_failed(first, loads_failed=False, stores_failed=True)
     resent = check_metadata_roundtrip(sched.build_connector_meta(empty_scheduler_output()))
     assert resent.delayed_sends == {rid: [0]}
     reports = []

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.multi_records import (
-    MultiKVConnectorWorkerMetadata,
-    aggregate_stats,
-    call_each,
-    new_hook_errors,
-)
+from connectors.multi import MultiKVConnectorWorkerMetadata
+from connectors.multi.fanout import aggregate_stats, call_each, new_hook_errors
 from connectors.offload.records import OffloadWorkerMetadata
 from kvconnector_core.errors import ConnectorHookError, InvariantError
 
@@ -45,7 +41,8 @@ def test_hook_errors_are_reported_as_deltas_since_the_last_report() -> None:
 
 
 def test_stats_sum_float_and_int_standard_keys() -> None:
-    stats = aggregate_stats({"a": {"load_seconds": 0.25, "bytes_loaded": 3}, "b": {"load_seconds": 0.5}}, {})
+    stats = aggregate_stats(
+        {"a": {"load_seconds": 0.25, "bytes_loaded": 3}, "b": {"load_seconds": 0.5}}, {})
     assert stats is not None
     assert stats["load_seconds"] == 0.75 and stats["bytes_loaded"] == 3
 
@@ -55,9 +52,11 @@ def test_worker_reports_fold_child_by_child_over_workers() -> None:
     worker had one, and a child failed if it failed on any worker."""
     a = OffloadWorkerMetadata(done_job_ids=[1])
     mine = MultiKVConnectorWorkerMetadata((None, a), loads_failed=(1,), step=4)
-    theirs = MultiKVConnectorWorkerMetadata((a, None), loads_failed=(0,), stores_failed=(1,), step=5)
+    theirs = MultiKVConnectorWorkerMetadata((a, None), loads_failed=(0,), stores_failed=(1,),
+                                            step=5)
     folded = mine.aggregate(theirs)
-    assert folded == MultiKVConnectorWorkerMetadata((a, a), loads_failed=(0, 1), stores_failed=(1,), step=5)
+    assert folded == MultiKVConnectorWorkerMetadata((a, a), loads_failed=(0, 1),
+                                                    stores_failed=(1,), step=5)
     assert theirs.aggregate(mine) == folded
     with pytest.raises(InvariantError, match="1 and 2 children"):
         MultiKVConnectorWorkerMetadata((None,)).aggregate(mine)

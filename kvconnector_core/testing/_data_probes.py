@@ -68,7 +68,7 @@ def fail_nth_sync_load(engine: Engine, n: int, armed: list[int]) -> None:
         if so.has_sync_kv_loads and so.kv_connector_metadata is not None:
             if seen == n:
                 # bind_connector_metadata counts this step's plan first: raise at that count.
-                worker._hook_faults["start_load_kv"] = HookFault(hook="start_load_kv", at_step=worker._step + 1)  # noqa: SLF001
+                worker.arm_hook_fault(HookFault(hook="start_load_kv", at_step=worker.step + 1))
                 armed.append(step)
             seen += 1
         return inner(so)
@@ -135,11 +135,13 @@ def lookup_side_effects(run: Any) -> list[str]:
         problems.append("outputs differ when every lookup is asked twice")
     a, b = once.metrics, twice.metrics
     if a.connector_hit_tokens != b.connector_hit_tokens:
-        problems.append(f"the connector served {a.connector_hit_tokens} tokens with lookups asked once, "
-                        f"{b.connector_hit_tokens} with lookups asked twice")
+        problems.append(f"the connector served {a.connector_hit_tokens} tokens with lookups "
+                        f"asked once, {b.connector_hit_tokens} with lookups asked twice")
     sa, sb = _count_stats(a.connector_stats), _count_stats(b.connector_stats)
-    changed = {k: (sa.get(k), sb.get(k)) for k in sorted(sa.keys() | sb.keys()) if sa.get(k) != sb.get(k)}
+    changed = {k: (sa.get(k), sb.get(k))
+               for k in sorted(sa.keys() | sb.keys()) if sa.get(k) != sb.get(k)}
     if changed:
-        problems.append(f"stats counters differ when every lookup is asked twice (once, twice): {changed}; "
-                        f"a lookup must not count, reserve or reorder (do that in update_state_after_alloc)")
+        problems.append(f"stats counters differ when every lookup is asked twice (once, twice): "
+                        f"{changed}; a lookup must not count, reserve or reorder (do that in "
+                        f"update_state_after_alloc)")
     return problems

@@ -1,10 +1,11 @@
 """Typed settings of the kit's fault injection, and what it observed.
 
-:class:`FaultSettings` is everything a :class:`~kvconnector_core.testing.faults.FaultInjectingConnector`
-injects; :class:`HookFault` says when one hook raises. Both are msgspec Structs, so they
-also load from a connector config's ``extra_config`` (see
-:func:`~kvconnector_core.testing.faults.fault_injection_config`), with errors that name the
-bad field. :class:`FailedStoreHit` records a lookup that claimed a block whose store failed.
+:class:`FaultSettings` is everything a
+:class:`~kvconnector_core.testing.faults.FaultInjectingConnector` injects; :class:`HookFault`
+says when one hook raises. Both are msgspec Structs, so they also load from a connector
+config's ``extra_config`` (see :func:`~kvconnector_core.testing.faults.fault_injection_config`),
+with errors that name the bad field. :class:`FailedStoreHit` records a lookup that claimed a
+block whose store failed.
 
 Primitives: :class:`HookFault`, :class:`FaultSettings`, :class:`FailedStoreHit`,
 :data:`FAULT_HOOKS`.
@@ -48,7 +49,8 @@ class HookFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def __post_init__(self) -> None:
         if self.hook not in FAULT_HOOKS:
-            msg = f"HookFault hook={self.hook!r} is not a connector hook; valid: {sorted(FAULT_HOOKS)}"
+            msg = (f"HookFault hook={self.hook!r} is not a connector hook; "
+                   f"valid: {sorted(FAULT_HOOKS)}")
             raise ConfigError(msg)
         if not 0.0 <= self.rate <= 1.0:
             msg = f"HookFault({self.hook}) rate={self.rate!r}; must be within [0, 1]"
@@ -85,7 +87,8 @@ def hook_faults(raise_in: Iterable[str | HookFault] | Mapping[str, float]) -> tu
 
 def _named(hook: str) -> HookFault:
     if hook not in FAULT_HOOKS:
-        msg = f"FaultInjectingConnector raise_in has unknown hooks [{hook!r}]; valid: {sorted(FAULT_HOOKS)}"
+        msg = (f"FaultInjectingConnector raise_in has unknown hooks [{hook!r}]; "
+               f"valid: {sorted(FAULT_HOOKS)}")
         raise ConfigError(msg)
     return HookFault(hook=hook)
 
@@ -116,7 +119,8 @@ class FaultSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 msg = f"FaultInjectingConnector {label}={rate!r}; must be within [0, 1]"
                 raise ConfigError(msg)
         if self.completion_delay_steps < 0:
-            msg = f"FaultInjectingConnector completion_delay_steps={self.completion_delay_steps!r}; must be >= 0"
+            msg = (f"FaultInjectingConnector completion_delay_steps="
+                   f"{self.completion_delay_steps!r}; must be >= 0")
             raise ConfigError(msg)
         hook_faults(self.raise_in)  # a hook named twice
 

@@ -17,13 +17,11 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from connectors.multi_records import (
+from connectors.multi.fanout import aggregate_stats, call_each, new_hook_errors
+from connectors.multi.records import (
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
-    aggregate_stats,
-    call_each,
-    new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import (
@@ -43,7 +41,7 @@ __all__ = ["MultiWorkerSide"]
 
 
 class MultiWorkerSide(KVConnectorWorkerSide):
-    """Fans the worker hooks out to the children (see :mod:`connectors.multi`).
+    """Fans the worker hooks out to the children (see :mod:`connectors.multi.connector`).
 
     Args:
         children: the worker-role children, in priority order.
@@ -67,8 +65,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def _check(self, plan: KVConnectorMetadata) -> MultiKVConnectorMetadata:
         if not isinstance(plan, MultiKVConnectorMetadata) or len(plan.children) != len(self.guards):
-            msg = (f"MultiConnector expected MultiKVConnectorMetadata for {len(self.guards)} children, "
-                   f"got {type(plan).__qualname__}")
+            msg = (f"MultiConnector expected MultiKVConnectorMetadata for {len(self.guards)} "
+                   f"children, got {type(plan).__qualname__}")
             raise InvariantError(msg)
         return plan
 
@@ -109,7 +107,9 @@ class MultiWorkerSide(KVConnectorWorkerSide):
             if i in plan.skipped_children:
                 continue
             child_plan = self._child_plans[i] if plan is self.plan else None
-            guard.handle_preemptions(child_plan or decode_metadata(raw, guard.connector.metadata_type))
+            if child_plan is None:
+                child_plan = decode_metadata(raw, guard.connector.metadata_type)
+            guard.handle_preemptions(child_plan)
 
     def _fail_load(self, req_id: str, load: MultiLoad) -> None:
         self._forced_invalid.update(load.block_ids)
@@ -122,7 +122,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         if not self.guards[index].loads_failed or index in self._failed_loaders:
             return
         self._failed_loaders.add(index)
-        for req_id, load in (self.plan.loads.items() if isinstance(self.plan, MultiKVConnectorMetadata) else ()):
+        loads = self.plan.loads if isinstance(self.plan, MultiKVConnectorMetadata) else {}
+        for req_id, load in loads.items():
             if load.child == index:
                 self._fail_load(req_id, load)
 
@@ -138,7 +139,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
             guard.wait_for_layer_load(layer_name)
             self._note_load_failure(i)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any = None) -> None:
         """Let every child save ``layer_name``."""
         for guard in self.guards:
             guard.save_kv_layer(layer_name, kv_layer, attn_metadata)
@@ -221,7 +223,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
 
     def has_pending_work(self) -> bool:
         """Whether a child (or its guard) has something to deliver in a later step."""
-        return any([g.has_pending_work() for g in self.guards])  # noqa: C419 - a list, so every guard is asked (each counts its pending asks)
+        # A list, not a generator: every guard is asked (each counts its pending asks).
+        return any([g.has_pending_work() for g in self.guards])  # noqa: C419
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """``{"children": {label: stats}}``, the sums of the standard keys, and ``hook_errors``."""

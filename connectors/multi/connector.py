@@ -1,23 +1,16 @@
 """MultiConnector: several connectors behind one, e.g. a TTL pinner + CPU offload.
 
-Config (``extra_config``)::
-
-    {"connectors": [{"name": "TTLPinConnector", "extra_config": {...}},
-                    {"name": "cpu_offload", "extra_config": {...}}],
-     "loader_policy": "longest"}          # or "first"; default "longest"
-
-Children are listed in priority order; each entry is a
-:class:`KVConnectorConfig` dict (``role``, ``engine_id`` and
-``load_failure_policy`` default to the parent's) and is created through the
-registry, so ``module_path`` works per child.
+Config: ``extra_config`` lists the children in priority order
+(:class:`~connectors.multi.config.MultiSettings`); each is created through the registry,
+so ``module_path`` works per child.
 
 Semantics:
 
 - **Loads.** Every child is asked ``get_num_new_matched_tokens``; a child
   answering None makes the whole answer ``(None, False)`` (ask again next step;
   this mirrors vLLM, and means one undecided child delays admission). Otherwise
-  the :class:`LoaderSelectionPolicy` picks the loader: by default the child with
-  the longest hit, ties to the earlier child. Every other child still gets
+  the :class:`~connectors.multi.policy.LoaderSelectionPolicy` picks the loader: by
+  default the child with the longest hit, ties to the earlier child. Every other child still gets
   ``update_state_after_alloc`` with the same blocks and 0 external tokens, so it
   can plan saves.
 - **Completions.** A request delays its block free if any child asks to, and is
@@ -37,14 +30,16 @@ Semantics:
   first error propagates as :class:`ConnectorHookError` after the other
   children ran. ``handle_preemptions`` reaches every child with a plan this
   step, with that child's own plan.
-- **Role objects.** The scheduler-role instance is a
-  :class:`~connectors.multi_scheduler.MultiSchedulerSide`, the worker-role
-  instance a :class:`~connectors.multi_worker.MultiWorkerSide`; policies and
-  records live in :mod:`connectors.multi_records`.
+- **Role objects.** The scheduler-role instance holds a
+  :class:`~connectors.multi.scheduler.MultiSchedulerSide`, the worker-role
+  instance a :class:`~connectors.multi.worker.MultiWorkerSide`; what they send each
+  other is in :mod:`connectors.multi.records`, the loader policies in
+  :mod:`connectors.multi.policy`.
 - **Stats** are ``{"children": {label: stats}}`` plus the sums of the standard
   byte/second keys, so an engine report works unchanged. **Worker metadata**
-  (``build_connector_worker_meta``) is a :class:`MultiKVConnectorWorkerMetadata`
-  holding each child's by position. In ``update_connector_output`` child ``i``
+  (``build_connector_worker_meta``) is a
+  :class:`~connectors.multi.records.MultiKVConnectorWorkerMetadata` holding each
+  child's by position. In ``update_connector_output`` child ``i``
   gets a copy of the output carrying its own stats and its own worker
   metadata. **Events** are chained. ``shutdown`` reaches every child and
   raises one :class:`ShutdownError` listing all failures.
@@ -53,9 +48,7 @@ Known limitation: the request sets of the :class:`KVConnectorOutput` are the
 combined ones, so a child learns that its own delayed free finished only once
 every child that delayed the request has finished.
 
-Primitives: :class:`MultiConnector`, :class:`MultiKVConnectorMetadata`,
-:class:`MultiLoad`, :class:`LoaderSelectionPolicy`, :class:`LongestHitPolicy`,
-:class:`FirstHitPolicy`, :data:`LOADER_POLICIES`.
+Primitives: :class:`MultiConnector`.
 """
 
 from __future__ import annotations
@@ -64,24 +57,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.multi_records import (
-    LOADER_POLICIES,
-    FirstHitPolicy,
-    LoaderSelectionPolicy,
-    LongestHitPolicy,
-    MultiKVConnectorMetadata,
-    MultiKVConnectorWorkerMetadata,
-    MultiLoad,
-)
-from connectors.multi_scheduler import MultiSchedulerSide
-from connectors.multi_worker import MultiWorkerSide
-from kvconnector_core._suggest import did_you_mean
+from connectors.multi.config import MultiSettings
+from connectors.multi.records import MultiKVConnectorMetadata
+from connectors.multi.scheduler import MultiSchedulerSide
+from connectors.multi.worker import MultiWorkerSide
 from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
-from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import KVConnectorMetadata
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.connector.roles import RoleSplitConnector
-from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import (
     ConfigError,
     DuplicateConnectorError,
@@ -91,38 +74,16 @@ from kvconnector_core.errors import (
     UnknownConnectorError,
 )
 
+if TYPE_CHECKING:
+    from connectors.multi.policy import LoaderSelectionPolicy
+    from kvconnector_core.connector.config import KVConnectorConfig
+    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+
+__all__ = ["MultiConnector"]
+
 # Errors whose constructor takes one message: a child's is re-raised prefixed with its index.
 _RELABELLED_ERRORS = (ConfigError, UnknownConnectorError, DuplicateConnectorError,
                       InvalidConnectorError, PluginLoadError)
-# The keys MultiConnector reads from its extra_config (the children read their own).
-_EXTRA_KEYS = frozenset({"connectors", "loader_policy"})
-
-if TYPE_CHECKING:
-    from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
-
-__all__ = [
-    "LOADER_POLICIES",
-    "FirstHitPolicy",
-    "LoaderSelectionPolicy",
-    "LongestHitPolicy",
-    "MultiConnector",
-    "MultiKVConnectorMetadata",
-    "MultiKVConnectorWorkerMetadata",
-    "MultiLoad",
-    "MultiSettings",
-]
-
-
-class MultiSettings(ConnectorSettings):
-    """MultiConnector's ``extra_config``.
-
-    Attributes:
-        connectors: the children's configs, in priority order (checked when they are created).
-        loader_policy: a key of :data:`LOADER_POLICIES`.
-    """
-
-    connectors: list[Any] | None = None
-    loader_policy: str = "longest"
 
 
 class MultiConnector(RoleSplitConnector):
@@ -161,23 +122,37 @@ class MultiConnector(RoleSplitConnector):
                 loader policy is unknown.
             RegistryError: a child's name cannot be resolved (the error notes the child).
         """
+        settings = MultiSettings.from_config(config)
         # The children exist before the facade creates the role object that holds them.
         self._children = [
             self._create_child(i, cfg, role, kv_cache_config, registry)
-            for i, cfg in enumerate(self._child_configs(config))
+            for i, cfg in enumerate(settings.child_configs(config))
         ]
         self.labels = self._make_labels(self._children)
         """Per child: its name, or ``name#index`` when several children share it."""
-        self._policy = loader_policy or self._policy_from_config(config)
-        self.supports_async_load = any(c.supports_async_load for c in self._children)  # type: ignore[misc]
-        self.has_sync_kv_loads = any(c.has_sync_kv_loads for c in self._children)  # type: ignore[misc]
-        self.requires_block_pool = any(c.requires_block_pool for c in self._children)  # type: ignore[misc]
+        self._policy = loader_policy or settings.make_policy()
+        self._mirror_children()
+        self._is_shut_down = False
+        # Converted above, before the children exist; children given as ready
+        # KVConnectorConfig objects are not the plain data the base class converts.
+        self.settings_type = None  # type: ignore[misc]  # ClassVar hidden while the base runs
+        super().__init__(config, role, kv_cache_config)
+        del self.settings_type
+        self._settings = settings
+
+    def _mirror_children(self) -> None:
+        """Set the capability attributes from the children (per instance)."""
+        children = self._children
+        self.supports_async_load = any(  # type: ignore[misc]  # ClassVar set per instance
+            c.supports_async_load for c in children)
+        self.has_sync_kv_loads = any(  # type: ignore[misc]  # ClassVar set per instance
+            c.has_sync_kv_loads for c in children)
+        self.requires_block_pool = any(  # type: ignore[misc]  # ClassVar set per instance
+            c.requires_block_pool for c in children)
         # Hybrid models only when every child handles them (a child that does not was
         # already refused when it was created with this kv_cache_config).
         self.supports_multiple_kv_cache_groups = all(  # type: ignore[misc]
-            c.supports_multiple_kv_cache_groups for c in self._children)
-        self._is_shut_down = False
-        super().__init__(config, role, kv_cache_config)
+            c.supports_multiple_kv_cache_groups for c in children)
 
     def make_scheduler_side(self) -> MultiSchedulerSide:
         """The scheduler-side object (children behind their guards)."""
@@ -189,7 +164,8 @@ class MultiConnector(RoleSplitConnector):
         return MultiWorkerSide(self._children, self.labels)
 
     def get_kv_connector_kv_cache_events(self) -> list[Any]:
-        """Worker role: the children's worker-side events, in child order (vLLM's optional hook)."""
+        """Worker role: the children's worker-side events, in child order (vLLM's optional
+        hook)."""
         side = self.worker_side
         assert isinstance(side, MultiWorkerSide)  # noqa: S101 - built by make_worker_side
         return side.get_kv_connector_kv_cache_events()
@@ -201,57 +177,6 @@ class MultiConnector(RoleSplitConnector):
         return side.num_request_states()
 
     # ----------------------------------------------------------- construction
-
-    @staticmethod
-    def _child_configs(config: KVConnectorConfig) -> list[KVConnectorConfig]:
-        if not isinstance(config, KVConnectorConfig):
-            msg = f"MultiConnector needs a KVConnectorConfig, got {type(config).__qualname__}: {config!r}"
-            raise ConfigError(msg)
-        unknown = sorted(set(config.extra_config) - _EXTRA_KEYS)
-        if unknown:
-            # A misspelt 'connectors' would otherwise read as "got None" below.
-            msg = (f"MultiConnector: unknown extra_config key {unknown[0]!r}"
-                   f"{did_you_mean(unknown[0], _EXTRA_KEYS)}; valid keys: "
-                   f"{', '.join(sorted(_EXTRA_KEYS))}")
-            raise ConfigError(msg)
-        raw = config.extra_config.get("connectors")
-        if not isinstance(raw, list) or not raw:
-            msg = (
-                f"MultiConnector needs extra_config['connectors'], a non-empty list of connector "
-                f"configs (dicts with at least 'name'), got {raw!r}"
-            )
-            raise ConfigError(msg)
-        inherited = {
-            "role": config.role,
-            "engine_id": config.engine_id,
-            "load_failure_policy": config.load_failure_policy,
-            "enable_kv_cache_events": config.enable_kv_cache_events,
-            # Every child runs on every worker: a store is complete only once all report it.
-            "world_size": config.world_size,
-            # ... and on each worker holds that worker's shard of every block.
-            "rank": config.rank,
-            "pipeline_parallel_size": config.pipeline_parallel_size,
-        }
-        configs = []
-        for i, child in enumerate(raw):
-            if isinstance(child, KVConnectorConfig):
-                configs.append(child)
-                continue
-            if not isinstance(child, dict):
-                msg = f"MultiConnector extra_config['connectors'][{i}] must be a dict, got {child!r}"
-                raise ConfigError(msg)
-            try:
-                configs.append(KVConnectorConfig.from_dict({**inherited, **child}))
-            except ConfigError as exc:
-                msg = f"MultiConnector extra_config['connectors'][{i}]: {exc}"
-                raise ConfigError(msg) from exc
-        for i, cfg in enumerate(configs):
-            first = configs.index(cfg)
-            if first < i:  # every child stores every block: a repeated child stores it twice
-                msg = (f"MultiConnector extra_config['connectors'][{i}] repeats child {first} "
-                       f"({cfg.name!r} with the same settings); remove one of them")
-                raise ConfigError(msg)
-        return configs
 
     @staticmethod
     def _create_child(index: int, cfg: KVConnectorConfig, role: KVConnectorRole,
@@ -275,18 +200,11 @@ class MultiConnector(RoleSplitConnector):
         return [c.name if counts[c.name] == 1 else f"{c.name}#{i}" for i, c in enumerate(children)]
 
     @staticmethod
-    def _policy_from_config(config: KVConnectorConfig) -> LoaderSelectionPolicy:
-        key = config.extra_config.get("loader_policy", "longest")
-        if key not in LOADER_POLICIES:
-            msg = f"MultiConnector loader_policy {key!r} is unknown; known policies: {sorted(LOADER_POLICIES)}"
-            raise ConfigError(msg)
-        return LOADER_POLICIES[key]()
-
-    @staticmethod
     def _first_group_block_size(kv_cache_config: KVCacheConfig | None) -> int | None:
         try:
             # A missing config (None) is one of the cases the except below handles.
-            return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)  # type: ignore[union-attr]
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec  # type: ignore[union-attr]
+            return int(spec.block_size)
         except (AttributeError, IndexError, TypeError):
             return None
 
@@ -304,7 +222,8 @@ class MultiConnector(RoleSplitConnector):
         for i, child in enumerate(self._children):
             try:
                 child.shutdown()
-            except Exception as exc:  # noqa: BLE001 - every child is shut down; all failures are raised below
+            # Every child is shut down; all failures are raised below.
+            except Exception as exc:  # noqa: BLE001
                 failures.append((self.labels[i], exc))
         if failures:
             raise ShutdownError(failures)

@@ -19,16 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from connectors.multi_records import (
+from connectors.multi.fanout import STANDARD_STAT_KEYS, aggregate_stats, call_each, new_hook_errors
+from connectors.multi.records import (
     NIL,
-    STANDARD_STAT_KEYS,
-    LoaderSelectionPolicy,
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
-    aggregate_stats,
-    call_each,
-    new_hook_errors,
 )
 from kvconnector_core.connector.guard import GuardedScheduler
 from kvconnector_core.connector.metadata import (
@@ -40,6 +36,7 @@ from kvconnector_core.connector.metadata import (
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 
 if TYPE_CHECKING:
+    from connectors.multi.policy import LoaderSelectionPolicy
     from kvconnector_core.connector.base import KVConnectorBase_V1
     from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
@@ -49,14 +46,14 @@ if TYPE_CHECKING:
 
 __all__ = ["MultiSchedulerSide"]
 
-logger = logging.getLogger("connectors.multi")
+logger = logging.getLogger(__name__)
 # Plans kept by step for reports that come back late (vLLM keeps at most two steps in
 # flight with async scheduling, more with pipeline parallelism).
 _PLANS_KEPT = 16
 
 
 class MultiSchedulerSide(KVConnectorSchedulerSide):
-    """Fans the scheduler hooks out to the children (see :mod:`connectors.multi`).
+    """Fans the scheduler hooks out to the children (see :mod:`connectors.multi.connector`).
 
     Args:
         children: the scheduler-role children, in priority order.
@@ -91,8 +88,10 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         """Give every child the pool, then raise the first failure."""
         call_each(functools.partial(g.bind_gpu_block_pool, gpu_block_pool) for g in self.guards)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Ask every child; return the chosen loader's answer (see :mod:`connectors.multi`)."""
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Ask every child; return the chosen loader's answer (see
+        :mod:`connectors.multi.connector`)."""
         hits: list[tuple[int | None, bool]] = []
         for guard in self.guards:
             hit = guard.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -107,19 +106,21 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         self._loader[request.request_id] = (chosen, num_computed_tokens, is_async)
         return num_tokens, is_async
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         """Give the loader the external tokens and every other child 0, all with the same blocks."""
         loader = self._loader.get(request.request_id)
         loader_index = loader[0] if loader is not None and num_external_tokens > 0 else None
         for i, guard in enumerate(self.guards):
             ext = num_external_tokens if i == loader_index else 0
             ok = guard.update_state_after_alloc(request, blocks, ext)
-            if i == loader_index:
-                load = self._make_load(loader, blocks, num_external_tokens)  # type: ignore[arg-type]
+            if i == loader_index and loader is not None:
+                load = self._make_load(loader, blocks, num_external_tokens)
                 target = self._step_loads if ok else self._step_failed
                 target[request.request_id] = load
 
-    def _make_load(self, loader: tuple[int, int, bool], blocks: KVCacheBlocks, num_external: int) -> MultiLoad:
+    def _make_load(self, loader: tuple[int, int, bool], blocks: KVCacheBlocks,
+                   num_external: int) -> MultiLoad:
         child, num_local, is_async = loader
         block_ids = list(blocks.get_block_ids()[0])
         if self._block_size:
@@ -137,10 +138,11 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
             meta = guard.build_connector_meta(scheduler_output)
             declared = guard.connector.metadata_type
             if meta is not None and type(meta) is not declared:
-                guard.errors["build_connector_meta"] = guard.errors.get("build_connector_meta", 0) + 1
-                logger.error("MultiConnector: child %s returned %s but declares metadata_type=%s; set "
-                             "metadata_type on the connector class", guard.label,
-                             type(meta).__qualname__, declared.__qualname__)
+                hook = "build_connector_meta"
+                guard.errors[hook] = guard.errors.get(hook, 0) + 1
+                logger.error("MultiConnector: child %s returned %s but declares "
+                             "metadata_type=%s; set metadata_type on the connector class",
+                             guard.label, type(meta).__qualname__, declared.__qualname__)
                 meta = None
             self._last_plans[i] = meta
             if meta is None:
@@ -176,8 +178,8 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         if worker_meta is None:
             worker_meta = MultiKVConnectorWorkerMetadata(())
         elif not isinstance(worker_meta, MultiKVConnectorWorkerMetadata):
-            logger.error("MultiConnector: kv_connector_worker_meta is %s, not MultiKVConnectorWorkerMetadata; "
-                         "ignored", type(worker_meta).__qualname__)
+            logger.error("MultiConnector: kv_connector_worker_meta is %s, not "
+                         "MultiKVConnectorWorkerMetadata; ignored", type(worker_meta).__qualname__)
             worker_meta = MultiKVConnectorWorkerMetadata(())
         metas = worker_meta.metadata
         plans = self._plans_by_step.get(worker_meta.step, self._last_plans)
@@ -197,8 +199,10 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
             if req_id not in self._settled:
                 self._settled.append(req_id)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Delay the free if any child asks; merge the children's params (earlier child wins a key)."""
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Delay the free if any child asks; merge the children's params (earlier child wins
+        a key)."""
         self._loader.pop(request.request_id, None)
         delayed: list[int] = []
         params: dict[str, Any] = {}
@@ -208,8 +212,8 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
                 delayed.append(i)
             for key, value in (child_params or {}).items():
                 if key in params:
-                    logger.warning("MultiConnector: child %s's kv_transfer_params key %r clashes; kept "
-                                   "the earlier child's", guard.label, key)
+                    logger.warning("MultiConnector: child %s's kv_transfer_params key %r "
+                                   "clashes; kept the earlier child's", guard.label, key)
                     continue
                 params[key] = value
         if delayed:
@@ -235,7 +239,8 @@ class MultiSchedulerSide(KVConnectorSchedulerSide):
         for i, (guard, raw) in enumerate(zip(self.guards, plan.children)):
             if i not in plan.skipped_children:
                 child_plan = decode_metadata(raw, guard.connector.metadata_type)
-                guard.plan_failed(child_plan, loads_failed=loads_failed, stores_failed=stores_failed)
+                guard.plan_failed(child_plan, loads_failed=loads_failed,
+                                  stores_failed=stores_failed)
         if stores_failed:
             for req_id, children in plan.delayed_sends.items():
                 self._step_delayed.setdefault(req_id, children)
