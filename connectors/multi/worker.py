@@ -90,7 +90,8 @@ class MultiWorkerSide(KVConnectorWorkerSide):
         for req_id, load in plan.failed_loads.items():
             self._fail_load(req_id, load)
         for i, (guard, raw) in enumerate(zip(self.guards, plan.children)):
-            guard.begin_step(sync_loads=False)  # the guard above the multi reads load errors before the saves
+            # the guard above the multi reads the children's load errors before the saves
+            guard.begin_step(sync_loads=False)
             self._bound[i] = False
             self._child_plans[i] = None
             if i in plan.skipped_children:
