@@ -96,9 +96,9 @@ def bisect() -> int:
     import array
     import dataclasses
 
-    from connectors.offload import _staged
-    from connectors.offload._copy_plan import run_starts
-    from connectors.offload.transfer import _Job
+    from connectors.offload.transfer import staging as _staged
+    from connectors.offload.transfer.copy_plan import run_starts
+    from connectors.offload.transfer.jobs import Job as _Job
     rows = []
 
     def bw(name: str, fn: Callable[[], None]) -> None:

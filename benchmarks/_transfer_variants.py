@@ -8,7 +8,7 @@ kernels`` (staged copies gather each plane with its own kernel, as before one sp
 covered all planes) or ``, one lane`` (batched jobs on the direction's stream alone, as
 before they were split over several streams), ``, per-job buffers`` (staged copies
 allocate their index and staging memory and their events per job, as before
-:class:`~connectors.offload._staged.StagingBuffers`), ``, 16 MiB stages`` (staged copies
+:class:`~connectors.offload.transfer.staging.StagingBuffers`), ``, 16 MiB stages`` (staged copies
 in stages of 16 MiB, up to 16, as before), ``, no head`` (a batched job's first blocks
 are not queued ahead of the rest), ``, int64 words`` (staged kernels move 8-byte words, not
 16-byte ones), ``, even stages`` (no short first and last stage), ``, torch upload`` (the
@@ -36,9 +36,10 @@ from collections.abc import Callable
 
 import torch
 
-from connectors.offload import _cudart, _staged
-from connectors.offload._staging import StagingBuffers
-from connectors.offload.transfer import METHODS, KVBlockMover
+from connectors.offload.transfer import cudart as _cudart
+from connectors.offload.transfer import staging as _staged
+from connectors.offload.transfer.staging import StagingBuffers
+from connectors.offload.transfer.mover import METHODS, KVBlockMover
 
 __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "apply_variant",
            "baseline_mover_class", "make_kv_caches", "restore"]

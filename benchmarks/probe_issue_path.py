@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from _transfer_variants import FirstCopyClock, add_kv_args, make_kv_caches
-from connectors.offload import _cuda_copy, _staged
+from connectors.offload.transfer import copy_method as _cuda_copy
+from connectors.offload.transfer import staging as _staged
 from connectors.offload.transfer import KVBlockMover
 
 _MARKS: list[tuple[str, float]] = []

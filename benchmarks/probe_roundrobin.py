@@ -71,8 +71,8 @@ def kernel_times(rows_per_plane: int = 256, planes: int = 4, row: int = 64 << 10
 def _dmas_alone(mover: KVBlockMover, n: int) -> dict[str, Callable[[], None]]:
     """The DMAs of a default staged job (its stages' 2D copies between a dense device buffer
     and the mover's CPU buffer) with no kernels and no mover: what the copy engines alone do."""
-    from connectors.offload import _cudart
-    from connectors.offload._staged import group_planes, staging_copies
+    from connectors.offload.transfer import cudart as _cudart
+    from connectors.offload.transfer.staging import group_planes, staging_copies
     plan = mover._gather_plan
     memcpy_2d = _cudart.memcpy_2d_async()
     staging = torch.empty(len(plan.planes) * n * plan.row, dtype=torch.uint8, device="cuda")
@@ -104,8 +104,8 @@ def timeline(caches: dict[str, torch.Tensor], n: int, label: str, jobs: int = 12
     returned (``h submit``), and when each of the calls above returned. Every mark records a
     CUDA event, which costs some host time itself.
     """
-    from connectors.offload import _staged
-    from connectors.offload._staging import StagingBuffers
+    from connectors.offload.transfer import staging as _staged
+    from connectors.offload.transfer.staging import StagingBuffers
     marks: list[tuple[str, torch.cuda.Event | None, float]] = []
     t_submit = [0.0]
     orig_dma, orig_move, orig_select = _staged._dma, _staged._move, torch.index_select

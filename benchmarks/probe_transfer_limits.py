@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from connectors.offload import _cudart
+from connectors.offload.transfer import cudart as _cudart
 from connectors.offload.transfer import KVBlockMover
 
 # The probe's own modules last (importing _probe_setup allocates the GPU buffers).

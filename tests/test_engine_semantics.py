@@ -95,7 +95,7 @@ def test_worker_metadata_folds_across_workers():
 def test_offload_store_is_visible_only_after_every_worker_reported_it():
     """With world_size=2 (two TP workers inside vLLM) one worker's report does not complete a store."""
     from connectors.offload.connector import OffloadingConnector
-    from connectors.offload._sched_state import JobRecord, group_suffix
+    from connectors.offload.scheduler_state import JobRecord, group_suffix
     from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
     from kvconnector_core.testing import make_kv_cache_config
 

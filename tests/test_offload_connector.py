@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from connectors.offload import transfer as tr
+from connectors.offload.transfer.jobs import Job
 from connectors.offload.connector import OffloadingConnector, OffloadingConnectorMetadata
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
@@ -162,7 +163,7 @@ def test_engine_serves_prefixes_from_cpu_with_identical_outputs(device: str, pol
 def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
 
-    def fail_stores(self: tr.KVBlockMover, job: tr._Job, *args: object) -> None:
+    def fail_stores(self: tr.KVBlockMover, job: Job, *args: object) -> None:
         if job.is_store:
             raise RuntimeError("injected store failure")
         real(self, job, *args)  # type: ignore[arg-type]
@@ -184,7 +185,7 @@ def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> 
 def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
     real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
 
-    def fail_loads(self: tr.KVBlockMover, job: tr._Job, *args: object) -> None:
+    def fail_loads(self: tr.KVBlockMover, job: Job, *args: object) -> None:
         if not job.is_store:
             raise RuntimeError("injected load failure")
         real(self, job, *args)  # type: ignore[arg-type]
@@ -521,8 +522,9 @@ class TestOffloadingChunkedContract(ConnectorContract):
 def test_transfer_method_is_validated_with_the_config():
     """A bad transfer_method is a ConfigError naming the valid methods when the connector is built."""
     from connectors.offload import connector as offload_connector
+    from connectors.offload.transfer.mover import METHODS
 
-    assert offload_connector.TRANSFER_METHODS == tr.METHODS
+    assert offload_connector.TRANSFER_METHODS == METHODS
     with pytest.raises(ConfigError, match="transfer_method='xx'.*auto, pitched, batched, coalesced, per_block, gather"):
         make({"num_cpu_blocks": 8, "transfer_method": "xx"})
 

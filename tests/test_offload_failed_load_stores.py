@@ -7,7 +7,7 @@ a request whose forward ran on never-loaded blocks completed and became visible.
 
 from __future__ import annotations
 
-from connectors.offload._sched_state import JobRecord, group_suffix
+from connectors.offload.scheduler_state import JobRecord, group_suffix
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import OffloadWorkerMetadata, TransferJobSpec
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole

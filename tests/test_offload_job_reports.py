@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.offload._sched_state import JobRecord, ReqState, group_suffix
+from connectors.offload.scheduler_state import JobRecord, ReqState, group_suffix
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import (
     OffloadingConnectorMetadata,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.offload import policies as pol
+from connectors.offload.manager import registry as pol
 from connectors.offload.manager import CPUOffloadingManager
-from connectors.offload.policies import (
+from connectors.offload.manager import (
     ARCCachePolicy,
     CachePolicy,
     LRUCachePolicy,

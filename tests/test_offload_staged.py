@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
-from connectors.offload._copy_plan import run_starts, scan_runs
-from connectors.offload._staged import GatherPlan, group_planes, plan_gather, span_layout, staging_copies
+from connectors.offload.transfer.copy_plan import run_starts, scan_runs
+from connectors.offload.transfer.staging import GatherPlan, group_planes, plan_gather, span_layout, staging_copies
 from connectors.offload import transfer as tr
+from connectors.offload.transfer.jobs import Job
 from connectors.offload.transfer import KVBlockMover
 from test_offload_transfer import CUDA_ONLY, NUM_BLOCKS, cross_layer_cache, run_2d_copies
 
@@ -227,7 +228,7 @@ def test_a_waiting_caller_issues_a_job_the_thread_has_not_begun(monkeypatch: pyt
     real_copy = mover._copy
     issuers: list[tuple[int, str]] = []
 
-    def slow_copy(job: tr._Job, *args: object) -> None:
+    def slow_copy(job: Job, *args: object) -> None:
         issuers.append((job.job_id, threading.current_thread().name))
         if job.job_id == 1:
             entered.set()

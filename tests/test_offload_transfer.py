@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from connectors.offload import transfer as tr
-from connectors.offload._copy_plan import CopyPlan, run_starts
-from connectors.offload._layout import _plane_of
+from connectors.offload.transfer.jobs import Job
+from connectors.offload.transfer.copy_plan import CopyPlan, run_starts
+from connectors.offload.transfer.layout import _plane_of
 from connectors.offload.transfer import (
     KVBlockMover,
     build_block_layout,
@@ -153,7 +154,7 @@ def test_exception_during_copy_fails_only_that_job(monkeypatch: pytest.MonkeyPat
     mover = KVBlockMover(views, num_cpu_blocks=4)
     real_copy = mover._copy
 
-    def broken(job: tr._Job, *args: object) -> None:
+    def broken(job: Job, *args: object) -> None:
         if job.job_id == 2:
             raise RuntimeError("DMA engine on fire")
         real_copy(job, *args)
@@ -359,7 +360,7 @@ def test_get_finished_waits_until_the_issue_thread_has_issued(monkeypatch: pytes
     release, entered = threading.Event(), threading.Event()
     real_copy = mover._copy
 
-    def slow_copy(job: tr._Job, *args: object) -> None:
+    def slow_copy(job: Job, *args: object) -> None:
         entered.set()
         assert release.wait(10)
         real_copy(job, *args)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.offload import _staged
+from connectors.offload.transfer import staging as _staged
 from connectors.offload.transfer import KVBlockMover
 from test_offload_staged import per_layer_caches
 from test_offload_transfer import CUDA_ONLY, cross_layer_cache

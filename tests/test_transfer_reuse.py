@@ -16,8 +16,9 @@ import types
 import pytest
 import torch
 
-from connectors.offload import _issuer, _staged
-from connectors.offload._copy_plan import cpu_runs, estimate_joint_runs, scan_runs
+from connectors.offload.transfer import issue_thread as _issuer
+from connectors.offload.transfer import staging as _staged
+from connectors.offload.transfer.copy_plan import cpu_runs, estimate_joint_runs, scan_runs
 from connectors.offload.transfer import KVBlockMover
 from test_offload_staged import carved_planes, cpu_plan, per_layer_caches, store_then_load
 from test_offload_transfer import CUDA_ONLY, cross_layer_cache

@@ -18,16 +18,14 @@ from kvconnector_core._lazy import lazy_exports
 if TYPE_CHECKING:
     from connectors.offload.connector import OffloadingConnector, OffloadWorkerMetadata
     from connectors.offload.manager import (
+        ARCCachePolicy,
+        CachePolicy,
         CPUOffloadingManager,
         LoadStoreSpec,
+        LRUCachePolicy,
         OffloadingEvent,
         OffloadingManager,
         PrepareStoreOutput,
-    )
-    from connectors.offload.policies import (
-        ARCCachePolicy,
-        CachePolicy,
-        LRUCachePolicy,
         available_cache_policies,
         get_cache_policy,
         register_cache_policy,
@@ -36,19 +34,19 @@ if TYPE_CHECKING:
 # name -> defining module. Imported on first use: the worker-side transfer module must
 # be importable with torch alone (no msgspec), and the connector pulls in more.
 _EXPORTS = {
-    "ARCCachePolicy": "policies",
+    "ARCCachePolicy": "manager",
     "CPUOffloadingManager": "manager",
-    "CachePolicy": "policies",
-    "LRUCachePolicy": "policies",
+    "CachePolicy": "manager",
+    "LRUCachePolicy": "manager",
     "LoadStoreSpec": "manager",
     "OffloadingConnector": "connector",
     "OffloadWorkerMetadata": "connector",
     "OffloadingEvent": "manager",
     "OffloadingManager": "manager",
     "PrepareStoreOutput": "manager",
-    "available_cache_policies": "policies",
-    "get_cache_policy": "policies",
-    "register_cache_policy": "policies",
+    "available_cache_policies": "manager",
+    "get_cache_policy": "manager",
+    "register_cache_policy": "manager",
 }
 
 __all__ = [

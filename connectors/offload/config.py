@@ -66,7 +66,7 @@ class OffloadSettings(ConnectorSettings):
     enable_events: bool = True
     transfer_method: Literal["auto", "pitched", "batched", "coalesced", "per_block", "gather"] = "auto"
     copy_thread: bool | None = None
-    # Each tier's own settings Struct (connectors.tiers) checks its keys when it is made.
+    # Each tier's own settings Struct (connectors.offload.tiers) checks its keys when it is made.
     tiers: list[dict[str, Any]] = msgspec.field(default_factory=list)
     recency: Literal["all_keys", "hits_only"] = "all_keys"
 

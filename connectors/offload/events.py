@@ -31,8 +31,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from connectors.offload.manager import OffloadingEvent, OffloadingManager
-from connectors.offload.policies import OffloadKey
+from connectors.offload.manager import OffloadingEvent, OffloadingManager, OffloadKey
 from kvconnector_core.kv_cache.hashing import BlockHash
 from kvconnector_core.kv_events import (
     MEDIUM_CPU,

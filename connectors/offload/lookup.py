@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from connectors.offload.config import OffloadGroup
-    from connectors.offload.policies import OffloadKey
+    from connectors.offload.manager import OffloadKey
 
 __all__ = ["longest_hit", "needed_chunks"]
 

@@ -14,10 +14,10 @@ import itertools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, cast
 
-from connectors.offload._sched_state import JobRecord, ReqState, SchedulerSideState
 from connectors.offload.lookup import longest_hit, needed_chunks
-from connectors.offload.policies import OffloadKey
+from connectors.offload.manager import OffloadKey
 from connectors.offload.records import TransferJobSpec
+from connectors.offload.scheduler_state import JobRecord, ReqState, SchedulerSideState
 from kvconnector_core.errors import InvariantError
 
 if TYPE_CHECKING:

@@ -75,36 +75,23 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from connectors.offload._issuer import IssueThread
-from connectors.offload._issuing import JobIssuing
-from connectors.offload._jobs import (
+from connectors.offload.transfer.issue_thread import IssueThread
+from connectors.offload.transfer.issuing import JobIssuing
+from connectors.offload.transfer.jobs import (
     Job,
     TransferResult,
-    chunk_to_sub_block_ids,
-    coalesce_runs,
     id_array,
 )
-from connectors.offload._layout import (
-    BlockLayout,
+from connectors.offload.transfer.layout import (
     build_block_layout,
-    cross_layer_planes,
 )
 
-__all__ = [
-    "BlockLayout",
-    "KVBlockMover",
-    "TransferResult",
-    "build_block_layout",
-    "chunk_to_sub_block_ids",
-    "coalesce_runs",
-    "cross_layer_planes",
-]
+__all__ = ["METHODS", "KVBlockMover"]
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 
-_Job = Job  # the name tests and probes know
 # The issue thread's start delay on CUDA (see _issuer): measured with
 # benchmarks/probe_interference_ab.py (RESULTS.md, "Issue 14, third stage").
 # H100, 64 blocks each way per 5.5 ms step, in one process: step slowdown +3.0% -> +2.2%

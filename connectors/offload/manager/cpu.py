@@ -23,7 +23,8 @@ from collections.abc import Collection, Iterable, Sequence
 
 import msgspec
 
-from connectors.offload.policies import OffloadKey, SlotEntry, get_cache_policy
+from connectors.offload.manager.policy import OffloadKey, SlotEntry
+from connectors.offload.manager.registry import get_cache_policy
 from kvconnector_core.errors import ConfigError, InvariantError
 
 __all__ = [

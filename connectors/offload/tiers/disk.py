@@ -4,7 +4,7 @@ Layout: ``<root>/<namespace>/<first 2 hex digits>/<hash hex>-g<group>.kvb``. A v
 written to a temporary file in the same directory and renamed over the final name, so a
 reader sees a whole file or none, even if the writer dies mid-write (``fsync=True`` also
 survives a power loss, at a cost). Each file carries the checksum frame of
-:mod:`connectors.tiers._base`: a truncated or corrupted file is a failed load (and is
+:mod:`connectors.offload.tiers.base`: a truncated or corrupted file is a failed load (and is
 deleted), never wrong data.
 
 The files outlive the process: a new :class:`DiskTier` on the same directory indexes
@@ -28,8 +28,17 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from connectors.tiers._base import SecondaryTier, Shard, TierKey, settings
-from connectors.tiers._frame import ABSENT, DAMAGED, HEADER_BYTES, OTHER_SIZE, PLACED, header_matches, payload_length
+from connectors.offload.tiers.base import SecondaryTier
+from connectors.offload.tiers.frame import (
+    ABSENT,
+    DAMAGED,
+    HEADER_BYTES,
+    OTHER_SIZE,
+    PLACED,
+    header_matches,
+    payload_length,
+)
+from connectors.offload.tiers.records import Shard, TierKey, settings
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["DiskTier", "DiskTierConfig"]

@@ -1,4 +1,4 @@
-"""The ARC cache policy of the CPU offloading tier (re-exported by ``policies``)."""
+"""The ARC cache policy of the CPU offloading tier."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from itertools import islice
 
-from connectors.offload._policy_base import CachePolicy, OffloadKey, SlotEntry, Victims
+from connectors.offload.manager.policy import CachePolicy, OffloadKey, SlotEntry, Victims
 
 __all__ = ["ARCCachePolicy"]
 

@@ -1,7 +1,7 @@
 """Issuing one job of the block mover: range checks, events, copies, failure.
 
 Split from :mod:`connectors.offload.transfer`: :class:`JobIssuing` is a base class of
-``KVBlockMover`` (above :class:`~connectors.offload._cuda_copy.CopyMethods`) holding what
+``KVBlockMover`` (above :class:`~connectors.offload.transfer.copy_method.CopyMethods`) holding what
 runs wherever a job is issued, on the issue thread or on a caller: the ids' range check,
 the stream order of the job (its ready, start and end events), the copies by method, and
 what a failure leaves behind. The mover keeps submission, the hand-off between threads
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from connectors.offload._cuda_copy import CopyMethods
-from connectors.offload._jobs import Job, as_tensor
+from connectors.offload.transfer.copy_method import CopyMethods
+from connectors.offload.transfer.jobs import Job, as_tensor
 
 __all__ = ["JobIssuing"]
 

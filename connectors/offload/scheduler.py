@@ -14,7 +14,7 @@ needs only the chunks of its last window, a chunked-local group those of its cur
 attention chunk), loads move only the blocks the engine allocated (in-window), and
 stores skip chunks whose blocks the engine freed (out of the window before the step).
 
-With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiering`):
+With secondary tiers (``extra_config["tiers"]``, see :mod:`connectors.offload.tiers.scheduler`):
 a hit may take each chunk the CPU tier lacks from a tier (window-aware as above; None =
 ask again while the tiers look), a load promotes those chunks into reserved CPU slots,
 and every successful CPU store is cascaded into the tiers (its slots pinned until the
@@ -36,12 +36,12 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload._sched_loads import LoadPlanning
-from connectors.offload._sched_state import JobRecord, ReqState, group_suffix
-from connectors.offload._sched_stores import StorePlanning
+from connectors.offload.load_planner import LoadPlanning
 from connectors.offload.lookup import needed_chunks
-from connectors.offload.policies import OffloadKey
+from connectors.offload.manager import OffloadKey
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata
+from connectors.offload.scheduler_state import JobRecord, ReqState, group_suffix
+from connectors.offload.store_planner import StorePlanning
 
 if TYPE_CHECKING:
     from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
@@ -54,8 +54,8 @@ __all__ = ["OffloadSchedulerSide", "group_suffix"]
 class OffloadSchedulerSide(LoadPlanning, StorePlanning):
     """Scheduler side of the CPU offloading connector (see the module docstring).
 
-    Loads are planned by :class:`~connectors.offload._sched_loads.LoadPlanning`, stores
-    by :class:`~connectors.offload._sched_stores.StorePlanning`; this class completes
+    Loads are planned by :class:`~connectors.offload.load_planner.LoadPlanning`, stores
+    by :class:`~connectors.offload.store_planner.StorePlanning`; this class completes
     jobs, finishes and forgets requests and hands out events.
 
     Args:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from connectors.offload._sched_state import NULL_BLOCK_ID, JobRecord, ReqState, SchedulerSideState
-from connectors.offload.policies import OffloadKey
+from connectors.offload.manager import OffloadKey
 from connectors.offload.records import OffloadingConnectorMetadata, TransferJobSpec
+from connectors.offload.scheduler_state import NULL_BLOCK_ID, JobRecord, ReqState, SchedulerSideState
 
 if TYPE_CHECKING:
     from kvconnector_core.scheduler.output import SchedulerOutput

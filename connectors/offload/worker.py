@@ -9,7 +9,7 @@ the stores that read a sliding-window block the engine allocated again
 (``flush_job_ids``, in ``bind_connector_metadata``: see :mod:`._fence`). Job
 completions travel to the scheduler side as :class:`OffloadWorkerMetadata`.
 
-With secondary tiers (:class:`~connectors.offload.tiering.WorkerTiers`): a load with
+With secondary tiers (:class:`~connectors.offload.tiers.worker.WorkerTiers`): a load with
 ``tier_reads`` first reads those chunks from their tiers into the CPU slots (off the
 engine thread) and submits its CPU -> GPU copy only when all arrived; a missing or
 damaged chunk fails the load (recomputed). ``tier_writes`` are copied out of the CPU
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
-from connectors.offload.tiering import WorkerTiers, make_tiers
+from connectors.offload.tiers.base import make_tiers
+from connectors.offload.tiers.worker import WorkerTiers
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.connector.roles import KVConnectorWorkerSide
 from kvconnector_core.errors import ConfigError, InvariantError
@@ -35,8 +36,8 @@ if TYPE_CHECKING:
     import torch
 
     from connectors.offload.config import OffloadConfig
+    from connectors.offload.tiers import Shard
     from connectors.offload.transfer import KVBlockMover, TransferResult
-    from connectors.tiers import Shard
     from kvconnector_core.kv_events import KVCacheEvent
 
 __all__ = ["OffloadWorkerSide"]

@@ -2,7 +2,7 @@
 
 :class:`SchedulerSideState` holds what the load planning (:mod:`._sched_loads`), the
 store planning (:mod:`._sched_stores`) and the completions
-(:class:`~connectors.offload.scheduler_side.OffloadSchedulerSide`) share: the CPU tier's
+(:class:`~connectors.offload.scheduler.OffloadSchedulerSide`) share: the CPU tier's
 manager, the requests' views, the jobs in flight and the store fence, plus the O(1) key
 of a chunk.
 
@@ -15,13 +15,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from connectors.offload._fence import StoreFence
 from connectors.offload.events import ChunkInfo, GroupedEvents
-from connectors.offload.manager import CPUOffloadingManager
-from connectors.offload.policies import OffloadKey
+from connectors.offload.fence import StoreFence
+from connectors.offload.manager import CPUOffloadingManager, OffloadKey
 from connectors.offload.records import TierWriteJob, TransferJobSpec
-from connectors.offload.tiering import SchedulerTiers, make_tiers
-from connectors.tiers import Shard
+from connectors.offload.tiers import Shard
+from connectors.offload.tiers.base import make_tiers
+from connectors.offload.tiers.scheduler import SchedulerTiers
 from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 from kvconnector_core.kv_events import MEDIUM_CPU
 from kvconnector_core.request import lora_name_of

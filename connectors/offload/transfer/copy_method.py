@@ -13,11 +13,11 @@ import functools
 
 import torch
 
-from connectors.offload import _cudart
-from connectors.offload._copy_plan import CopyPlan, cpu_runs, estimate_joint_runs, scan_runs
-from connectors.offload._jobs import EventPool, Job, as_tensor, coalesce_runs
-from connectors.offload._layout import BlockLayout
-from connectors.offload._staged import GatherPlan, StagingBuffers, plan_gather, staged_copy
+from connectors.offload.transfer import cudart as _cudart
+from connectors.offload.transfer.copy_plan import CopyPlan, cpu_runs, estimate_joint_runs, scan_runs
+from connectors.offload.transfer.jobs import EventPool, Job, as_tensor, coalesce_runs
+from connectors.offload.transfer.layout import BlockLayout
+from connectors.offload.transfer.staging import GatherPlan, StagingBuffers, plan_gather, staged_copy
 
 __all__ = ["DMA_LANES", "HEAD_BLOCKS", "CopyMethods"]
 

@@ -4,7 +4,7 @@ Works against a single Redis and against Redis Cluster (``cluster=True``; any no
 bootstraps the slot map). Keys are ``kvc:<model>:<layout>:<tenant>:<hash hex>-g<group>``
 where ``<tenant>`` is a digest of the tenant salt: engines of different models, KV
 layouts or tenants never read each other's values. Values carry the checksum frame of
-:mod:`connectors.tiers._base`; a corrupted value is a failed load.
+:mod:`connectors.offload.tiers.base`; a corrupted value is a failed load.
 
 I/O is batched and pipelined on the tier's threads, never on the engine thread: a
 chain lookup is one pipeline of ``EXISTS`` (one round trip on a single node; one per
@@ -35,7 +35,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from connectors.tiers._base import SecondaryTier, Shard, TierKey, settings
+from connectors.offload.tiers.base import SecondaryTier
+from connectors.offload.tiers.records import Shard, TierKey, settings
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["RedisTier", "RedisTierConfig"]

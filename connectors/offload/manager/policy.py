@@ -1,5 +1,13 @@
-"""The cache-policy interface and its records (re-exported by ``policies``, which documents
-the ref-count convention and the atomic ``evict``)."""
+"""The cache-policy interface of the CPU offloading tier and its records.
+
+Ref counts follow the manager's convention: ``-1`` = being written (not readable, not
+evictable), ``0`` = ready and evictable, ``> 0`` = pinned by that many loads.
+
+``evict`` is atomic: it either returns exactly ``n`` victims (already removed from the
+policy) or ``None`` having changed nothing, so a refused store leaves no trace.
+
+Primitives: :data:`OffloadKey`, :class:`SlotEntry`, :class:`CachePolicy`.
+"""
 
 from __future__ import annotations
 
