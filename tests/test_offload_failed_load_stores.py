@@ -21,7 +21,7 @@ def _side():
 
 def _plan_store(conn, job_id: int, key: bytes) -> TransferJobSpec:
     assert conn.manager.prepare_store([key]) is not None
-    conn._jobs[job_id] = JobRecord("gone", (key,), is_store=True)  # noqa: SLF001
+    conn.state.jobs[job_id] = JobRecord("gone", (key,), is_store=True)  # noqa: SLF001
     return TransferJobSpec(job_id, "gone", [5], [0])
 
 

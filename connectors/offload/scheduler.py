@@ -6,7 +6,7 @@ chunks in ``build_connector_meta`` (``prepare_store``), and learns job completio
 ``update_connector_output``: a store becomes visible to lookups only once its job
 succeeded; a failed store is dropped (``complete_store(success=False)``).
 ``request_finished`` delays the free of a request whose stores are still in flight;
-sliding-window blocks freed while a store reads them are fenced (:mod:`._fence`).
+sliding-window blocks freed while a store reads them are fenced (:mod:`connectors.offload.fence`).
 
 Hybrid models: every KV cache group is offloaded; a key is a chunk's chained hash plus
 its group (4 bytes), as in vLLM 0.33. Lookups are window-aware (a sliding-window group
@@ -24,11 +24,12 @@ Failure contract (``docs/failure-contract.md``): ``forget_requests`` drops a req
 unsent loads and makes its stores in flight fail when they complete; ``plan_failed``
 releases a plan's loads or stores and re-sends its delayed frees.
 
-Code layout: the shared state and keys are in :mod:`._sched_state`, the load planning in
-:mod:`._sched_loads`, the store planning in :mod:`._sched_stores`; this module completes
-jobs, finishes, forgets and fails requests and hands out events.
+The side owns a :class:`~connectors.offload.load_planner.LoadPlanner` (lookups, load
+plans) and a :class:`~connectors.offload.store_planner.StorePlanner` (store plans), both
+working on its :class:`~connectors.offload.scheduler_state.SchedulerState`; it completes
+jobs, finishes, forgets and fails requests and hands out events itself.
 
-Primitives: :class:`OffloadSchedulerSide`, :func:`group_suffix`.
+Primitives: :class:`OffloadSchedulerSide`.
 """
 
 from __future__ import annotations
@@ -36,92 +37,168 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.load_planner import LoadPlanning
+from connectors.offload.load_planner import LoadPlanner
 from connectors.offload.lookup import needed_chunks
-from connectors.offload.manager import OffloadKey
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata
-from connectors.offload.scheduler_state import JobRecord, ReqState, group_suffix
-from connectors.offload.store_planner import StorePlanning
+from connectors.offload.scheduler_state import JobRecord, ReqState, SchedulerState
+from connectors.offload.store_planner import StorePlanner
+from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 
 if TYPE_CHECKING:
+    from connectors.offload.config import OffloadConfig
+    from connectors.offload.manager import CPUOffloadingManager, OffloadKey
+    from connectors.offload.scheduler_state import ChunkKeys
+    from connectors.offload.tiers.scheduler import SchedulerTiers
+    from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_events import KVCacheEvent
     from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import SchedulerOutput
 
-__all__ = ["OffloadSchedulerSide", "group_suffix"]
+__all__ = ["OffloadSchedulerSide"]
 
 
-class OffloadSchedulerSide(LoadPlanning, StorePlanning):
+class OffloadSchedulerSide(KVConnectorSchedulerSide):
     """Scheduler side of the CPU offloading connector (see the module docstring).
-
-    Loads are planned by :class:`~connectors.offload.load_planner.LoadPlanning`, stores
-    by :class:`~connectors.offload.store_planner.StorePlanning`; this class completes
-    jobs, finishes and forgets requests and hands out events.
 
     Args:
         config: the connector config (its ``kv_role`` decides loads and stores).
         offload_config: the validated ``extra_config``.
+
+    Attributes:
+        state: what the side and its planners share (requests, jobs, the next plan).
+        load_planner: lookups and load plans.
+        store_planner: store plans.
     """
 
+    def __init__(self, config: KVConnectorConfig, offload_config: OffloadConfig) -> None:
+        self.config = config
+        self.offload_config = offload_config
+        self.state = SchedulerState(config, offload_config)
+        self.load_planner = LoadPlanner(self.state, loads=config.is_kv_consumer)
+        self.store_planner = StorePlanner(self.state, stores=config.is_kv_producer)
+        self._job_reports: dict[int, tuple[int, bool]] = {}  # job -> (worker reports, all ok)
+        # Store jobs whose data cannot be trusted (forgotten requests): failed on completion.
+        self._poisoned: set[int] = set()
+
+    @property
+    def manager(self) -> CPUOffloadingManager:
+        """The CPU tier's slots."""
+        return self.state.manager
+
+    @property
+    def tiers(self) -> SchedulerTiers | None:
+        """The secondary tiers' scheduler half (None without tiers)."""
+        return self.state.tiers
+
+    @property
+    def keys(self) -> ChunkKeys:
+        """Chunk keys and descriptions."""
+        return self.state.keys
+
+    # ------------------------------------------------------------------ planning
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens loadable from the CPU tier beyond the local hit (always async); see
+        :meth:`LoadPlanner.matched_tokens`."""
+        return self.load_planner.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Record the request and plan its load if it has one; see
+        :meth:`LoadPlanner.plan_load`.
+
+        Raises:
+            InvariantError: ``num_external_tokens`` is not a whole number of GPU blocks
+                or the blocks to load are not ready (the scheduler then recomputes).
+        """
+        self.load_planner.plan_load(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> OffloadingConnectorMetadata:
+        """Plan this step's stores (chunks complete after this step), emit pending loads,
+        delayed frees, tier writes and store-fence flushes.
+
+        O(new blocks) per request: block ids are appended, keys are computed only for
+        the chunks this step completes.
+        """
+        st = self.state
+        stores = self.store_planner.plan_stores(scheduler_output)
+        preempted = self.store_planner.preempted(scheduler_output)
+        meta = OffloadingConnectorMetadata(loads=st.pending_loads, stores=stores,
+                                           preempted_req_ids=preempted,
+                                           delayed_free_req_ids=st.delayed_free,
+                                           tier_writes=st.pending_tier_writes,
+                                           flush_job_ids=st.fence.take())
+        st.pending_loads, st.delayed_free, st.pending_tier_writes = [], [], []
+        return meta
+
+    # ------------------------------------------------------------------ completions
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Complete the stores and loads the worker finished; forget sent requests.
 
         Job completions come from ``connector_output.kv_connector_worker_meta`` (an
         :class:`OffloadWorkerMetadata`); a job reported twice is ignored.
         """
-        if connector_output.invalid_block_ids:
-            self._fail_stores_of_failed_loads(connector_output.invalid_block_ids)
-        meta = connector_output.kv_connector_worker_meta
+        out, st = connector_output, self.state
+        if out.invalid_block_ids:
+            self._fail_stores_of_failed_loads(out.invalid_block_ids)
+        meta = out.kv_connector_worker_meta
         if not isinstance(meta, OffloadWorkerMetadata):
-            if not (connector_output.failed_recving or connector_output.finished_sending):
-                self._events.translate(self.manager)  # most steps: nothing finished
+            if not (out.failed_recving or out.finished_sending):
+                st.events.translate(st.manager)  # most steps: nothing finished
                 return
             meta = OffloadWorkerMetadata()
-        for job_id, success in itertools.chain(
-                ((j, True) for j in meta.done_job_ids),
-                ((j, False) for j in meta.failed_job_ids)):
-            if job_id not in self._jobs:
-                continue
-            # Every worker moves its shard of a job: done once all have reported.
-            count, ok = self._job_reports.pop(job_id, (0, True))
-            count, ok = count + 1, ok and success
-            if count < self.config.world_size:
-                self._job_reports[job_id] = (count, ok)
-                continue
-            success = ok
-            record = self._jobs.pop(job_id)
-            if job_id in self._poisoned:
-                self._poisoned.discard(job_id)
-                success = False
-            if record.is_store:
-                self._fence.release(job_id)
-                self.manager.complete_store(record.keys, success=success)
-                if not success:
-                    self._events.discard(record.keys)
-                elif self.tiers is not None:
-                    self._plan_tier_writes(record.keys)
-                state = self._reqs.get(record.req_id)
-                if state is not None:
-                    state.store_jobs.discard(job_id)
-                    self._drop_if_done(state)
-            else:
-                self._complete_load(record, success)
-        if connector_output.failed_recving:
-            # A receive reported failed without its job (e.g. start_load_kv raised before
-            # submitting it) must still unpin its CPU entries, or they are never evictable.
-            for job_id, record in list(self._jobs.items()):
-                if not record.is_store and record.req_id in connector_output.failed_recving:
-                    del self._jobs[job_id]
-                    self._job_reports.pop(job_id, None)
-                    self._complete_load(record, success=False)
-        self._events.translate(self.manager)
-        for rid in connector_output.finished_sending:
-            state = self._reqs.get(rid)
+        for job_id, success in itertools.chain(((j, True) for j in meta.done_job_ids),
+                                               ((j, False) for j in meta.failed_job_ids)):
+            self._job_reported(job_id, success)
+        if out.failed_recving:
+            self._fail_unreported_receives(out.failed_recving)
+        st.events.translate(st.manager)
+        if out.finished_sending:
+            self._sent(out.finished_sending)
+
+    def _job_reported(self, job_id: int, success: bool) -> None:
+        """One worker's report of a job: every worker moves its shard of a job, so the job
+        is complete once all have reported."""
+        st = self.state
+        if job_id not in st.jobs:
+            return
+        count, ok = self._job_reports.pop(job_id, (0, True))
+        count, ok = count + 1, ok and success
+        if count < self.config.world_size:
+            self._job_reports[job_id] = (count, ok)
+            return
+        record = st.jobs.pop(job_id)
+        if job_id in self._poisoned:
+            self._poisoned.discard(job_id)
+            ok = False
+        if record.is_store:
+            self._complete_store(job_id, record, ok)
+        else:
+            self._complete_load(record, ok)
+
+    def _fail_unreported_receives(self, failed_recving: set[str]) -> None:
+        """A receive reported failed without its job (e.g. start_load_kv raised before
+        submitting it) must still unpin its CPU entries, or they are never evictable."""
+        st = self.state
+        for job_id, record in list(st.jobs.items()):
+            if not record.is_store and record.req_id in failed_recving:
+                del st.jobs[job_id]
+                self._job_reports.pop(job_id, None)
+                self._complete_load(record, success=False)
+
+    def _sent(self, finished_sending: set[str]) -> None:
+        """Forget finished requests whose delayed free went out."""
+        st = self.state
+        for rid in finished_sending:
+            state = st.reqs.get(rid)
             if state is not None and state.finished and not state.store_jobs:
-                del self._reqs[rid]
-        if connector_output.finished_sending and self._delayed_free:
+                del st.reqs[rid]
+        if st.delayed_free:
             # A delayed free re-sent by plan_failed but reported meanwhile: nothing to send.
-            self._delayed_free = [r for r in self._delayed_free if r not in connector_output.finished_sending]
+            st.delayed_free = [r for r in st.delayed_free if r not in finished_sending]
 
     def _fail_stores_of_failed_loads(self, invalid_block_ids: set[int]) -> None:
         """A sync load into these blocks failed (in a MultiConnector, maybe a sibling's), so
@@ -132,55 +209,99 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         the next step's plan is built before this report arrives, and that step's stores
         of the request are built on the same bad blocks. Failing a store that was in fact
         sound only loses a hit."""
-        for job_id, record in self._jobs.items():
+        st = self.state
+        for job_id, record in st.jobs.items():
             if not record.is_store:
                 continue
-            state = self._reqs.get(record.req_id)
-            if state is None or any(b in invalid_block_ids for ids in state.block_ids for b in ids):
+            state = st.reqs.get(record.req_id)
+            if state is None or any(b in invalid_block_ids for ids in state.block_ids
+                                    for b in ids):
                 self._poisoned.add(job_id)
 
+    def _complete_store(self, job_id: int, record: JobRecord, success: bool) -> None:
+        """A store is visible only if it worked; a stored chunk cascades into the tiers."""
+        st = self.state
+        st.fence.release(job_id)
+        st.manager.complete_store(record.keys, success=success)
+        if not success:
+            st.events.discard(record.keys)
+        elif st.tiers is not None:
+            self._plan_tier_writes(record.keys)
+        state = st.reqs.get(record.req_id)
+        if state is not None:
+            state.store_jobs.discard(job_id)
+            self._drop_if_done(state)
+
+    def _fail_store(self, job_id: int, record: JobRecord) -> None:
+        self._poisoned.discard(job_id)
+        self._complete_store(job_id, record, success=False)
+
+    def _release_load(self, job_id: int) -> None:
+        record = self.state.jobs.pop(job_id, None)
+        if record is not None and not record.is_store:
+            self._complete_load(record, success=False)
+
+    def _complete_load(self, record: JobRecord, success: bool) -> None:
+        """Unpin a load's CPU chunks; its promoted chunks become visible only if it worked."""
+        st = self.state
+        st.manager.complete_load(record.keys)
+        if record.promoted:
+            st.manager.complete_store(record.promoted, success=success)
+            if not success:
+                st.events.discard(record.promoted)
+
+    def _plan_tier_writes(self, keys: tuple[OffloadKey, ...]) -> None:
+        """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
+        st = self.state
+        assert st.tiers is not None  # noqa: S101 - only called with tiers
+        job_id = st.new_job_id()
+        events = st.events
+        planned = st.tiers.plan_writes(job_id, keys,
+                                       lambda k: events.tables[events.group_of(k)].get(k))
+        if planned is not None:
+            job, pinned = planned
+            st.jobs[job_id] = JobRecord("", pinned, is_store=False)
+            st.pending_tier_writes.append(job)
+
+    # ------------------------------------------------------------------ requests
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while stores read them; otherwise forget the request."""
-        rid = request.request_id
-        self._gpu_hit_tokens.pop(rid, None)
-        self._hits.pop(rid, None)
-        if self.tiers is not None:
-            self.tiers.lookups.forget(rid)
-        state = self._reqs.get(rid)
+        st, rid = self.state, request.request_id
+        self.load_planner.forget(rid)
+        state = st.reqs.get(rid)
         if state is not None and state.seen:
             seen = state.seen
-            self.manager.finish_request(sorted(seen, key=seen.__getitem__), state.reused)
-        elif state is not None and state.hit_tokens >= self._ct:
+            st.manager.finish_request(sorted(seen, key=seen.__getitem__), state.reused)
+        elif state is not None and state.hit_tokens >= st.keys.chunk_tokens:
             self._touch_hits(state)
         if state is None or not state.store_jobs:
-            self._reqs.pop(rid, None)
+            st.reqs.pop(rid, None)
             return False, None
         state.finished = True
-        self._delayed_free.append(rid)
+        st.delayed_free.append(rid)
         return True, None
 
     def _touch_hits(self, state: ReqState) -> None:
         """Recency ``"hits_only"``: touch the whole chunks the request's admission hit
         (those each group needed), head of the prefix most recent."""
-        request, ct = state.request, self._ct
+        keys, request = self.state.keys, state.request
+        ct = keys.chunk_tokens
         end = state.hit_tokens // ct * ct
-        self.manager.touch([self._key(request, g, c) for g, group in enumerate(self._groups)
-                            for c in needed_chunks(group, 0, end, ct)])
+        self.state.manager.touch([keys.key(request, g, c) for g, group in enumerate(keys.groups)
+                                  for c in needed_chunks(group, 0, end, ct)])
 
     def forget_requests(self, request_ids: set[str]) -> None:
         """Drop unsent loads of these requests (unpinned), plan nothing more for them,
         and fail their stores in flight when they complete (never visible)."""
-        dropped = [j for j in self._pending_loads if j.req_id in request_ids]
-        self._pending_loads = [j for j in self._pending_loads if j.req_id not in request_ids]
+        st = self.state
+        dropped = [j for j in st.pending_loads if j.req_id in request_ids]
+        st.pending_loads = [j for j in st.pending_loads if j.req_id not in request_ids]
         for job in dropped:
             self._release_load(job.job_id)
         for rid in request_ids:
-            self._gpu_hit_tokens.pop(rid, None)
-            self._hits.pop(rid, None)
-            if self.tiers is not None:
-                self.tiers.lookups.forget(rid)
-            state = self._reqs.get(rid)
+            self.load_planner.forget(rid)
+            state = st.reqs.get(rid)
             if state is not None:
                 state.forgotten = True
                 self._poisoned |= state.store_jobs
@@ -190,9 +311,10 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         """Drop a forgotten or finished request's state once no store of it is in flight
         and its delayed free went out (a later request_finished finds no state; a
         finished_sending may have come before its last job's completion)."""
-        rid = state.request.request_id
-        if (state.forgotten or state.finished) and not state.store_jobs and rid not in self._delayed_free:
-            self._reqs.pop(rid, None)
+        st, rid = self.state, state.request.request_id
+        if ((state.forgotten or state.finished) and not state.store_jobs
+                and rid not in st.delayed_free):
+            st.reqs.pop(rid, None)
 
     def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
                     stores_failed: bool) -> None:
@@ -203,57 +325,27 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         if loads_failed:
             for job in plan.loads:
                 self._release_load(job.job_id)
-        if not stores_failed:
-            return
+        if stores_failed:
+            self._release_stores(plan)
+            self.state.events.translate(self.state.manager)
+
+    def _release_stores(self, plan: OffloadingConnectorMetadata) -> None:
+        st = self.state
         for write_job in plan.tier_writes:  # never copied: unpin their CPU slots
             self._release_load(write_job.job_id)
         for job in plan.stores:
-            record = self._jobs.pop(job.job_id, None)
+            record = st.jobs.pop(job.job_id, None)
             if record is not None:
                 self._fail_store(job.job_id, record)
         for rid in plan.preempted_req_ids:  # their stores may have read rewritten blocks
-            state = self._reqs.get(rid)
+            state = st.reqs.get(rid)
             if state is not None:
                 self._poisoned |= state.store_jobs
         # The worker may never have learnt these delayed frees: tell it again (it
         # reports a request it knows no stores of at once).
-        self._delayed_free += [r for r in plan.delayed_free_req_ids if r not in self._delayed_free]
-        self._events.translate(self.manager)
+        st.delayed_free += [r for r in plan.delayed_free_req_ids if r not in st.delayed_free]
 
-    def _release_load(self, job_id: int) -> None:
-        record = self._jobs.pop(job_id, None)
-        if record is not None and not record.is_store:
-            self._complete_load(record, success=False)
-
-    def _complete_load(self, record: JobRecord, success: bool) -> None:
-        """Unpin a load's CPU chunks; its promoted chunks become visible only if it worked."""
-        self.manager.complete_load(record.keys)
-        if record.promoted:
-            self.manager.complete_store(record.promoted, success=success)
-            if not success:
-                self._events.discard(record.promoted)
-
-    def _plan_tier_writes(self, keys: tuple[OffloadKey, ...]) -> None:
-        """Cascade (write-through): have the worker copy freshly stored chunks into the tiers."""
-        assert self.tiers is not None  # noqa: S101 - only called with tiers
-        job_id = next(self._job_ids)
-        events = self._events
-        planned = self.tiers.plan_writes(job_id, keys, lambda k: events.tables[events.group_of(k)].get(k))
-        if planned is not None:
-            job, pinned = planned
-            self._jobs[job_id] = JobRecord("", pinned, is_store=False)
-            self._pending_tier_writes.append(job)
-
-    def _fail_store(self, job_id: int, record: JobRecord) -> None:
-        self._fence.release(job_id)
-        self.manager.complete_store(record.keys, success=False)
-        self._events.discard(record.keys)
-        self._poisoned.discard(job_id)
-        state = self._reqs.get(record.req_id)
-        if state is not None:
-            state.store_jobs.discard(job_id)
-            self._drop_if_done(state)
-
+    # ------------------------------------------------------------------ events, lifecycle
     def take_events(self) -> list[KVCacheEvent]:
         """CPU-tier stores and removals as self-describing wire events.
 
@@ -262,20 +354,21 @@ class OffloadSchedulerSide(LoadPlanning, StorePlanning):
         one is evicted, so replaying the stream as a set gives exactly the GPU blocks
         the tier can serve (also when chunks of ``blocks_per_chunk > 1`` share blocks).
         """
-        return self._events.take(self.manager)
+        return self.state.events.take(self.state.manager)
 
     def get_event_snapshot(self) -> list[KVCacheEvent]:
         """A clear of the CPU medium, then every block the tier serves now, per KV cache
         group (each with its group index and block size); it supersedes
         every event not yet returned (the guard's resync after a failed ``take_events``).
         Nothing with events off."""
-        return self._events.snapshot(self.manager)
+        return self.state.events.snapshot(self.state.manager)
 
     def has_pending_work(self) -> bool:
         """Jobs not completed yet, or loads, delayed frees or tier writes not sent yet."""
-        return bool(self._jobs or self._pending_loads or self._delayed_free or self._pending_tier_writes)
+        st = self.state
+        return bool(st.jobs or st.pending_loads or st.delayed_free or st.pending_tier_writes)
 
     def shutdown(self) -> None:
         """Close the tiers' connections (their lookups run on their own threads)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        if self.state.tiers is not None:
+            self.state.tiers.close()
