@@ -38,8 +38,8 @@ import torch
 
 from connectors.offload.transfer import cudart as _cudart
 from connectors.offload.transfer import staging as _staged
-from connectors.offload.transfer.staging import StagingBuffers
 from connectors.offload.transfer.mover import METHODS, KVBlockMover
+from connectors.offload.transfer.staging import StagingBuffers
 
 __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "apply_variant",
            "baseline_mover_class", "make_kv_caches", "restore"]
@@ -68,32 +68,32 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
     # getattr: the same harness also drives older movers (main's, for a baseline in the
     # same run), which lack the staged plan and the lanes; their options are then no-ops.
     saved = mover.__dict__.setdefault("_bench_saved", (
-        mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer,
-        getattr(mover, "_gather_plan", None), getattr(mover, "_lanes", None),
-        getattr(mover, "_staging", None), getattr(mover, "_head_blocks", None)))
+        mover.copier.memcpy, mover.copier.batch_memcpy, mover.copier.memcpy_2d, mover._issuer,
+        mover.copier.gather_plan, mover.copier.lanes, mover.copier.staging,
+        mover.copier.head_blocks))
     memcpy, batch, memcpy_2d, issuer, gather_plan, lanes, staging, head = saved
     mover.method = method
     fallback = option == "Tensor.copy_"
-    mover._memcpy, mover._batch_memcpy, mover._memcpy_2d = (
+    mover.copier.memcpy, mover.copier.batch_memcpy, mover.copier.memcpy_2d = (
         (None, None, None) if fallback else (memcpy, batch, memcpy_2d))
     mover._issuer = None if option in ("inline issue", "Tensor.copy_") else issuer
     if gather_plan is not None:
-        mover._gather_plan = (dataclasses.replace(gather_plan, source=None)
-                              if option == "per-plane kernels" else gather_plan)
+        mover.copier.gather_plan = (dataclasses.replace(gather_plan, source=None)
+                                    if option == "per-plane kernels" else gather_plan)
     if lanes is not None:
-        mover._lanes = {True: [], False: []} if option == "one lane" else lanes
+        mover.copier.lanes = {True: [], False: []} if option == "one lane" else lanes
     if staging is not None:
-        mover._staging = None if option == "per-job buffers" else staging
+        mover.copier.staging = None if option == "per-job buffers" else staging
     if option in _STAGING_OPTIONS and gather_plan is not None and hasattr(gather_plan, "taper"):
-        mover._gather_plan, mover._staging = _staging_variant(mover, option, gather_plan)
+        mover.copier.gather_plan, mover.copier.staging = _staging_variant(mover, option, gather_plan)
     if head is not None:
-        mover._head_blocks = 0 if option == "no head" else head
+        mover.copier.head_blocks = 0 if option == "no head" else head
     if hasattr(type(mover), "_skip_claimed"):
         mover._skip_claimed = option != "wake on claimed"
-    if hasattr(mover, "_dma_only_bytes"):
+    if hasattr(mover.copier, "dma_only_bytes"):
         small = option in ("dma-only small jobs", "dma-only small stores")
-        mover._dma_only_bytes = (128 << 20) if small else 0
-        mover._dma_only_loads = option != "dma-only small stores"
+        mover.copier.dma_only_bytes = (128 << 20) if small else 0
+        mover.copier.dma_only_loads = option != "dma-only small stores"
     # Module-wide (this checkout's staged copies): the stage size before this branch.
     _staged._STAGE_BYTES, _staged._MAX_GROUPS = (16 << 20, 16) if option == "16 MiB stages" else _STAGES
 
@@ -107,11 +107,11 @@ def _staging_variant(mover: KVBlockMover, option: str, plan: _staged.GatherPlan
                 "load index on kernel stream"} if option == "third-stage staging" else {option})
         if "int64 words" in off:
             plan = _staged.plan_gather(mover.layout.planes, mover.cpu_planes,
-                                       _cudart.max_pitch(mover._device_index) if mover._stage_2d else 0,
+                                       _cudart.max_pitch(mover._device_index) if mover.copier.stage_2d else 0,
                                        word_bytes=8, taper=plan.taper)
         if "even stages" in off:
             plan = dataclasses.replace(plan, taper=False)
-        memcpy = None if "torch upload" in off else mover._memcpy
+        memcpy = None if "torch upload" in off else mover.copier.memcpy
         made[option] = plan, {d: StagingBuffers(
             mover.device, plan, memcpy, ids_first="index first" not in off,
             load_index_on_dma_stream="load index on kernel stream" not in off) for d in (True, False)}
@@ -186,14 +186,15 @@ class FirstCopyClock:
     DMA, which a transfer of a few milliseconds pays in full.
     """
 
-    _NAMES = ("_memcpy", "_batch_memcpy", "_memcpy_2d", "_stage_2d")
+    _NAMES = ("memcpy", "batch_memcpy", "memcpy_2d", "stage_2d")
 
     def __init__(self, mover: KVBlockMover) -> None:
         self.calls: list[float] = []
-        self._mover, self._saved = mover, {n: getattr(mover, n, None) for n in self._NAMES}
+        copier = mover.copier  # the copy method holds the runtime calls
+        self._mover, self._saved = copier, {n: getattr(copier, n, None) for n in self._NAMES}
         for name, fn in self._saved.items():
             if fn is not None:
-                setattr(mover, name, self._wrap(fn))
+                setattr(copier, name, self._wrap(fn))
 
     def _wrap(self, fn: Callable[..., int]) -> Callable[..., int]:
         calls = self.calls

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches, restore
 from bench_transfer import _check, _contiguous_fns, _time_once
+
 from connectors.offload.transfer import KVBlockMover
 
 _JOBS = iter(range(1 << 30))
@@ -73,7 +73,7 @@ def _dmas_alone(mover: KVBlockMover, n: int) -> dict[str, Callable[[], None]]:
     and the mover's CPU buffer) with no kernels and no mover: what the copy engines alone do."""
     from connectors.offload.transfer import cudart as _cudart
     from connectors.offload.transfer.staging import group_planes, staging_copies
-    plan = mover._gather_plan
+    plan = mover.copier.gather_plan
     memcpy_2d = _cudart.memcpy_2d_async()
     staging = torch.empty(len(plan.planes) * n * plan.row, dtype=torch.uint8, device="cuda")
     groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes), taper=plan.taper)
@@ -278,7 +278,7 @@ def main() -> int:
         for d in ("store", "load"):
             fns["contiguous (control)", d] = (lambda f=contig[d]: f())
         extra = []
-        plan = getattr(movers.get("auto"), "_gather_plan", None)
+        plan = getattr(getattr(movers.get("auto"), "copier", None), "gather_plan", None)
         if plan is not None and layout != "cross-layer":
             extra.append("staged DMAs alone")
             for d, fn in _dmas_alone(movers["auto"], n).items():

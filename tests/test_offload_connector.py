@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from connectors.offload import transfer as tr
-from connectors.offload.transfer.jobs import Job
 from connectors.offload.connector import OffloadingConnector, OffloadingConnectorMetadata
+from connectors.offload.transfer.copy_method import CopyMethod
+from connectors.offload.transfer.jobs import Job
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import check_metadata_roundtrip, encode_metadata
@@ -161,14 +161,14 @@ def test_engine_serves_prefixes_from_cpu_with_identical_outputs(device: str, pol
 
 
 def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
+    real = CopyMethod.copy_host  # every job's copies on a CPU cache
 
-    def fail_stores(self: tr.KVBlockMover, job: Job, *args: object) -> None:
+    def fail_stores(self: CopyMethod, job: Job, *args: object) -> None:
         if job.is_store:
             raise RuntimeError("injected store failure")
         real(self, job, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tr.KVBlockMover, "_copy_host", fail_stores)
+    monkeypatch.setattr(CopyMethod, "copy_host", fail_stores)
     trace = doc_trace(rounds=2)
     baseline = engine("cpu", None).run(trace)
     eng = engine("cpu", OFFLOAD)
@@ -183,14 +183,14 @@ def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
+    real = CopyMethod.copy_host  # every job's copies on a CPU cache
 
-    def fail_loads(self: tr.KVBlockMover, job: Job, *args: object) -> None:
+    def fail_loads(self: CopyMethod, job: Job, *args: object) -> None:
         if not job.is_store:
             raise RuntimeError("injected load failure")
         real(self, job, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tr.KVBlockMover, "_copy_host", fail_loads)
+    monkeypatch.setattr(CopyMethod, "copy_host", fail_loads)
     trace = doc_trace(rounds=2)
     baseline = engine("cpu", None).run(trace)
     eng = engine("cpu", OFFLOAD)

@@ -7,9 +7,9 @@ a request whose forward ran on never-loaded blocks completed and became visible.
 
 from __future__ import annotations
 
-from connectors.offload.scheduler_state import JobRecord, group_suffix
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import OffloadWorkerMetadata, TransferJobSpec
+from connectors.offload.scheduler_state import JobRecord, group_suffix
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
 from kvconnector_core.testing import empty_scheduler_output, make_kv_cache_config
 

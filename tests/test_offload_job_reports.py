@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.offload.scheduler_state import JobRecord, ReqState, group_suffix
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
@@ -17,6 +16,7 @@ from connectors.offload.records import (
     TierWriteJob,
     TransferJobSpec,
 )
+from connectors.offload.scheduler_state import JobRecord, ReqState, group_suffix
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
 from kvconnector_core.testing import empty_scheduler_output, make_kv_cache_config, make_request, scheduler_output_for
 

@@ -150,8 +150,8 @@ def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, fact
            hashes: list[bytes] = HASHES):
     """A scheduler side with a disk tier holding chunks ``on_disk`` and the CPU tier
     holding ``in_cpu`` of the request with these block hashes."""
-    from connectors.offload.tiers.records import tier_key
     from connectors.offload.tiers import DiskTier
+    from connectors.offload.tiers.records import tier_key
 
     path = tmp_path / "disk"
     tier = DiskTier({"path": str(path), "capacity_bytes": 1 << 20})

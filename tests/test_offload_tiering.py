@@ -9,11 +9,11 @@ import torch
 
 from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import TierRead, TierWrite
+from connectors.offload.tiers import DiskTier, TierKey
 from connectors.offload.tiers.base import make_tiers
 from connectors.offload.tiers.records import tier_key
 from connectors.offload.tiers.scheduler import SchedulerTiers, TierLookups
 from connectors.offload.tiers.worker import WorkerTiers
-from connectors.offload.tiers import DiskTier, TierKey
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_events import BlockStored, to_external_hash
 

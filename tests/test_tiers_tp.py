@@ -13,24 +13,24 @@ import zlib
 
 import pytest
 import torch
-
 from _redis_servers import redis_single, require_redis_server  # noqa: F401 - fixtures
 from _tp_engine import tp_engine
+from test_offload_tiering import _poll
+from test_tiers_engine import ENGINE, doc_trace, offload
+
 from connectors.multi import MultiConnector
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import TierRead, TierWrite
+from connectors.offload.tiers import DiskTier, RedisTier, Shard, TierKey
+from connectors.offload.tiers.frame import HEADER_BYTES, frame_value, unframe_value
 from connectors.offload.tiers.records import tier_key
 from connectors.offload.tiers.scheduler import TierLookups
 from connectors.offload.tiers.worker import WorkerTiers
-from connectors.offload.tiers import DiskTier, RedisTier, Shard, TierKey
-from connectors.offload.tiers.frame import HEADER_BYTES, frame_value, unframe_value
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.engine import EngineConfig
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash
-from test_offload_tiering import _poll
-from test_tiers_engine import ENGINE, doc_trace, offload
 
 HASH = BlockHash(bytes(range(32)))
 

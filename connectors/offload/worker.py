@@ -6,7 +6,7 @@ N+1 (``bind_connector_metadata``, before the forward) so they never delay step N
 are submitted in ``start_load_kv`` and are asynchronous. Preempted requests' stores are
 waited for in ``handle_preemptions`` before their blocks can be overwritten, and so are
 the stores that read a sliding-window block the engine allocated again
-(``flush_job_ids``, in ``bind_connector_metadata``: see :mod:`._fence`). Job
+(``flush_job_ids``, in ``bind_connector_metadata``: see :mod:`connectors.offload.fence`). Job
 completions travel to the scheduler side as :class:`OffloadWorkerMetadata`.
 
 With secondary tiers (:class:`~connectors.offload.tiers.worker.WorkerTiers`): a load with

@@ -1,7 +1,7 @@
 """The secondary tiers' small records: keys, events, loads in flight, settings parsing.
 
-Split from :mod:`connectors.offload.tiers.base` (which re-exports them) to keep that module
-about the tier machinery.
+Primitives: :class:`TierKey`, :class:`Shard`, :class:`TierLoad`, :class:`TierEvent`,
+:func:`settings`, and the key conversions :func:`tier_key` / :func:`offload_key`.
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ of this module reached 0.85x:
 The span view aliases device memory by address (``__cuda_array_interface__``); only the
 rows of the registered planes are ever indexed, so memory between allocations is never
 read or written.
+
+Primitives: :class:`GatherPlan`, :func:`plan_gather`, :func:`group_planes`,
+:func:`staged_copy` (the pipeline); :class:`StagingBuffers` (one direction's reused
+memory); :func:`span_layout`, :func:`cpu_pitch`, :func:`staging_copies` (the geometry
+between staging and the CPU tier).
 """
 
 from __future__ import annotations
