@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -65,35 +66,47 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
         msg = (f"unknown transfer variant {label!r}; methods: {', '.join(METHODS)}; "
                f"options: {', '.join(o for o in OPTIONS if o)}")
         raise ValueError(msg)
-    # getattr: the same harness also drives older movers (main's, for a baseline in the
-    # same run), which lack the staged plan and the lanes; their options are then no-ops.
+    # The same harness also drives older movers (main's, for a baseline in the same run):
+    # they keep the copy knobs on themselves, with a leading underscore, and may lack the
+    # staged plan and the lanes; their options are then no-ops.
+    knobs, prefix = (mover.copier, "") if hasattr(mover, "copier") else (mover, "_")
+
+    def get(name: str) -> Any:
+        return getattr(knobs, prefix + name, None)
+
+    def put(name: str, value: Any) -> None:
+        setattr(knobs, prefix + name, value)
+
+    names = ("memcpy", "batch_memcpy", "memcpy_2d", "gather_plan", "lanes", "staging",
+             "head_blocks")
     saved = mover.__dict__.setdefault("_bench_saved", (
-        mover.copier.memcpy, mover.copier.batch_memcpy, mover.copier.memcpy_2d, mover._issuer,
-        mover.copier.gather_plan, mover.copier.lanes, mover.copier.staging,
-        mover.copier.head_blocks))
+        *(get(n) for n in names[:3]), mover._issuer, *(get(n) for n in names[3:])))
     memcpy, batch, memcpy_2d, issuer, gather_plan, lanes, staging, head = saved
     mover.method = method
     fallback = option == "Tensor.copy_"
-    mover.copier.memcpy, mover.copier.batch_memcpy, mover.copier.memcpy_2d = (
-        (None, None, None) if fallback else (memcpy, batch, memcpy_2d))
+    for name, value in zip(names[:3], (None, None, None) if fallback else saved[:3],
+                           strict=True):
+        put(name, value)
     mover._issuer = None if option in ("inline issue", "Tensor.copy_") else issuer
     if gather_plan is not None:
-        mover.copier.gather_plan = (dataclasses.replace(gather_plan, source=None)
-                                    if option == "per-plane kernels" else gather_plan)
+        put("gather_plan", dataclasses.replace(gather_plan, source=None)
+            if option == "per-plane kernels" else gather_plan)
     if lanes is not None:
-        mover.copier.lanes = {True: [], False: []} if option == "one lane" else lanes
+        put("lanes", {True: [], False: []} if option == "one lane" else lanes)
     if staging is not None:
-        mover.copier.staging = None if option == "per-job buffers" else staging
+        put("staging", None if option == "per-job buffers" else staging)
     if option in _STAGING_OPTIONS and gather_plan is not None and hasattr(gather_plan, "taper"):
-        mover.copier.gather_plan, mover.copier.staging = _staging_variant(mover, option, gather_plan)
+        plan, buffers = _staging_variant(mover, option, gather_plan)
+        put("gather_plan", plan)
+        put("staging", buffers)
     if head is not None:
-        mover.copier.head_blocks = 0 if option == "no head" else head
+        put("head_blocks", 0 if option == "no head" else head)
     if hasattr(type(mover), "_skip_claimed"):
         mover._skip_claimed = option != "wake on claimed"
-    if hasattr(mover.copier, "dma_only_bytes"):
+    if get("dma_only_bytes") is not None:
         small = option in ("dma-only small jobs", "dma-only small stores")
-        mover.copier.dma_only_bytes = (128 << 20) if small else 0
-        mover.copier.dma_only_loads = option != "dma-only small stores"
+        put("dma_only_bytes", (128 << 20) if small else 0)
+        put("dma_only_loads", option != "dma-only small stores")
     # Module-wide (this checkout's staged copies): the stage size before this branch.
     _staged._STAGE_BYTES, _staged._MAX_GROUPS = (16 << 20, 16) if option == "16 MiB stages" else _STAGES
 
@@ -169,10 +182,14 @@ def baseline_mover_class(root: str) -> type:
     pkg = pathlib.Path(tempfile.mkdtemp(prefix="kvc-baseline-")) / "baseline_offload"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    for path in [*src.glob("_*.py"), src / "transfer.py"]:
-        if path.name != "__init__.py":
-            text = path.read_text().replace("connectors.offload", "baseline_offload")
-            (pkg / path.name).write_text(text)
+    if (src / "transfer").is_dir():  # the transfer engine as a subpackage
+        (pkg / "transfer").mkdir()
+        paths = [(path, pkg / "transfer" / path.name) for path in (src / "transfer").glob("*.py")]
+    else:  # the flat layout before it
+        paths = [(path, pkg / path.name) for path in [*src.glob("_*.py"), src / "transfer.py"]
+                 if path.name != "__init__.py"]
+    for path, dest in paths:
+        dest.write_text(path.read_text().replace("connectors.offload", "baseline_offload"))
     sys.path.insert(0, str(pkg.parent))
     import importlib
     return importlib.import_module("baseline_offload.transfer").KVBlockMover  # type: ignore[no-any-return]

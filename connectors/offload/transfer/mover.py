@@ -158,7 +158,6 @@ class KVBlockMover:
         # torch.device costs on every call (tens of microseconds on the issue path).
         self._device_index = (self.device.index if self.device.index is not None
                               else torch.cuda.current_device()) if self.is_cuda else -1
-        self.method = method
         self.num_cpu_blocks = num_cpu_blocks
         pin = self.is_cuda if pin_memory is None else pin_memory
         self.cpu_buffer, self.cpu_planes = _cpu_buffer(self.layout, num_cpu_blocks, pin)
@@ -178,6 +177,16 @@ class KVBlockMover:
                                        delay=_ISSUE_DELAY_S if self.is_cuda else 0.0)
             # A mover dropped without shutdown() still stops its thread.
             weakref.finalize(self, self._issuer.close, join=False)
+
+    @property
+    def method(self) -> str:
+        """The transfer method (see the module docstring); set it to change the method of
+        the jobs submitted from then on."""
+        return self.copier.method
+
+    @method.setter
+    def method(self, method: str) -> None:
+        self.copier.method = method
 
     @property
     def batched_available(self) -> bool:
