@@ -220,7 +220,8 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
     n, device = gpu_ids.numel(), plan.planes[0].device
     groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes), taper=plan.taper)
     fence = buffers.fence if buffers is not None else None
-    rows = len(plan.planes) * n
+    job = _StagedJob(plan, gpu_ids, n, groups, dma_stream, kernel_stream, memcpy, memcpy_2d,
+                     keep_alive, buffers, fence)
     runs_of = cpu_runs if callable(cpu_runs) else (lambda: cpu_runs)
     # Nothing but the first stage's own work comes before the first DMA: a store gathers
     # stage 0 on the DMA stream itself (ordered after the job's start with no
@@ -231,56 +232,9 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
     previous = torch.cuda.current_stream(device.index)
     try:
         if is_store:
-            torch.cuda.set_stream(dma_stream)
-            staging = _staging(plan, rows, buffers, keep_alive)
-            if buffers is not None and buffers.ids_first and plan.source is not None and len(groups) > 1:
-                # Stage 0 gathered plane by plane with the block ids alone: the span index
-                # (a tensor op and a larger upload) waits until the first DMA is queued.
-                ids = buffers.upload_ids(plan, gpu_ids, dma_stream, keep_alive)
-                for p in groups[0]:
-                    torch.index_select(plan.planes[p], 0, ids, out=staging[p * n:(p + 1) * n])
-                ready = _record(dma_stream, fence)  # stage 0 gathered: later kernels may start
-                runs = runs_of()
-                _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
-                kernel_stream.wait_event(ready)
-                torch.cuda.set_stream(kernel_stream)
-                idx = _index(plan, gpu_ids, kernel_stream, buffers, keep_alive)
-                views = _views(plan, groups, n, idx, staging, buffers)
-            else:
-                idx = _index(plan, gpu_ids, dma_stream, buffers, keep_alive)
-                views = _views(plan, groups, n, idx, staging, buffers)
-                _move(plan, groups[0], n, idx, staging, views[0], gather=True)
-                ready = _record(dma_stream, fence)  # stage 0 gathered: later kernels may start
-                runs = runs_of()
-                _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
-                kernel_stream.wait_event(ready)
-                torch.cuda.set_stream(kernel_stream)
-            for k in range(1, len(groups)):
-                _move(plan, groups[k], n, idx, staging, views[k], gather=True)
-                dma_stream.wait_event(_record(kernel_stream, fence))
-                _dma(plan, groups[k], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=True)
+            _stage_store(job, runs_of)
         else:
-            runs = runs_of()
-            staging = _staging(plan, rows, buffers, keep_alive)
-            _dma(plan, groups[0], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
-            if buffers is None or buffers.load_index_on_dma_stream:
-                # The index goes up on the DMA stream, right behind stage 0. Uploaded on the
-                # kernel stream, it queued on the copy engine behind every stage's DMA, so
-                # every scatter ran after the last DMA (seen on an H100: 0.4 ms of tail).
-                torch.cuda.set_stream(dma_stream)
-                idx = _index(plan, gpu_ids, dma_stream, buffers, keep_alive)
-                kernel_stream.wait_event(_record(dma_stream, fence))
-                torch.cuda.set_stream(kernel_stream)
-            else:
-                kernel_stream.wait_event(_record(dma_stream, fence))
-                torch.cuda.set_stream(kernel_stream)
-                idx = _index(plan, gpu_ids, kernel_stream, buffers, keep_alive)
-            views = _views(plan, groups, n, idx, staging, buffers)
-            _move(plan, groups[0], n, idx, staging, views[0], gather=False)
-            for k in range(1, len(groups)):
-                _dma(plan, groups[k], n, runs, staging, dma_stream, memcpy, memcpy_2d, to_cpu=False)
-                kernel_stream.wait_event(_record(dma_stream, fence))
-                _move(plan, groups[k], n, idx, staging, views[k], gather=False)
+            _stage_load(job, runs_of)
     finally:
         torch.cuda.set_stream(previous)
         # The job ends after its last kernel, also when a call above raised: the kernels
@@ -288,6 +242,106 @@ def staged_copy(plan: GatherPlan, is_store: bool, gpu_ids: torch.Tensor,
         dma_stream.wait_event(_record(kernel_stream, fence))
         if buffers is not None:
             buffers.end_job(dma_stream)
+
+
+@dataclass(slots=True)
+class _StagedJob:
+    """The fixed arguments of one staged transfer (see :func:`staged_copy`)."""
+
+    plan: GatherPlan
+    gpu_ids: torch.Tensor
+    n: int
+    groups: list[range]
+    dma_stream: torch.cuda.Stream
+    kernel_stream: torch.cuda.Stream
+    memcpy: _cudart.Memcpy | None
+    memcpy_2d: _cudart.Memcpy2D | None
+    keep_alive: list[torch.Tensor]
+    buffers: StagingBuffers | None
+    fence: torch.cuda.Event | None
+
+    def staging(self) -> torch.Tensor:
+        """The staging rows of the whole job."""
+        return _staging(self.plan, len(self.plan.planes) * self.n, self.buffers, self.keep_alive)
+
+    def index(self, stream: torch.cuda.Stream) -> torch.Tensor:
+        """The gather index, uploaded on ``stream`` (the current stream)."""
+        return _index(self.plan, self.gpu_ids, stream, self.buffers, self.keep_alive)
+
+    def views(self, idx: torch.Tensor, staging: torch.Tensor
+              ) -> Sequence[tuple[torch.Tensor, torch.Tensor] | None]:
+        return _views(self.plan, self.groups, self.n, idx, staging, self.buffers)
+
+    def move(self, k: int, idx: torch.Tensor, staging: torch.Tensor,
+             rows_of: tuple[torch.Tensor, torch.Tensor] | None, *, gather: bool) -> None:
+        _move(self.plan, self.groups[k], self.n, idx, staging, rows_of, gather=gather)
+
+    def dma(self, k: int, runs: Runs, staging: torch.Tensor, *, to_cpu: bool) -> None:
+        _dma(self.plan, self.groups[k], self.n, runs, staging, self.dma_stream, self.memcpy,
+             self.memcpy_2d, to_cpu=to_cpu)
+
+
+def _stage_store(job: _StagedJob, runs_of: Callable[[], Runs]) -> None:
+    """Device -> staging -> CPU: stage 0 on the DMA stream, the rest beside the DMAs."""
+    plan, buffers = job.plan, job.buffers
+    torch.cuda.set_stream(job.dma_stream)
+    staging = job.staging()
+    if (buffers is not None and buffers.ids_first and plan.source is not None
+            and len(job.groups) > 1):
+        # Stage 0 gathered plane by plane with the block ids alone: the span index
+        # (a tensor op and a larger upload) waits until the first DMA is queued.
+        n = job.n
+        ids = buffers.upload_ids(plan, job.gpu_ids, job.dma_stream, job.keep_alive)
+        for p in job.groups[0]:
+            torch.index_select(plan.planes[p], 0, ids, out=staging[p * n:(p + 1) * n])
+        runs = _first_store_dma(job, staging, runs_of)
+        idx = job.index(job.kernel_stream)
+        views = job.views(idx, staging)
+    else:
+        idx = job.index(job.dma_stream)
+        views = job.views(idx, staging)
+        job.move(0, idx, staging, views[0], gather=True)
+        runs = _first_store_dma(job, staging, runs_of)
+    for k in range(1, len(job.groups)):
+        job.move(k, idx, staging, views[k], gather=True)
+        job.dma_stream.wait_event(_record(job.kernel_stream, job.fence))
+        job.dma(k, runs, staging, to_cpu=True)
+
+
+def _first_store_dma(job: _StagedJob, staging: torch.Tensor, runs_of: Callable[[], Runs]
+                     ) -> Runs:
+    """Queue stage 0's DMA once it is gathered; the kernel stream goes on from there."""
+    ready = _record(job.dma_stream, job.fence)  # stage 0 gathered: later kernels may start
+    runs = runs_of()
+    job.dma(0, runs, staging, to_cpu=True)
+    job.kernel_stream.wait_event(ready)
+    torch.cuda.set_stream(job.kernel_stream)
+    return runs
+
+
+def _stage_load(job: _StagedJob, runs_of: Callable[[], Runs]) -> None:
+    """CPU -> staging -> device: stage 0's DMA first, each scatter after its DMA."""
+    runs = runs_of()
+    staging = job.staging()
+    job.dma(0, runs, staging, to_cpu=False)
+    if job.buffers is None or job.buffers.load_index_on_dma_stream:
+        # The index goes up on the DMA stream, right behind stage 0. Uploaded on the
+        # kernel stream, it queued on the copy engine behind every stage's DMA, so
+        # every scatter ran after the last DMA (seen on an H100: 0.4 ms of tail).
+        torch.cuda.set_stream(job.dma_stream)
+        idx = job.index(job.dma_stream)
+        job.kernel_stream.wait_event(_record(job.dma_stream, job.fence))
+        torch.cuda.set_stream(job.kernel_stream)
+    else:
+        job.kernel_stream.wait_event(_record(job.dma_stream, job.fence))
+        torch.cuda.set_stream(job.kernel_stream)
+        idx = job.index(job.kernel_stream)
+    views = job.views(idx, staging)
+    job.move(0, idx, staging, views[0], gather=False)
+    for k in range(1, len(job.groups)):
+        job.dma(k, runs, staging, to_cpu=False)
+        job.kernel_stream.wait_event(_record(job.dma_stream, job.fence))
+        job.move(k, idx, staging, views[k], gather=False)
 
 
 def _index(plan: GatherPlan, gpu_ids: torch.Tensor, stream: torch.cuda.Stream,
