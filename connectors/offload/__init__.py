@@ -1,10 +1,13 @@
 """CPU offloading connector: keeps evicted prefix blocks in a pinned CPU tier.
 
-Scheduler side: :class:`CPUOffloadingManager` (slots, ref counts, events) over a
-pluggable :class:`CachePolicy` (``"lru"``, ``"arc"``). Worker side:
-:mod:`connectors.offload.transfer` moves blocks between the GPU KV cache and the CPU
-buffer. :class:`OffloadingConnector` (registered as ``OffloadingConnector``, alias
-``cpu_offload``) ties both to the connector API. See ``docs/offload.md``.
+:class:`OffloadingConnector` (``connector``; registered as ``OffloadingConnector``, alias
+``cpu_offload``) ties the two role objects to the connector API: the scheduler side
+(``scheduler``: plans loads and stores over a :class:`CPUOffloadingManager`'s slots) and
+the worker side (``worker``: moves the bytes with the transfer engine,
+:mod:`connectors.offload.transfer`). ``config`` holds the typed settings, ``records`` what
+crosses between the roles. Subpackages: ``manager`` (the manager and its pluggable
+:class:`CachePolicy` s, ``"lru"`` and ``"arc"``), ``transfer`` (the block mover) and
+``tiers`` (secondary tiers behind the CPU tier). See ``docs/offload.md``.
 
 Names are imported lazily so that ``import connectors.offload`` stays cheap.
 """

@@ -22,7 +22,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.offload.config import TRANSFER_METHODS, OffloadConfig, OffloadSettings
-from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
+from connectors.offload.records import (
+    OffloadingConnectorMetadata,
+    OffloadWorkerMetadata,
+    TransferJobSpec,
+)
 from connectors.offload.scheduler import OffloadSchedulerSide
 from connectors.offload.tiers import Shard
 from connectors.offload.worker import OffloadWorkerSide
@@ -61,7 +65,8 @@ class OffloadingConnector(RoleSplitConnector):
         kv_cache_config: the engine's KV cache layout (one or several groups).
 
     Raises:
-        ConfigError: invalid ``extra_config`` (see :class:`OffloadSettings`, :meth:`OffloadConfig.from_settings`).
+        ConfigError: invalid ``extra_config`` (see :class:`OffloadSettings`,
+            :meth:`OffloadConfig.from_settings`).
     """
 
     name: ClassVar[str] = "OffloadingConnector"

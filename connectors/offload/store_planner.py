@@ -61,7 +61,8 @@ class StorePlanner:
         """The known requests preempted this step, sorted; their blocks are freed (a
         resumed request brings all its ids)."""
         so, reqs = scheduler_output, self._state.reqs
-        preempted = sorted(r for r in so.preempted_req_ids if r in reqs) if so.preempted_req_ids else []
+        preempted = (sorted(r for r in so.preempted_req_ids if r in reqs)
+                     if so.preempted_req_ids else [])
         for rid in preempted:
             reqs[rid].block_ids = self._no_blocks()
         return preempted
@@ -151,7 +152,8 @@ class StorePlanner:
         if not self._stores or state.forgotten:  # kv_consumer: only loads
             return None
         st, keys, request = self._state, self._keys, state.request
-        if len(state.next_chunk) == 1 and num_done_tokens // keys.chunk_tokens <= state.next_chunk[0]:
+        if (len(state.next_chunk) == 1
+                and num_done_tokens // keys.chunk_tokens <= state.next_chunk[0]):
             return None  # one group and no chunk completed since the last store (most steps)
         ranges = [self._store_range(state, g, num_computed_tokens, num_done_tokens)
                   for g in range(len(keys.groups))]

@@ -25,7 +25,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
+from connectors.offload.records import (
+    OffloadingConnectorMetadata,
+    OffloadWorkerMetadata,
+    TransferJobSpec,
+)
 from connectors.offload.tiers.base import make_tiers
 from connectors.offload.tiers.worker import WorkerTiers
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
@@ -78,10 +82,10 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         cfg = offload_config
+        block_sizes = [g.block_size for g in cfg.groups] or [cfg.gpu_block_size]
         self.tiers = WorkerTiers(make_tiers(cfg.tiers, layout=cfg.layout,
                                             enable_events=cfg.enable_events, shard=shard),
-                                 block_sizes=[g.block_size for g in cfg.groups] or [cfg.gpu_block_size],
-                                 shard=shard) if cfg.tiers else None
+                                 block_sizes=block_sizes, shard=shard) if cfg.tiers else None
         self._tier_waiting: dict[int, TransferJobSpec] = {}  # loads waiting for tier reads
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -191,7 +195,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: loads complete before their request is scheduled."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None
+                      ) -> None:
         """Nothing per layer: whole blocks of all layers move once per step."""
 
     def wait_for_save(self) -> None:

@@ -149,7 +149,8 @@ class OffloadingManager(ABC):
             NotImplementedError: by default; a snapshot that cannot be built is
                 retried by the engine rather than sent wrong.
         """
-        msg = f"{type(self).__name__} does not implement ready_keys(), so its events cannot be resynced"
+        msg = (f"{type(self).__name__} does not implement ready_keys(), so its events cannot "
+               "be resynced")
         raise NotImplementedError(msg)
 
 

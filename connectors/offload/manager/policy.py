@@ -84,7 +84,8 @@ class CachePolicy(ABC):
         held), in prefix order. Default: nothing (vLLM 0.33's ARC waits for the finish;
         its LRU ranks them at once, see :meth:`LRUCachePolicy.on_access`)."""
 
-    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]
+                            ) -> None:
         """Commit one finished request's recency, as vLLM 0.33's ``on_request_finished``.
 
         Args:

@@ -16,7 +16,8 @@ own threads:
   :meth:`SecondaryTier.load_into` reads straight into the caller's buffers (a CPU slot).
 
 Values are framed (:mod:`connectors.offload.tiers.frame`) with a magic, the payload length and a
-CRC-32 over the key and the payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
+CRC-32 over the key and the payload, so a truncated, corrupted or misplaced value is a failed
+load, never wrong data.
 (CRC-32 catches accidental damage, which is what it is for here; it runs at ~3 GB/s where
 BLAKE2b ran at 0.3 GB/s on the benchmark machine, and would have halved tier throughput.
 Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends
@@ -84,7 +85,8 @@ class SecondaryTier(ABC):
         self.shard = shard
         self._max_pending = max_pending_stores
         self._io_threads = io_threads
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-tier-{self.medium.lower()}")
+        self._pool = ThreadPoolExecutor(io_threads,
+                                        thread_name_prefix=f"kv-tier-{self.medium.lower()}")
         self._lock = threading.Lock()  # guards everything below; I/O threads update it
         self._idle = threading.Condition(self._lock)  # notified when a store batch ends
         self._pending_stores = 0
@@ -117,7 +119,8 @@ class SecondaryTier(ABC):
     def _close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources (connections)."""
 
-    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:
+    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]
+                  ) -> list[str]:
         """Blocking: put each key's payload into its buffers if its value is intact and
         fills them exactly; per key one of PLACED, ABSENT, DAMAGED, OTHER_SIZE.
 

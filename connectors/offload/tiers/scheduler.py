@@ -59,7 +59,8 @@ class TierLookups:
     lookup (one pipeline of ``EXISTS`` on Redis).
     """
 
-    def __init__(self, tiers: Sequence[SecondaryTier], shards: Sequence[Shard | None] = (None,)) -> None:
+    def __init__(self, tiers: Sequence[SecondaryTier], shards: Sequence[Shard | None] = (None,)
+                 ) -> None:
         self.tiers = list(tiers)
         self.shards = tuple(shards)
         # req id -> (keys asked, per tier its answer for the keys the tiers before it lack)
@@ -155,7 +156,8 @@ class SchedulerTiers:
         if sources is None:
             return None
         policy = self.manager.policy
-        return {k for k, t in zip(keys, sources, strict=True) if t is not None and policy.get(k) is None}
+        return {k for k, t in zip(keys, sources, strict=True)
+                if t is not None and policy.get(k) is None}
 
     def room(self, cpu_keys: int) -> int:
         """CPU slots promotions may take now, besides ``cpu_keys`` chunks a load will pin."""
@@ -181,7 +183,8 @@ class SchedulerTiers:
         if out is None or list(out.keys_to_store) != wanted:
             if out is not None:
                 self.manager.complete_store(out.keys_to_store, success=False)
-            msg = f"request {req_id}: the CPU tier cannot take {len(wanted)} chunks promoted from a tier"
+            msg = (f"request {req_id}: the CPU tier cannot take {len(wanted)} chunks promoted "
+                   "from a tier")
             raise InvariantError(msg)
         return [TierRead(found[key], key, self._subs(slot))
                 for key, slot in zip(wanted, out.store_spec.block_ids, strict=True)]
@@ -203,7 +206,8 @@ class SchedulerTiers:
         writes = []
         for key, slot in zip(keys, spec.block_ids, strict=True):
             info = info_of(key)
-            hashes, parent = (info.block_hashes, info.parent_block_hash) if info else ((BlockHash(key[:-4]),), None)
+            hashes, parent = ((info.block_hashes, info.parent_block_hash) if info
+                              else ((BlockHash(key[:-4]),), None))
             writes.append(TierWrite(key, self._subs(slot), list(hashes), parent))
         return TierWriteJob(job_id, writes), keys
 

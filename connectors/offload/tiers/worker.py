@@ -65,8 +65,8 @@ class WorkerTiers:
         self._tables: dict[tuple[int, int], ChunkInfoTable] = {}
         self._planes: tuple[torch.Tensor, ...] = ()
         self._jobs: dict[int, _ReadJob] = {}
-        self._described: collections.OrderedDict[OffloadKey, tuple[list[BlockHash], BlockHash | None]] = (
-            collections.OrderedDict())
+        self._described: collections.OrderedDict[
+            OffloadKey, tuple[list[BlockHash], BlockHash | None]] = collections.OrderedDict()
         self.writes_dropped = 0
         self._reported: dict[str, int] = {}
 
@@ -96,7 +96,8 @@ class WorkerTiers:
     def _cpu_views(self, ids: Sequence[int]) -> list[memoryview]:
         """Writable views of the chunk's rows, in the order :meth:`_read_cpu` joins them:
         a tier reads a value straight into them (no intermediate bytes)."""
-        return [memoryview((ctypes.c_char * n).from_address(addr)).cast("B") for addr, n in self._rows(ids)]
+        return [memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+                for addr, n in self._rows(ids)]
 
     # ------------------------------------------------------------ cascade and promotion
     def write(self, writes: Sequence[TierWrite]) -> None:
@@ -169,8 +170,8 @@ class WorkerTiers:
                             if described is not None:
                                 table.add(okey, ChunkInfo(tuple(described[0]), described[1], None))
                     block_size = self.block_sizes[g] if g < len(self.block_sizes) else 0
-                    out += to_wire_events([OffloadingEvent(tuple(keys), event.medium, event.removed)],
-                                          table, block_size, group_idx=g)
+                    offloaded = OffloadingEvent(tuple(keys), event.medium, event.removed)
+                    out += to_wire_events([offloaded], table, block_size, group_idx=g)
         return out
 
     def stats(self) -> dict[str, int]:

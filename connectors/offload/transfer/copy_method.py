@@ -194,8 +194,9 @@ class CopyMethod:
                 msg = f"cudaMemcpy2DAsync returned CUDA error {rc} ({height} rows of {width} bytes)"
                 raise RuntimeError(msg)
 
-    def _copy_batched(self, batch_memcpy: cudart.BatchMemcpy, is_store: bool, g_ids: array.array[int],
-                      c_ids: array.array[int], stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
+    def _copy_batched(self, batch_memcpy: cudart.BatchMemcpy, is_store: bool,
+                      g_ids: array.array[int], c_ids: array.array[int],
+                      stream: torch.cuda.Stream, start: torch.cuda.Event) -> None:
         # Every plane and run of the job in one runtime call: thousands of DMA copies for
         # the per-layer layout cost one call's host time, and the copy engines see the
         # whole batch at once instead of a trickle of single copies.
@@ -306,7 +307,8 @@ class CopyMethod:
         stream = torch.cuda.current_stream(self.device_index).cuda_stream
         for g, c, n in runs:
             g_ptr, c_ptr, nbytes = g_base + g * g_stride, c_base + c * c_stride, n * row
-            rc = memcpy(c_ptr, g_ptr, nbytes, stream) if is_store else memcpy(g_ptr, c_ptr, nbytes, stream)
+            dst, src = (c_ptr, g_ptr) if is_store else (g_ptr, c_ptr)
+            rc = memcpy(dst, src, nbytes, stream)
             if rc != 0:
                 cudart.clear_error()
                 msg = f"cudaMemcpyAsync returned CUDA error {rc}"

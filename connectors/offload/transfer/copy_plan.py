@@ -212,7 +212,9 @@ class CopyPlan:
         return tuple(cols[:, i:i + 1] for i in range(5))  # each (planes, 1), broadcasts over runs
 
     def single_plane_descriptors(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int],
-                                 is_store: bool) -> tuple[array.array[int], array.array[int], array.array[int]] | None:
+                                 is_store: bool
+                                 ) -> tuple[array.array[int], array.array[int],
+                                            array.array[int]] | None:
         """:meth:`descriptors` as ``array('q')`` built in Python, for one dense plane (else None).
 
         Why: the engine's cross-layer layout is one plane, where a job is at most a few
@@ -243,7 +245,8 @@ class CopyPlan:
             parts.append(self._expand(self._dense, *run_starts(gpu_ids, cpu_ids)))
         if self._gapped is not None:
             parts.append(self._expand(self._gapped, gpu_ids, cpu_ids, torch.ones_like(gpu_ids)))
-        cols = parts[0] if len(parts) == 1 else tuple(torch.cat(c) for c in zip(*parts, strict=True))
+        cols = (parts[0] if len(parts) == 1
+                else tuple(torch.cat(c) for c in zip(*parts, strict=True)))
         gpu_ptr, cpu_ptr, size = cols
         return (cpu_ptr, gpu_ptr, size) if is_store else (gpu_ptr, cpu_ptr, size)
 

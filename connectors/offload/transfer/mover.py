@@ -308,7 +308,8 @@ class KVBlockMover:
             end = self._timing_events.get()
             end.record(self._streams[job.is_store])
         except Exception as exc:  # noqa: BLE001 - a device error: nothing more can be queued
-            logger.warning("KV transfer job %d: no end event after its failure: %s", job.job_id, exc)
+            logger.warning("KV transfer job %d: no end event after its failure: %s", job.job_id,
+                           exc)
             return
         job.end_event = end
 

@@ -503,7 +503,8 @@ class StagingBuffers:
         key = (index.data_ptr(), staging.data_ptr(), n)
         views = self._views.get(key)
         if views is None or len(views) != len(groups):
-            views = [(index[g.start * n:g.stop * n], staging[g.start * n:g.stop * n]) for g in groups]
+            views = [(index[g.start * n:g.stop * n], staging[g.start * n:g.stop * n])
+                     for g in groups]
             if len(self._views) > 64:  # many job sizes: start over rather than grow
                 self.clear_views()
             self._views[key] = views
@@ -548,7 +549,8 @@ class StagingBuffers:
         if device_buffer is None or device_buffer.numel() < need:
             if device_buffer is not None:
                 keep_alive.append(device_buffer)
-            device_buffer = self._device_index = torch.empty(need, dtype=torch.int64, device=self.device)
+            device_buffer = self._device_index = torch.empty(need, dtype=torch.int64,
+                                                             device=self.device)
             self.clear_views()
         if self._pending is None:
             slot = self._turn % _HOST_SLOTS
@@ -583,7 +585,8 @@ class StagingBuffers:
         key = (self._pending or 0, length, n)
         views = self._index_views.get(key)
         if views is None:
-            views = self._index_views[key] = (host[length:length + n], device_buffer[length:length + n])
+            views = self._index_views[key] = (host[length:length + n],
+                                              device_buffer[length:length + n])
         host_ids, ids = views
         ctypes.memmove(host_ids.data_ptr(), gpu_ids.data_ptr(), 8 * n)
         self._upload(host_ids, ids, stream)
