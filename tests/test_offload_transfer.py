@@ -531,3 +531,17 @@ def test_scattered_jobs_on_a_cpu_cache_are_byte_exact(layout: str, method: str) 
                 expected[d] = before[name][s]
             assert torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), (layout, trial)
             t.copy_(before[name])  # the next trial starts from the same cache
+
+
+def test_the_transfer_engine_imports_nothing_of_the_scheduler_side() -> None:
+    """The worker's transfer subpackage stays importable with torch alone: it pulls in none
+    of the offload package's msgspec modules (settings, records, manager)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvconnector_core; before = set(sys.modules); "
+            "import connectors.offload.transfer; "
+            "print(sorted(m for m in set(sys.modules) - before "
+            "if m.startswith('connectors.offload.') and '.transfer' not in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OffloadWorkerSide"]
 
-logger = logging.getLogger("connectors.offload.connector")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

@@ -108,7 +108,8 @@ class OffloadingManager(ABC):
         """A request uses held ``keys`` now (it loads them, or offered them for storing
         while they were held), head of the prefix first; see :meth:`finish_request`."""
 
-    def finish_request(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:  # noqa: B027
+    def finish_request(  # noqa: B027 - optional hook, a no-op by default
+            self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
         """Commit a finished request's recency, the way vLLM 0.33's manager does.
 
         Args:
