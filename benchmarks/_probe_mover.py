@@ -9,8 +9,6 @@ from collections.abc import Callable
 
 import torch
 
-from connectors.offload.transfer import KVBlockMover
-
 # The probe's own modules last (importing _probe_setup allocates the GPU buffers).
 from _probe_candidates import batched, cl_rows, staged64
 from _probe_setup import (
@@ -33,6 +31,8 @@ from _probe_setup import (
     pl,
     streams,
 )
+
+from connectors.offload.transfer import KVBlockMover
 
 
 def mover_breakdown() -> int:
@@ -61,14 +61,14 @@ def mover_breakdown() -> int:
         m.shutdown()
     for thread in (False, True):
         m = KVBlockMover(pl_caches, num_cpu_blocks=2 * N, issue_thread=thread)
-        plan = m._gather_plan
+        plan = m.copier.gather_plan
         print(json.dumps({"span": plan.source is not None, "cpu_pitch": plan.cpu_pitch, "word": str(plan.word)}))
         bw(f"PL mover gather span+2D, issue thread {thread}", m)
-        m._gather_plan = dataclasses.replace(plan, cpu_pitch=None)
+        m.copier.gather_plan = dataclasses.replace(plan, cpu_pitch=None)
         bw(f"PL mover gather span+1D, issue thread {thread}", m)
-        m._gather_plan = dataclasses.replace(plan, cpu_pitch=None, source=None)
+        m.copier.gather_plan = dataclasses.replace(plan, cpu_pitch=None, source=None)
         bw(f"PL mover gather per-plane+1D, issue thread {thread}", m)
-        m._gather_plan = plan
+        m.copier.gather_plan = plan
         m.shutdown()
     for name, caches in (("CL", cl_caches), ("PL", pl_caches)):
         m = KVBlockMover(caches, num_cpu_blocks=2 * N, issue_thread=False)
@@ -96,9 +96,9 @@ def bisect() -> int:
     import array
     import dataclasses
 
-    from connectors.offload import _staged
-    from connectors.offload._copy_plan import run_starts
-    from connectors.offload.transfer import _Job
+    from connectors.offload.transfer import staging as _staged
+    from connectors.offload.transfer.copy_plan import run_starts
+    from connectors.offload.transfer.jobs import Job as _Job
     rows = []
 
     def bw(name: str, fn: Callable[[], None]) -> None:
@@ -112,7 +112,7 @@ def bisect() -> int:
     m = KVBlockMover(cl_caches, num_cpu_blocks=2 * N, issue_thread=False)
     stream = m._streams[True]
     bw("B1 bare batch, 4 streams, interleaved", batched(*cl_rows(True), BLK, streams[:4]))
-    d, s_, z = m._plan.descriptors(g_t, c_t, True)
+    d, s_, z = m.copier.plan.descriptors(g_t, c_t, True)
     bw("B2 bare batch of the mover's descriptors, 4 streams",
        batched(d.tolist(), s_.tolist(), z.tolist(), streams[:4]))
 
@@ -120,7 +120,7 @@ def bisect() -> int:
         stream.wait_stream(torch.cuda.current_stream())
         begin = torch.cuda.Event()
         begin.record(stream)
-        m._copy_batched(batch, True, array.array("q", S_G), array.array("q", S_C), stream, begin)
+        m.copier._copy_batched(batch, True, array.array("q", S_G), array.array("q", S_C), stream, begin)
     bw("B3 mover _copy_batched (descriptors + lanes)", b3)
 
     def b4() -> None:
@@ -137,15 +137,15 @@ def bisect() -> int:
     for groups in (16, 8):
         bw(f"G1 bare staged int64, {groups} groups", staged64(True, groups))
     runs = list(zip(*(t.tolist() for t in run_starts(torch.arange(N), c_t)), strict=True))
-    ds, ks = pm._streams[True], pm._kernel_streams[True]
-    plan = pm._gather_plan
+    ds, ks = pm._streams[True], pm.copier.kernel_streams[True]
+    plan = pm.copier.gather_plan
     keep: list = []
     for name, pl_plan in (("per-plane, 1D", dataclasses.replace(plan, source=None, cpu_pitch=None)),
                           ("span, 1D", dataclasses.replace(plan, cpu_pitch=None)), ("span, 2D", plan)):
         def g2(pl_plan=pl_plan) -> None:
             keep.clear()
             ds.wait_stream(torch.cuda.current_stream())
-            _staged.staged_copy(pl_plan, True, g_t, runs, ds, ks, memcpy, pm._stage_2d, keep)
+            _staged.staged_copy(pl_plan, True, g_t, runs, ds, ks, memcpy, pm.copier.stage_2d, keep)
         bw(f"G2 staged_copy {name}", g2)
     bw("G4 mover submit_store + wait, inline",
        lambda: (pm.submit_store(next(jobs), S_G, S_C), pm.wait(), pm.get_finished()))

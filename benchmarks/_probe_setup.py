@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from connectors.offload import _cudart
+from connectors.offload.transfer import cudart as _cudart
 
 L, H, D, BS = 32, 8, 128, 16
 ROW = 2 * BS * H * D * 2  # bytes of one block of one layer (64 KiB)

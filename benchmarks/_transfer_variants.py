@@ -8,7 +8,7 @@ kernels`` (staged copies gather each plane with its own kernel, as before one sp
 covered all planes) or ``, one lane`` (batched jobs on the direction's stream alone, as
 before they were split over several streams), ``, per-job buffers`` (staged copies
 allocate their index and staging memory and their events per job, as before
-:class:`~connectors.offload._staged.StagingBuffers`), ``, 16 MiB stages`` (staged copies
+:class:`~connectors.offload.transfer.staging.StagingBuffers`), ``, 16 MiB stages`` (staged copies
 in stages of 16 MiB, up to 16, as before), ``, no head`` (a batched job's first blocks
 are not queued ahead of the rest), ``, int64 words`` (staged kernels move 8-byte words, not
 16-byte ones), ``, even stages`` (no short first and last stage), ``, torch upload`` (the
@@ -33,12 +33,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from connectors.offload import _cudart, _staged
-from connectors.offload._staging import StagingBuffers
-from connectors.offload.transfer import METHODS, KVBlockMover
+from connectors.offload.transfer import cudart as _cudart
+from connectors.offload.transfer import staging as _staged
+from connectors.offload.transfer.mover import METHODS, KVBlockMover
+from connectors.offload.transfer.staging import StagingBuffers
 
 __all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "FirstCopyClock", "add_kv_args", "apply_variant",
            "baseline_mover_class", "make_kv_caches", "restore"]
@@ -64,35 +66,47 @@ def apply_variant(mover: KVBlockMover, label: str) -> None:
         msg = (f"unknown transfer variant {label!r}; methods: {', '.join(METHODS)}; "
                f"options: {', '.join(o for o in OPTIONS if o)}")
         raise ValueError(msg)
-    # getattr: the same harness also drives older movers (main's, for a baseline in the
-    # same run), which lack the staged plan and the lanes; their options are then no-ops.
+    # The same harness also drives older movers (main's, for a baseline in the same run):
+    # they keep the copy knobs on themselves, with a leading underscore, and may lack the
+    # staged plan and the lanes; their options are then no-ops.
+    knobs, prefix = (mover.copier, "") if hasattr(mover, "copier") else (mover, "_")
+
+    def get(name: str) -> Any:
+        return getattr(knobs, prefix + name, None)
+
+    def put(name: str, value: Any) -> None:
+        setattr(knobs, prefix + name, value)
+
+    names = ("memcpy", "batch_memcpy", "memcpy_2d", "gather_plan", "lanes", "staging",
+             "head_blocks")
     saved = mover.__dict__.setdefault("_bench_saved", (
-        mover._memcpy, mover._batch_memcpy, mover._memcpy_2d, mover._issuer,
-        getattr(mover, "_gather_plan", None), getattr(mover, "_lanes", None),
-        getattr(mover, "_staging", None), getattr(mover, "_head_blocks", None)))
+        *(get(n) for n in names[:3]), mover._issuer, *(get(n) for n in names[3:])))
     memcpy, batch, memcpy_2d, issuer, gather_plan, lanes, staging, head = saved
     mover.method = method
     fallback = option == "Tensor.copy_"
-    mover._memcpy, mover._batch_memcpy, mover._memcpy_2d = (
-        (None, None, None) if fallback else (memcpy, batch, memcpy_2d))
+    for name, value in zip(names[:3], (None, None, None) if fallback else saved[:3],
+                           strict=True):
+        put(name, value)
     mover._issuer = None if option in ("inline issue", "Tensor.copy_") else issuer
     if gather_plan is not None:
-        mover._gather_plan = (dataclasses.replace(gather_plan, source=None)
-                              if option == "per-plane kernels" else gather_plan)
+        put("gather_plan", dataclasses.replace(gather_plan, source=None)
+            if option == "per-plane kernels" else gather_plan)
     if lanes is not None:
-        mover._lanes = {True: [], False: []} if option == "one lane" else lanes
+        put("lanes", {True: [], False: []} if option == "one lane" else lanes)
     if staging is not None:
-        mover._staging = None if option == "per-job buffers" else staging
+        put("staging", None if option == "per-job buffers" else staging)
     if option in _STAGING_OPTIONS and gather_plan is not None and hasattr(gather_plan, "taper"):
-        mover._gather_plan, mover._staging = _staging_variant(mover, option, gather_plan)
+        plan, buffers = _staging_variant(mover, option, gather_plan)
+        put("gather_plan", plan)
+        put("staging", buffers)
     if head is not None:
-        mover._head_blocks = 0 if option == "no head" else head
+        put("head_blocks", 0 if option == "no head" else head)
     if hasattr(type(mover), "_skip_claimed"):
         mover._skip_claimed = option != "wake on claimed"
-    if hasattr(mover, "_dma_only_bytes"):
+    if get("dma_only_bytes") is not None:
         small = option in ("dma-only small jobs", "dma-only small stores")
-        mover._dma_only_bytes = (128 << 20) if small else 0
-        mover._dma_only_loads = option != "dma-only small stores"
+        put("dma_only_bytes", (128 << 20) if small else 0)
+        put("dma_only_loads", option != "dma-only small stores")
     # Module-wide (this checkout's staged copies): the stage size before this branch.
     _staged._STAGE_BYTES, _staged._MAX_GROUPS = (16 << 20, 16) if option == "16 MiB stages" else _STAGES
 
@@ -106,11 +120,11 @@ def _staging_variant(mover: KVBlockMover, option: str, plan: _staged.GatherPlan
                 "load index on kernel stream"} if option == "third-stage staging" else {option})
         if "int64 words" in off:
             plan = _staged.plan_gather(mover.layout.planes, mover.cpu_planes,
-                                       _cudart.max_pitch(mover._device_index) if mover._stage_2d else 0,
+                                       _cudart.max_pitch(mover._device_index) if mover.copier.stage_2d else 0,
                                        word_bytes=8, taper=plan.taper)
         if "even stages" in off:
             plan = dataclasses.replace(plan, taper=False)
-        memcpy = None if "torch upload" in off else mover._memcpy
+        memcpy = None if "torch upload" in off else mover.copier.memcpy
         made[option] = plan, {d: StagingBuffers(
             mover.device, plan, memcpy, ids_first="index first" not in off,
             load_index_on_dma_stream="load index on kernel stream" not in off) for d in (True, False)}
@@ -168,10 +182,14 @@ def baseline_mover_class(root: str) -> type:
     pkg = pathlib.Path(tempfile.mkdtemp(prefix="kvc-baseline-")) / "baseline_offload"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    for path in [*src.glob("_*.py"), src / "transfer.py"]:
-        if path.name != "__init__.py":
-            text = path.read_text().replace("connectors.offload", "baseline_offload")
-            (pkg / path.name).write_text(text)
+    if (src / "transfer").is_dir():  # the transfer engine as a subpackage
+        (pkg / "transfer").mkdir()
+        paths = [(path, pkg / "transfer" / path.name) for path in (src / "transfer").glob("*.py")]
+    else:  # the flat layout before it
+        paths = [(path, pkg / path.name) for path in [*src.glob("_*.py"), src / "transfer.py"]
+                 if path.name != "__init__.py"]
+    for path, dest in paths:
+        dest.write_text(path.read_text().replace("connectors.offload", "baseline_offload"))
     sys.path.insert(0, str(pkg.parent))
     import importlib
     return importlib.import_module("baseline_offload.transfer").KVBlockMover  # type: ignore[no-any-return]
@@ -185,14 +203,15 @@ class FirstCopyClock:
     DMA, which a transfer of a few milliseconds pays in full.
     """
 
-    _NAMES = ("_memcpy", "_batch_memcpy", "_memcpy_2d", "_stage_2d")
+    _NAMES = ("memcpy", "batch_memcpy", "memcpy_2d", "stage_2d")
 
     def __init__(self, mover: KVBlockMover) -> None:
         self.calls: list[float] = []
-        self._mover, self._saved = mover, {n: getattr(mover, n, None) for n in self._NAMES}
+        copier = mover.copier  # the copy method holds the runtime calls
+        self._mover, self._saved = copier, {n: getattr(copier, n, None) for n in self._NAMES}
         for name, fn in self._saved.items():
             if fn is not None:
-                setattr(mover, name, self._wrap(fn))
+                setattr(copier, name, self._wrap(fn))
 
     def _wrap(self, fn: Callable[..., int]) -> Callable[..., int]:
         calls = self.calls

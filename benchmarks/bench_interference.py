@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from _transfer_variants import add_kv_args, apply_variant, make_kv_caches, restore
+
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main", "run_rows"]
@@ -148,7 +148,7 @@ def run_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
                     acc += new
         for label in args.methods:
             base_s, xfer_s, finished = samples[label]
-            rows.append(_row(layout + (" [2D]" if mover._plan.pitch is not None else ""), label,
+            rows.append(_row(layout + (" [2D]" if mover.copier.plan.pitch is not None else ""), label,
                              B, mover.layout.block_bytes, base_s, xfer_s, finished))
             print(json.dumps(rows[-1]), flush=True)
         restore(mover)

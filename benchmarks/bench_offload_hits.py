@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _drivers as d  # noqa: E402  (path set up above)
 
-from connectors.offload import policies  # noqa: E402
-from connectors.offload.policies import ARCCachePolicy, register_cache_policy  # noqa: E402
+from connectors.offload.manager import ARCCachePolicy, register_cache_policy  # noqa: E402
+from connectors.offload.manager import registry as policies  # noqa: E402
 
 __all__ = ["ClassicARCCachePolicy", "hit_rates", "main", "render"]
 

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_tiers import _start_redis  # noqa: E402
 
-from connectors.offload.tiering import TierLookups, tier_key  # noqa: E402
-from connectors.tiers import Shard, make_tier  # noqa: E402
+from connectors.offload.tiers import Shard, make_tier  # noqa: E402
+from connectors.offload.tiers.records import tier_key  # noqa: E402
+from connectors.offload.tiers.scheduler import TierLookups  # noqa: E402
 
 SHARD_COUNTS = (1, 2, 4)
 

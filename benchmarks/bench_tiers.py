@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from connectors.tiers import DiskTier, RedisTier, TierKey  # noqa: E402
+from connectors.offload.tiers import DiskTier, RedisTier, TierKey  # noqa: E402
 
 
 def _values(count: int, size: int) -> list[tuple[TierKey, bytes]]:

@@ -42,7 +42,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from _transfer_variants import (
     DEFAULT_VARIANTS,
     FirstCopyClock,
@@ -52,6 +51,7 @@ from _transfer_variants import (
     make_kv_caches,
     restore,
 )
+
 from connectors.offload.transfer import KVBlockMover
 
 __all__ = ["main"]
@@ -143,7 +143,7 @@ def _bench_layout(args: argparse.Namespace, device: torch.device, layout: str,
             for pattern, ids in patterns.items():
                 row = _bench_variant(args, device, mover, contig, ids)
                 row.update(layout=layout, method=prefix + label, pattern=pattern,
-                           pitched_layout=mover._plan.pitch is not None)
+                           pitched_layout=mover.copier.plan.pitch is not None)
                 row["ok"] = row["ok"] and _check(mover, caches, ids[0], list(range(n)))
                 rows.append(row)
                 print(json.dumps(row), flush=True)

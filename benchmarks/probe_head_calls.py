@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from connectors.offload import _cudart
-from connectors.offload._copy_plan import cpu_runs, estimate_joint_runs
-from connectors.offload._staged import group_planes
+from connectors.offload.transfer import cudart as _cudart
+from connectors.offload.transfer.copy_plan import cpu_runs, estimate_joint_runs
+from connectors.offload.transfer.staging import group_planes
 
 
 def _median_us(fn: Callable[[], object], reps: int) -> float:

@@ -29,9 +29,9 @@ import json
 import sys
 
 import torch
-
 from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches
 from bench_interference import _compute_fn, _measure, _row, _Timer
+
 from connectors.offload.transfer import KVBlockMover
 
 
@@ -52,9 +52,9 @@ def _patch(mover: KVBlockMover, name: str) -> None:
     if "no steal" in off:
         mover._await_issued = lambda job: job.issued.wait() if job.issued is not None else None
     if "one lane" in off:
-        mover._lanes = {True: [], False: []}
+        mover.copier.lanes = {True: [], False: []}
     if "tensor descriptors" in off:
-        mover._plan.single_plane_descriptors = lambda *args: None
+        mover.copier.plan.single_plane_descriptors = lambda *args: None
 
 
 def main() -> int:

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from _transfer_variants import FirstCopyClock, add_kv_args, make_kv_caches
-from connectors.offload import _cuda_copy, _staged
+
 from connectors.offload.transfer import KVBlockMover
+from connectors.offload.transfer import copy_method as _cuda_copy
+from connectors.offload.transfer import staging as _staged
 
 _MARKS: list[tuple[str, float]] = []
 
@@ -42,8 +43,8 @@ def _mark(label: str, fn: Callable[..., Any], *, after: bool = False) -> Callabl
 
 def _instrument(mover: KVBlockMover) -> None:
     mover._issue = _mark("issue entered", mover._issue)  # type: ignore[method-assign]
-    mover._plan.single_plane_descriptors = _mark(  # type: ignore[method-assign]
-        "descriptors built", mover._plan.single_plane_descriptors, after=True)
+    mover.copier.plan.single_plane_descriptors = _mark(  # type: ignore[method-assign]
+        "descriptors built", mover.copier.plan.single_plane_descriptors, after=True)
 
 
 def main() -> int:

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from _transfer_variants import add_kv_args, apply_variant, baseline_mover_class, make_kv_caches, restore
 from bench_transfer import _check, _contiguous_fns, _time_once
+
 from connectors.offload.transfer import KVBlockMover
 
 _JOBS = iter(range(1 << 30))
@@ -71,9 +71,9 @@ def kernel_times(rows_per_plane: int = 256, planes: int = 4, row: int = 64 << 10
 def _dmas_alone(mover: KVBlockMover, n: int) -> dict[str, Callable[[], None]]:
     """The DMAs of a default staged job (its stages' 2D copies between a dense device buffer
     and the mover's CPU buffer) with no kernels and no mover: what the copy engines alone do."""
-    from connectors.offload import _cudart
-    from connectors.offload._staged import group_planes, staging_copies
-    plan = mover._gather_plan
+    from connectors.offload.transfer import cudart as _cudart
+    from connectors.offload.transfer.staging import group_planes, staging_copies
+    plan = mover.copier.gather_plan
     memcpy_2d = _cudart.memcpy_2d_async()
     staging = torch.empty(len(plan.planes) * n * plan.row, dtype=torch.uint8, device="cuda")
     groups = group_planes(len(plan.planes), n * plan.row * len(plan.planes), taper=plan.taper)
@@ -104,8 +104,8 @@ def timeline(caches: dict[str, torch.Tensor], n: int, label: str, jobs: int = 12
     returned (``h submit``), and when each of the calls above returned. Every mark records a
     CUDA event, which costs some host time itself.
     """
-    from connectors.offload import _staged
-    from connectors.offload._staging import StagingBuffers
+    from connectors.offload.transfer import staging as _staged
+    from connectors.offload.transfer.staging import StagingBuffers
     marks: list[tuple[str, torch.cuda.Event | None, float]] = []
     t_submit = [0.0]
     orig_dma, orig_move, orig_select = _staged._dma, _staged._move, torch.index_select
@@ -278,7 +278,7 @@ def main() -> int:
         for d in ("store", "load"):
             fns["contiguous (control)", d] = (lambda f=contig[d]: f())
         extra = []
-        plan = getattr(movers.get("auto"), "_gather_plan", None)
+        plan = getattr(getattr(movers.get("auto"), "copier", None), "gather_plan", None)
         if plan is not None and layout != "cross-layer":
             extra.append("staged DMAs alone")
             for d, fn in _dmas_alone(movers["auto"], n).items():

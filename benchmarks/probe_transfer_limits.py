@@ -33,9 +33,6 @@ from collections.abc import Callable
 
 import torch
 
-from connectors.offload import _cudart
-from connectors.offload.transfer import KVBlockMover
-
 # The probe's own modules last (importing _probe_setup allocates the GPU buffers).
 from _probe_candidates import (
     TRITON,
@@ -72,6 +69,9 @@ from _probe_setup import (
     pl,
     streams,
 )
+
+from connectors.offload.transfer import KVBlockMover
+from connectors.offload.transfer import cudart as _cudart
 
 
 # ------------------------------------------------------------------ runs

@@ -54,7 +54,7 @@ def test_hybrid_memory_rows_show_sharing():
 
 
 def test_hit_rate_table_leaves_the_policy_registry_as_it_was():
-    from connectors.offload.policies import available_cache_policies
+    from connectors.offload.manager import available_cache_policies
 
     before = available_cache_policies()
     bench_offload_hits.hit_rates(d.offload_key_chains(d.chat_trace("tiny")), [8], with_vllm=False)

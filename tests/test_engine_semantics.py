@@ -81,7 +81,7 @@ def test_offload_events_carry_the_lora_name_without_request_lora_name():
                                KVConnectorRole.SCHEDULER, make_kv_cache_config())
     vllm_like = SimpleNamespace(request_id="v", block_hashes=[b"h0", b"h1"], all_token_ids=list(range(8)),
                                 lora_request=SimpleNamespace(lora_name="ad"))
-    assert conn.scheduler_side._describe(vllm_like, 0, 1).lora_name == "ad"  # noqa: SLF001
+    assert conn.scheduler_side.keys.describe(vllm_like, 0, 1).lora_name == "ad"  # noqa: SLF001
 
 
 def test_worker_metadata_folds_across_workers():
@@ -94,8 +94,8 @@ def test_worker_metadata_folds_across_workers():
 
 def test_offload_store_is_visible_only_after_every_worker_reported_it():
     """With world_size=2 (two TP workers inside vLLM) one worker's report does not complete a store."""
-    from connectors.offload._sched_state import JobRecord, group_suffix
     from connectors.offload.connector import OffloadingConnector
+    from connectors.offload.scheduler_state import JobRecord, group_suffix
     from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
     from kvconnector_core.testing import make_kv_cache_config
 
@@ -103,7 +103,7 @@ def test_offload_store_is_visible_only_after_every_worker_reported_it():
     conn = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
     key = b"k" + group_suffix(0)  # offload keys end with their KV cache group
     assert conn.manager.prepare_store([key]) is not None
-    conn._jobs[0] = JobRecord("r", (key,), is_store=True)  # noqa: SLF001 - a planned store job
+    conn.state.jobs[0] = JobRecord("r", (key,), is_store=True)  # noqa: SLF001 - a planned store job
     report = KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerMetadata(done_job_ids=[0]))
     conn.update_connector_output(report)
     assert conn.manager.lookup([key]) == 0  # one of two workers: not yet readable

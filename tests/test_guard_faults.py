@@ -84,7 +84,7 @@ def check_clean(eng: Engine) -> None:
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every ref count back to 0
     assert not eng.scheduler.has_unfinished_requests()
     sched = offload_of(eng, "scheduler").scheduler_side
-    assert not sched._jobs and not sched._reqs and not sched._pending_loads
+    assert not sched.state.jobs and not sched.state.reqs and not sched.state.pending_loads
     assert all(entry.ref_cnt == 0 for _, entry in sched.manager.policy)  # nothing pinned or half-stored
     assert not eng.scheduler.connector.detached
     if eng.scheduler_connector.name == "MultiConnector":
@@ -171,7 +171,7 @@ def test_a_cpu_replica_stays_exact_when_take_events_raises(monkeypatch, caplog, 
     side = offload_of(eng, "scheduler").scheduler_side
 
     def check(_: int) -> None:
-        infos = side._events.tables[0]._info
+        infos = side.state.events.tables[0]._info
         assert replica == {to_external_hash(h) for key in side.manager.ready_keys()
                            for h in infos[key].block_hashes}
 

@@ -82,7 +82,7 @@ def check_clean(eng: Engine) -> None:
     pool = eng.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
     side = scheduler_side(eng)
-    assert not side._jobs and not side._reqs
+    assert not side.state.jobs and not side.state.reqs
     assert all(entry.ref_cnt == 0 for _, entry in side.manager.policy)
     if eng.scheduler_connector.name == "MultiConnector":  # no per-request state left (issue 9)
         assert eng.scheduler_connector.num_request_states() == 0
@@ -138,7 +138,7 @@ def test_a_failed_plan_in_the_step_a_load_is_planned_loads_nothing_stale(monkeyp
     the load goes out with the next plan; inside a MultiConnector the load fails at once,
     so the child must drop it (a late load would write into blocks the request recomputes)."""
     eng, baseline, outputs = run(monkeypatch, connector, "build_connector_meta",
-                                 when=lambda conn, so: bool(conn.scheduler_side._pending_loads))
+                                 when=lambda conn, so: bool(conn.scheduler_side.state.pending_loads))
     assert outputs == baseline
     check_clean(eng)
 
@@ -147,7 +147,7 @@ def test_a_load_delayed_by_a_failed_plan_still_fails_cleanly_when_its_bind_fails
     """The load goes out one plan late; if that plan's bind then fails, the scheduler must
     still count the load as this plan's (else the request waits forever)."""
     FlakyHook(monkeypatch, OffloadingConnector, "build_connector_meta",
-              when=lambda conn, so: bool(conn.scheduler_side._pending_loads))
+              when=lambda conn, so: bool(conn.scheduler_side.state.pending_loads))
     eng, baseline, outputs = run(monkeypatch, OFFLOAD, "bind_connector_metadata",
                                  when=lambda conn, plan: has_loads(plan))
     assert outputs == baseline

@@ -62,7 +62,7 @@ def test_offload_inside_multi_serves_from_cpu_with_identical_outputs(children: t
     # Every store completed (nothing stuck "being written"), no job or request left behind.
     assert all(entry.ref_cnt == 0 for _, entry in offload.manager.policy)
     assert len(offload.manager.policy) > 0
-    assert not offload.scheduler_side._jobs and not offload.scheduler_side._reqs
+    assert not offload.scheduler_side.state.jobs and not offload.scheduler_side.state.reqs
     eng.shutdown()
 
 

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from connectors.offload import transfer as tr
 from connectors.offload.connector import OffloadingConnector, OffloadingConnectorMetadata
+from connectors.offload.transfer.copy_method import CopyMethod
+from connectors.offload.transfer.jobs import Job
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import check_metadata_roundtrip, encode_metadata
@@ -160,14 +161,14 @@ def test_engine_serves_prefixes_from_cpu_with_identical_outputs(device: str, pol
 
 
 def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
+    real = CopyMethod.copy_host  # every job's copies on a CPU cache
 
-    def fail_stores(self: tr.KVBlockMover, job: tr._Job, *args: object) -> None:
+    def fail_stores(self: CopyMethod, job: Job, *args: object) -> None:
         if job.is_store:
             raise RuntimeError("injected store failure")
         real(self, job, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tr.KVBlockMover, "_copy_host", fail_stores)
+    monkeypatch.setattr(CopyMethod, "copy_host", fail_stores)
     trace = doc_trace(rounds=2)
     baseline = engine("cpu", None).run(trace)
     eng = engine("cpu", OFFLOAD)
@@ -178,18 +179,18 @@ def test_failed_stores_never_become_visible(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(eng.scheduler_connector.manager.policy) == 0  # every slot given back
     assert not [e for e in events if isinstance(e, BlockStored)]
     # Nor is anything kept for their wire events (it would only grow).
-    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side.state.events.tables) == 0
 
 
 def test_failed_loads_are_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = tr.KVBlockMover._copy_host  # every job's copies on a CPU cache
+    real = CopyMethod.copy_host  # every job's copies on a CPU cache
 
-    def fail_loads(self: tr.KVBlockMover, job: tr._Job, *args: object) -> None:
+    def fail_loads(self: CopyMethod, job: Job, *args: object) -> None:
         if not job.is_store:
             raise RuntimeError("injected load failure")
         real(self, job, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tr.KVBlockMover, "_copy_host", fail_loads)
+    monkeypatch.setattr(CopyMethod, "copy_host", fail_loads)
     trace = doc_trace(rounds=2)
     baseline = engine("cpu", None).run(trace)
     eng = engine("cpu", OFFLOAD)
@@ -436,7 +437,7 @@ def test_no_chunk_info_is_kept_without_events() -> None:
     eng = engine("cpu", {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4, "enable_events": False}})
     result = eng.run(trace)
     assert result.metrics.bytes_stored > 0
-    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side.state.events.tables) == 0
     assert list(eng.scheduler_connector.take_events()) == []
 
 
@@ -452,7 +453,7 @@ def test_no_chunk_info_is_kept_when_the_engine_consumes_no_events() -> None:
     assert eng.scheduler_connector.offload_config.enable_events is False
     result = eng.run(trace)
     assert result.metrics.bytes_stored > 0 and result.metrics.events == {}
-    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side._events.tables) == 0
+    assert sum(len(t) for t in eng.scheduler_connector.scheduler_side.state.events.tables) == 0
     eng.shutdown()
     multi = KVConnectorConfig(name="MultiConnector", enable_kv_cache_events=False, extra_config={
         "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 4}}]})
@@ -521,8 +522,9 @@ class TestOffloadingChunkedContract(ConnectorContract):
 def test_transfer_method_is_validated_with_the_config():
     """A bad transfer_method is a ConfigError naming the valid methods when the connector is built."""
     from connectors.offload import connector as offload_connector
+    from connectors.offload.transfer.mover import METHODS
 
-    assert offload_connector.TRANSFER_METHODS == tr.METHODS
+    assert offload_connector.TRANSFER_METHODS == METHODS
     with pytest.raises(ConfigError, match="transfer_method='xx'.*auto, pitched, batched, coalesced, per_block, gather"):
         make({"num_cpu_blocks": 8, "transfer_method": "xx"})
 
@@ -561,7 +563,7 @@ def test_failed_start_load_unpins_the_cpu_entries(monkeypatch: pytest.MonkeyPatc
     result = eng.run(trace)
     assert calls["n"] == 1 and result.metrics.num_finished == 2
     conn = eng.scheduler_connector
-    assert not conn.scheduler_side._jobs  # every planned job completed, the failed load included
+    assert not conn.scheduler_side.state.jobs  # every planned job completed, the failed load included
     assert all(entry.ref_cnt == 0 for _, entry in conn.manager.policy)  # nothing left pinned
 
 
@@ -595,7 +597,7 @@ def test_one_group_lookup_fast_path_matches_longest_hit(factor: int) -> None:
     side = make({"num_cpu_blocks": 64, "blocks_per_chunk": factor}).scheduler_side
     hashes = [rng.randbytes(8) for _ in range(40)]
     ct = 16 * factor
-    held = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c)  # noqa: SLF001
+    held = [side.keys.key(types.SimpleNamespace(block_hashes=hashes), 0, c)  # noqa: SLF001
             for c in range(len(hashes) // factor) if rng.random() < 0.8]
     side.manager.complete_store(side.manager.prepare_store(held).keys_to_store)
     for i in range(200):
@@ -604,9 +606,9 @@ def test_one_group_lookup_fast_path_matches_longest_hit(factor: int) -> None:
                                     num_tokens=n * 16 + rng.randrange(0, 16))
         computed = rng.randrange(0, n + 1) * 16 // ct * ct
         fast = side.get_num_new_matched_tokens(req, computed)
-        side._one_full_group = False  # noqa: SLF001 - the general path
+        side.keys.one_full_group = False  # noqa: SLF001 - the general path
         general = side.get_num_new_matched_tokens(req, computed)
-        side._one_full_group = True  # noqa: SLF001
+        side.keys.one_full_group = True  # noqa: SLF001
         assert fast == general, (n, computed)
 
 
@@ -618,7 +620,7 @@ def test_a_waiting_requests_hit_is_reused_until_the_tier_changes() -> None:
 
     side = make({"num_cpu_blocks": 4}).scheduler_side
     hashes = [bytes([i]) * 8 for i in range(6)]
-    key = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in range(6)]  # noqa: SLF001
+    key = [side.keys.key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in range(6)]  # noqa: SLF001
     req = types.SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=6 * 16 + 1)
     calls = []
     lookup = side.manager.lookup

@@ -247,7 +247,7 @@ def test_engine_replica_with_lost_takes_ends_exact() -> None:
     resyncs = lose_every_third_take(conn, replica.apply)
     result = eng.run(doc_trace(7, 5, 80, 20))
     assert result.metrics.bytes_stored > 0 and resyncs[0] > 0
-    info = conn.scheduler_side._events.tables[0]._info
+    info = conn.scheduler_side.state.events.tables[0]._info
     assert replica.held("CPU") == {to_external_hash(h) for k in conn.manager.ready_keys()
                                    for h in info[k].block_hashes}
     eng.shutdown()
@@ -280,7 +280,7 @@ def test_hybrid_snapshot_resyncs_every_group(model: str) -> None:
 
     resyncs = lose_every_third_take(conn, apply)
     result = eng.run(doc_trace(11, 4, 160, 16))
-    tables = conn.scheduler_side._events.tables
+    tables = conn.scheduler_side.state.events.tables
     assert result.metrics.bytes_stored > 0 and resyncs[0] > 0
     want: dict[int, set[int]] = {}
     for key in conn.manager.ready_keys():

@@ -7,9 +7,9 @@ a request whose forward ran on never-loaded blocks completed and became visible.
 
 from __future__ import annotations
 
-from connectors.offload._sched_state import JobRecord, group_suffix
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import OffloadWorkerMetadata, TransferJobSpec
+from connectors.offload.scheduler_state import JobRecord, group_suffix
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
 from kvconnector_core.testing import empty_scheduler_output, make_kv_cache_config
 
@@ -21,7 +21,7 @@ def _side():
 
 def _plan_store(conn, job_id: int, key: bytes) -> TransferJobSpec:
     assert conn.manager.prepare_store([key]) is not None
-    conn._jobs[job_id] = JobRecord("gone", (key,), is_store=True)  # noqa: SLF001
+    conn.state.jobs[job_id] = JobRecord("gone", (key,), is_store=True)  # noqa: SLF001
     return TransferJobSpec(job_id, "gone", [5], [0])
 
 

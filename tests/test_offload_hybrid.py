@@ -125,13 +125,13 @@ def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
         "num_cpu_blocks": n_blocks, "enable_events": False}), KVConnectorRole.SCHEDULER, kv)
     side = conn.scheduler_side
     calls = [0]
-    key = side._key
+    key = side.keys.key
 
     def counting_key(*args):
         calls[0] += 1
         return key(*args)
 
-    side._key = counting_key
+    side.keys.key = counting_key  # type: ignore[method-assign]
     prompt = list(range(prompt_len))
     req = Request("r", prompt, steps + 1, hash_block_size=16)
     ids = list(range(1, prompt_len // 16 + 1))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.offload._sched_state import JobRecord, ReqState, group_suffix
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import (
     OffloadingConnectorMetadata,
@@ -17,6 +16,7 @@ from connectors.offload.records import (
     TierWriteJob,
     TransferJobSpec,
 )
+from connectors.offload.scheduler_state import JobRecord, ReqState, group_suffix
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
 from kvconnector_core.testing import empty_scheduler_output, make_kv_cache_config, make_request, scheduler_output_for
 
@@ -34,7 +34,7 @@ def _report(done: list[int] = (), failed: list[int] = ()) -> KVConnectorOutput: 
 
 def _planned_store(side, job_id: int, key: bytes) -> None:
     assert side.manager.prepare_store([key]) is not None
-    side._jobs[job_id] = JobRecord("r", (key,), is_store=True)  # noqa: SLF001 - a planned store job
+    side.state.jobs[job_id] = JobRecord("r", (key,), is_store=True)  # noqa: SLF001 - a planned store job
 
 
 def test_a_job_reported_again_is_ignored() -> None:
@@ -56,7 +56,7 @@ def test_a_finished_store_stops_fencing_its_blocks(outcome: str) -> None:
     side = _side()
     for job_id, block in ((0, 5), (1, 6)):
         _planned_store(side, job_id, bytes([job_id]) + group_suffix(0))
-        side._fence.add(job_id, [block])  # noqa: SLF001 - the store reads a sliding-window block
+        side.state.fence.add(job_id, [block])  # noqa: SLF001 - the store reads a sliding-window block
     side.update_connector_output(_report(**{outcome: [0]}))
     request = make_request(32)
     plan = side.build_connector_meta(scheduler_output_for([(request, ([5, 6],), 0)]))
@@ -74,7 +74,7 @@ def test_chunks_a_load_promoted_from_a_tier_are_visible_only_if_it_worked(outcom
     side.manager.complete_store([held])
     assert side.manager.prepare_store([promoted]) is not None  # the promotion's reserved slot
     side.manager.prepare_load([held])
-    side._jobs[0] = JobRecord("r", (held,), is_store=False, promoted=(promoted,))  # noqa: SLF001 - a planned load
+    side.state.jobs[0] = JobRecord("r", (held,), is_store=False, promoted=(promoted,))  # noqa: SLF001 - a planned load
     side.update_connector_output(_report(**{outcome: [0]}))
     assert side.manager.lookup([promoted]) == visible
     assert side.manager.lookup([held]) == 1
@@ -92,7 +92,7 @@ def test_a_failed_receive_reported_without_its_job_unpins_only_that_requests_loa
         assert side.manager.prepare_store([key]) is not None
         side.manager.complete_store([key])
         side.manager.prepare_load([key])
-        side._jobs[job_id] = JobRecord(rid, (key,), is_store=False)  # noqa: SLF001 - a planned load
+        side.state.jobs[job_id] = JobRecord(rid, (key,), is_store=False)  # noqa: SLF001 - a planned load
     side.update_connector_output(KVConnectorOutput(finished_recving={"r"}, failed_recving={"r"}))
     pins = {key: entry.ref_cnt for key, entry in side.manager.policy}
     assert pins == {keys["r"]: 0, keys["s"]: 1}
@@ -117,16 +117,16 @@ def test_a_forgotten_request_loses_its_unsent_load_and_its_stores_in_flight() ->
     loaded, stored = b"l" + group_suffix(0), b"s" + group_suffix(0)
     _held(side, loaded)
     side.manager.prepare_load([loaded])
-    side._jobs[0] = JobRecord("r", (loaded,), is_store=False)  # noqa: SLF001 - a planned load
-    side._pending_loads.append(TransferJobSpec(0, "r", [4], [0]))  # noqa: SLF001 - not sent yet
+    side.state.jobs[0] = JobRecord("r", (loaded,), is_store=False)  # noqa: SLF001 - a planned load
+    side.state.pending_loads.append(TransferJobSpec(0, "r", [4], [0]))  # noqa: SLF001 - not sent yet
     _planned_store(side, 1, stored)
-    side._reqs["r"] = ReqState(make_request(request_id="r"), store_jobs={1})  # noqa: SLF001
+    side.state.reqs["r"] = ReqState(make_request(request_id="r"), store_jobs={1})  # noqa: SLF001
     side.forget_requests({"r"})
     assert _pins(side)[loaded] == 0
     assert side.build_connector_meta(empty_scheduler_output()).loads == []
     side.update_connector_output(_report(done=[1]))  # the worker copied it: still never visible
     assert side.manager.lookup([stored]) == 0
-    assert not side._reqs and not side.has_pending_work()  # noqa: SLF001
+    assert not side.state.reqs and not side.has_pending_work()  # noqa: SLF001
 
 
 def test_a_failed_plan_releases_what_it_named() -> None:
@@ -138,12 +138,12 @@ def test_a_failed_plan_releases_what_it_named() -> None:
     for key in (loaded, written):
         _held(side, key)
         side.manager.prepare_load([key])
-    side._jobs[0] = JobRecord("a", (loaded,), is_store=False)  # noqa: SLF001
-    side._jobs[1] = JobRecord("", (written,), is_store=False)  # noqa: SLF001 - a tier write
+    side.state.jobs[0] = JobRecord("a", (loaded,), is_store=False)  # noqa: SLF001
+    side.state.jobs[1] = JobRecord("", (written,), is_store=False)  # noqa: SLF001 - a tier write
     _planned_store(side, 2, stored)
-    side._fence.add(2, [7])  # noqa: SLF001 - the failed store read a sliding-window block
+    side.state.fence.add(2, [7])  # noqa: SLF001 - the failed store read a sliding-window block
     _planned_store(side, 3, preempted)
-    side._reqs["p"] = ReqState(make_request(request_id="p"), store_jobs={3})  # noqa: SLF001
+    side.state.reqs["p"] = ReqState(make_request(request_id="p"), store_jobs={3})  # noqa: SLF001
     plan = OffloadingConnectorMetadata(
         loads=[TransferJobSpec(0, "a", [4], [0])], tier_writes=[TierWriteJob(1, [])],
         stores=[TransferJobSpec(2, "b", [5], [1])], preempted_req_ids=["p"], delayed_free_req_ids=["d"])
@@ -162,20 +162,20 @@ def test_a_finished_request_is_kept_until_its_stores_are_done_and_its_free_is_re
     key = b"k" + group_suffix(0)
     _planned_store(side, 0, key)
     request = make_request(request_id="r")
-    side._reqs["r"] = ReqState(request, store_jobs={0})  # noqa: SLF001 - a store in flight
+    side.state.reqs["r"] = ReqState(request, store_jobs={0})  # noqa: SLF001 - a store in flight
     assert side.request_finished(request, [1]) == (True, None)  # blocks kept while it reads them
     assert side.build_connector_meta(empty_scheduler_output()).delayed_free_req_ids == ["r"]
     side.update_connector_output(_report(done=[0]))
     side.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
     assert side.manager.lookup([key]) == 1
-    assert not side._reqs and not side.has_pending_work()  # noqa: SLF001
+    assert not side.state.reqs and not side.has_pending_work()  # noqa: SLF001
 
 
 def test_a_resent_delayed_free_reported_meanwhile_is_not_sent_again() -> None:
     side = _side()
     _planned_store(side, 0, b"k" + group_suffix(0))
     request = make_request(request_id="r")
-    side._reqs["r"] = ReqState(request, store_jobs={0})  # noqa: SLF001 - a store in flight
+    side.state.reqs["r"] = ReqState(request, store_jobs={0})  # noqa: SLF001 - a store in flight
     assert side.request_finished(request, [1])[0] is True
     plan = side.build_connector_meta(empty_scheduler_output())
     side.plan_failed(plan, loads_failed=False, stores_failed=True)  # its delayed free is due again
@@ -196,6 +196,6 @@ def test_hits_only_recency_touches_the_whole_chunks_hit_when_the_request_finishe
     for key in (hit, partial, other):  # least recent first
         _held(side, key)
     assert ct >= 2
-    side._reqs["r"] = ReqState(request, hit_tokens=ct + (ct // 2 if half else 0))  # noqa: SLF001 - its admission's hit
+    side.state.reqs["r"] = ReqState(request, hit_tokens=ct + (ct // 2 if half else 0))  # noqa: SLF001 - its admission's hit
     side.request_finished(request, [1])
     assert [key for key, _ in side.manager.policy] == [partial, other, hit]

@@ -1,6 +1,6 @@
 """Edge cases of the offload connector's scheduler-side load and store planning.
 
-Each test pins one decision of ``_sched_loads`` / ``_sched_stores`` that the engine-level
+Each test pins one decision of ``LoadPlanner`` / ``StorePlanner`` that the engine-level
 tests do not reach: the role gate, chunk boundaries of a hit and of a store, and what
 the worker is told to copy.
 """
@@ -34,7 +34,7 @@ def request(rid: str, hashes: list[bytes], num_tokens: int) -> types.SimpleNames
 
 def hold(side, hashes: list[bytes], chunks: range) -> None:
     """Store (and complete) the given chunks of a request with these block hashes."""
-    keys = [side._key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in chunks]
+    keys = [side.keys.key(types.SimpleNamespace(block_hashes=hashes), 0, c) for c in chunks]
     side.manager.complete_store(side.manager.prepare_store(keys).keys_to_store)
 
 
@@ -112,7 +112,7 @@ def test_without_a_lookup_the_load_starts_after_the_hashed_gpu_prefix() -> None:
     side.update_state_after_alloc(req, blocks, 96)
     (job,) = side.build_connector_meta(_empty_output()).loads
     assert job.gpu_block_ids == list(range(3, 9))
-    slots = side.manager.prepare_load([side._key(req, 0, c) for c in range(2, 8)]).block_ids
+    slots = side.manager.prepare_load([side.keys.key(req, 0, c) for c in range(2, 8)]).block_ids
     assert job.cpu_block_ids == list(slots)
 
 
@@ -150,14 +150,14 @@ def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, fact
            hashes: list[bytes] = HASHES):
     """A scheduler side with a disk tier holding chunks ``on_disk`` and the CPU tier
     holding ``in_cpu`` of the request with these block hashes."""
-    from connectors.offload.tiering import tier_key
-    from connectors.tiers import DiskTier
+    from connectors.offload.tiers import DiskTier
+    from connectors.offload.tiers.records import tier_key
 
     path = tmp_path / "disk"
     tier = DiskTier({"path": str(path), "capacity_bytes": 1 << 20})
     ns = types.SimpleNamespace(block_hashes=hashes)
     probe = side_of({"num_cpu_blocks": 4, "blocks_per_chunk": factor})
-    tier.store([(tier_key(probe._key(ns, 0, c)), b"x") for c in on_disk])
+    tier.store([(tier_key(probe.keys.key(ns, 0, c)), b"x") for c in on_disk])
     tier.flush(30)
     tier.close()
     side = side_of({"num_cpu_blocks": num_cpu_blocks, "blocks_per_chunk": factor,
@@ -214,7 +214,7 @@ def test_a_failed_promotion_plan_unpins_the_cpu_chunks_of_the_load(tmp_path, mon
     side = tiered(tmp_path, on_disk=range(1, 4), in_cpu=range(1), num_cpu_blocks=16,
                   hashes=list(req.block_hashes))
     assert ask(side, req) == (64, True)
-    key = side._key(req, 0, 0)
+    key = side.keys.key(req, 0, 0)
     evictable = side.manager.num_evictable_blocks
 
     def refuse(*_: object) -> list:
@@ -269,11 +269,11 @@ def test_offering_a_held_chunk_for_storing_makes_it_recent() -> None:
     """Recency "all_keys" (vLLM 0.33): a request that completes a chunk the CPU tier
     already holds uses it, so the next eviction takes another, older chunk."""
     side, req, blocks = _admission(held=range(0))
-    side.manager.complete_store(side.manager.prepare_store([side._key(req, 0, 0)]).keys_to_store)
+    side.manager.complete_store(side.manager.prepare_store([side.keys.key(req, 0, 0)]).keys_to_store)
     others = [bytes([200 + i]) * 8 + bytes(4) for i in range(15)]  # group 0
     side.manager.complete_store(side.manager.prepare_store(others).keys_to_store)  # the tier is full
     side.update_state_after_alloc(req, blocks, 0)
     _schedule_new(side, req, blocks, 16)  # completes chunk 0: held, so reused
     side.manager.prepare_store([b"new!" * 2 + bytes(4)])  # evicts the least recent chunk
-    assert side.manager.lookup([side._key(req, 0, 0)]) == 1
+    assert side.manager.lookup([side.keys.key(req, 0, 0)]) == 1
     assert side.manager.lookup(others[:1]) == 0

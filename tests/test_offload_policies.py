@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.offload import policies as pol
-from connectors.offload.manager import CPUOffloadingManager
-from connectors.offload.policies import (
+from connectors.offload.manager import (
     ARCCachePolicy,
     CachePolicy,
+    CPUOffloadingManager,
     LRUCachePolicy,
     SlotEntry,
     get_cache_policy,
     register_cache_policy,
 )
+from connectors.offload.manager import registry as pol
 from kvconnector_core.errors import ConfigError
 
 

@@ -7,12 +7,12 @@ import threading
 
 import pytest
 import torch
-
-from connectors.offload._copy_plan import run_starts, scan_runs
-from connectors.offload._staged import GatherPlan, group_planes, plan_gather, span_layout, staging_copies
-from connectors.offload import transfer as tr
-from connectors.offload.transfer import KVBlockMover
 from test_offload_transfer import CUDA_ONLY, NUM_BLOCKS, cross_layer_cache, run_2d_copies
+
+from connectors.offload.transfer import KVBlockMover
+from connectors.offload.transfer.copy_plan import run_starts, scan_runs
+from connectors.offload.transfer.jobs import Job
+from connectors.offload.transfer.staging import GatherPlan, group_planes, plan_gather, span_layout, staging_copies
 
 ROW = 64
 
@@ -184,10 +184,10 @@ def test_gather_is_byte_exact_on_cuda(span: bool) -> None:
     """Staged copies of separately allocated layers, one kernel per group or per plane."""
     layers = per_layer_caches("cuda")
     mover = KVBlockMover(layers, num_cpu_blocks=8, method="gather")
-    assert mover._gather_plan is not None and mover._gather_plan.word == torch.complex128
+    assert mover.copier.gather_plan is not None and mover.copier.gather_plan.word == torch.complex128
     if not span:
-        mover._gather_plan = dataclasses.replace(mover._gather_plan, source=None)
-    elif mover._gather_plan.source is None:
+        mover.copier.gather_plan = dataclasses.replace(mover.copier.gather_plan, source=None)
+    elif mover.copier.gather_plan.source is None:
         pytest.skip("the allocator placed these layers at no common row multiple")
     store_then_load(mover, layers, [7, 2, 9, 4, 11], [1, 2, 5, 6, 7], [0, 3, 5, 6, 10])
 
@@ -224,17 +224,17 @@ def test_a_waiting_caller_issues_a_job_the_thread_has_not_begun(monkeypatch: pyt
     _, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=4, issue_thread=True)
     release, entered = threading.Event(), threading.Event()
-    real_copy = mover._copy
+    real_copy = mover.copier._copy
     issuers: list[tuple[int, str]] = []
 
-    def slow_copy(job: tr._Job, *args: object) -> None:
+    def slow_copy(job: Job, *args: object) -> None:
         issuers.append((job.job_id, threading.current_thread().name))
         if job.job_id == 1:
             entered.set()
             assert release.wait(10)
         real_copy(job, *args)
 
-    monkeypatch.setattr(mover, "_copy", slow_copy)
+    monkeypatch.setattr(mover.copier, "_copy", slow_copy)
     mover.submit_store(1, [0], [0])
     assert entered.wait(10)  # the thread is busy with job 1
     mover.submit_store(2, [1], [1])
@@ -254,9 +254,9 @@ def test_single_plane_descriptors_match_the_tensor_version(is_store: bool) -> No
     _, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=6)
     g, c = [7, 8, 9, 2, 0, 1], [1, 2, 3, 0, 5, 4]  # a run of 3, then single copies
-    arrays = mover._plan.single_plane_descriptors(g, c, is_store)
-    tensors = mover._plan.descriptors(torch.tensor(g), torch.tensor(c), is_store)
+    arrays = mover.copier.plan.single_plane_descriptors(g, c, is_store)
+    tensors = mover.copier.plan.descriptors(torch.tensor(g), torch.tensor(c), is_store)
     assert [list(a) for a in arrays] == [t.tolist() for t in tensors]
     assert len(arrays[0]) == 4
     layers = {f"l{i}": torch.zeros(NUM_BLOCKS, 8) for i in range(2)}  # two planes: tensor path
-    assert KVBlockMover(layers, num_cpu_blocks=2)._plan.single_plane_descriptors([0], [0], True) is None
+    assert KVBlockMover(layers, num_cpu_blocks=2).copier.plan.single_plane_descriptors([0], [0], True) is None

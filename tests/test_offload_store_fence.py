@@ -109,7 +109,7 @@ def test_windowed_blocks_with_a_store_in_flight_are_not_rewritten(layer_types):
 
 
 def test_fence_names_only_the_stores_reading_a_reallocated_block():
-    from connectors.offload._fence import StoreFence
+    from connectors.offload.fence import StoreFence
 
     fence = StoreFence()
     fence.allocated([1, 2])  # nothing fenced yet: nothing remembered

@@ -9,8 +9,11 @@ import torch
 
 from connectors.offload.manager import CPUOffloadingManager
 from connectors.offload.records import TierRead, TierWrite
-from connectors.offload.tiering import SchedulerTiers, TierLookups, WorkerTiers, make_tiers, tier_key
-from connectors.tiers import DiskTier, TierKey
+from connectors.offload.tiers import DiskTier, TierKey
+from connectors.offload.tiers.base import make_tiers
+from connectors.offload.tiers.records import tier_key
+from connectors.offload.tiers.scheduler import SchedulerTiers, TierLookups
+from connectors.offload.tiers.worker import WorkerTiers
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_events import BlockStored, to_external_hash
 
@@ -143,7 +146,7 @@ def test_a_chunk_being_written_to_the_cpu_tier_is_no_tier_hit(tmp_path):
     traceback in ``kvconnector run --tier disk:... --cpu-blocks 6``). The hit now stops
     at that chunk, and the promotion of the chunks before it succeeds."""
     from connectors.offload.manager import CPUOffloadingManager
-    from connectors.offload.tiering import SchedulerTiers
+    from connectors.offload.tiers.scheduler import SchedulerTiers
 
     tier = _disk(tmp_path, "t")
     keys = _keys(4)

@@ -9,15 +9,15 @@ import threading
 import pytest
 import torch
 
-from connectors.offload import transfer as tr
-from connectors.offload._copy_plan import CopyPlan, run_starts
-from connectors.offload._layout import _plane_of
 from connectors.offload.transfer import (
     KVBlockMover,
     build_block_layout,
     chunk_to_sub_block_ids,
     coalesce_runs,
 )
+from connectors.offload.transfer.copy_plan import CopyPlan, run_starts
+from connectors.offload.transfer.jobs import Job
+from connectors.offload.transfer.layout import _plane_of
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -151,14 +151,14 @@ def test_out_of_range_ids_fail_the_job_not_the_caller() -> None:
 def test_exception_during_copy_fails_only_that_job(monkeypatch: pytest.MonkeyPatch) -> None:
     _, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=4)
-    real_copy = mover._copy
+    real_copy = mover.copier._copy
 
-    def broken(job: tr._Job, *args: object) -> None:
+    def broken(job: Job, *args: object) -> None:
         if job.job_id == 2:
             raise RuntimeError("DMA engine on fire")
         real_copy(job, *args)
 
-    monkeypatch.setattr(mover, "_copy", broken)
+    monkeypatch.setattr(mover.copier, "_copy", broken)
     mover.submit_store(1, [0], [0])
     mover.submit_store(2, [1], [1])
     mover.submit_load(3, [0], [2])
@@ -196,7 +196,7 @@ def test_both_copy_primitives_are_byte_exact_on_cuda(raw: bool) -> None:
     """The ctypes cudaMemcpyAsync path and the Tensor.copy_ fallback move identical bytes."""
     base, views = cross_layer_cache("cuda")
     mover = KVBlockMover(views, num_cpu_blocks=4, method="coalesced", raw_memcpy=raw)
-    assert (mover._memcpy is not None) is raw
+    assert (mover.copier.memcpy is not None) is raw
     original = base.clone()
     mover.submit_store(1, [7, 2, 3, 4], [0, 1, 2, 3])
     mover.wait()  # the store stream reads what fill_ below would overwrite
@@ -237,14 +237,14 @@ def _descriptor_round_trip(planes_owner: dict, mover: KVBlockMover) -> None:
     original = {k: v.clone() for k, v in planes_owner.items()}
     src_gpu, cpu_ids = [7, 8, 9, 2, 0], [1, 2, 3, 0, 4]  # one run of 3 plus two singles
     g, c = torch.tensor(src_gpu), torch.tensor(cpu_ids)
-    run_descriptors(*mover._plan.descriptors(g, c, is_store=True))
+    run_descriptors(*mover.copier.plan.descriptors(g, c, is_store=True))
     for plane, cpu_plane in zip(mover.layout.planes, mover.cpu_planes, strict=True):
         for gi, ci in zip(src_gpu, cpu_ids, strict=True):
             assert torch.equal(cpu_plane[ci], plane[gi])
     for t in planes_owner.values():
         t.fill_(-3.0)
     dst_gpu = [1, 2, 3, 11, 5]
-    run_descriptors(*mover._plan.descriptors(torch.tensor(dst_gpu), c, is_store=False))
+    run_descriptors(*mover.copier.plan.descriptors(torch.tensor(dst_gpu), c, is_store=False))
     for name, t in planes_owner.items():
         for s, d in zip(src_gpu, dst_gpu, strict=True):
             assert torch.equal(t[d].view(torch.int16), original[name][s].view(torch.int16))
@@ -256,7 +256,7 @@ def test_batched_descriptors_move_exact_bytes_cross_layer() -> None:
     """The addresses given to cudaMemcpyBatchAsync copy exactly the right rows (engine layout)."""
     base, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=5)
-    dsts, _, sizes = mover._plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
+    dsts, _, sizes = mover.copier.plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
                                              is_store=True)
     row = mover.layout.planes[0].shape[1]
     assert sizes.tolist() == [3 * row, row]  # the run 7-8-9 -> 1-2-3 is one copy
@@ -271,7 +271,7 @@ def test_batched_descriptors_move_exact_bytes_per_layer() -> None:
               .to(torch.bfloat16) for i in range(4)}
     mover = KVBlockMover(layers, num_cpu_blocks=5)
     assert len(mover.layout.planes) == 4
-    dsts, _, _ = mover._plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
+    dsts, _, _ = mover.copier.plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
                                          is_store=True)
     assert dsts.numel() == 4 * 2
     _descriptor_round_trip(layers, mover)
@@ -357,14 +357,14 @@ def test_get_finished_waits_until_the_issue_thread_has_issued(monkeypatch: pytes
     _, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=4, issue_thread=True)
     release, entered = threading.Event(), threading.Event()
-    real_copy = mover._copy
+    real_copy = mover.copier._copy
 
-    def slow_copy(job: tr._Job, *args: object) -> None:
+    def slow_copy(job: Job, *args: object) -> None:
         entered.set()
         assert release.wait(10)
         real_copy(job, *args)
 
-    monkeypatch.setattr(mover, "_copy", slow_copy)
+    monkeypatch.setattr(mover.copier, "_copy", slow_copy)
     mover.submit_store(1, [0], [0])
     mover.submit_store(2, [0, 1], [0])  # fails in the caller
     assert entered.wait(10)
@@ -400,16 +400,16 @@ def test_pitched_copies_move_exact_bytes_for_equally_spaced_layers() -> None:
     """One 2D copy per run covers that run in every layer, and nothing else."""
     whole, layers = spaced_layers("cpu")
     mover = KVBlockMover(layers, num_cpu_blocks=5)
-    assert mover._plan.pitch is not None
+    assert mover.copier.plan.pitch is not None
     original = whole.clone()
     g, c = torch.tensor([7, 8, 9, 2, 0]), torch.tensor([1, 2, 3, 0, 4])
-    copies = mover._plan.pitched_copies(g, c, is_store=True)
+    copies = mover.copier.plan.pitched_copies(g, c, is_store=True)
     assert [(w, h) for *_, w, h in copies] == [(3 * mover.layout.planes[0].shape[1], 4),
                                               (mover.layout.planes[0].shape[1], 4),
                                               (mover.layout.planes[0].shape[1], 4)]
     run_2d_copies(copies)
     whole.fill_(-3.0)
-    run_2d_copies(mover._plan.pitched_copies(torch.tensor([1, 2, 3, 11, 5]), c, is_store=False))
+    run_2d_copies(mover.copier.plan.pitched_copies(torch.tensor([1, 2, 3, 11, 5]), c, is_store=False))
     for s_, d in zip([7, 8, 9, 2, 0], [1, 2, 3, 11, 5], strict=True):
         assert torch.equal(whole[:, d].view(torch.int16), original[:, s_].view(torch.int16))
     others = [b for b in range(NUM_BLOCKS) if b not in (1, 2, 3, 11, 5)]
@@ -421,9 +421,9 @@ def test_no_pitch_for_unevenly_spaced_layers() -> None:
     whole = torch.zeros(5, NUM_BLOCKS, 64, dtype=torch.uint8)
     layers = [whole[0], whole[1], whole[3]]  # gaps of 1 and 2 plane sizes
     mover = KVBlockMover(layers, num_cpu_blocks=2)
-    assert mover._plan.pitch is None
+    assert mover.copier.plan.pitch is None
     with pytest.raises(ValueError, match="equally spaced"):
-        mover._plan.pitched_copies(torch.tensor([0]), torch.tensor([0]), is_store=True)
+        mover.copier.plan.pitched_copies(torch.tensor([0]), torch.tensor([0]), is_store=True)
 
 
 @CUDA_ONLY
@@ -432,7 +432,7 @@ def test_pitched_copies_are_byte_exact_on_cuda(method: str) -> None:
     """cudaMemcpy2DAsync over equally spaced layers moves exactly the chosen blocks."""
     whole, layers = spaced_layers("cuda")
     mover = KVBlockMover(layers, num_cpu_blocks=6, method=method)
-    assert mover._memcpy_2d is not None
+    assert mover.copier.memcpy_2d is not None
     original = whole.clone()
     mover.submit_store(1, [7, 8, 9, 2, 0], [1, 2, 3, 0, 5])
     mover.wait()
@@ -454,10 +454,10 @@ def test_no_pitch_for_equally_spaced_planes_in_separate_allocations() -> None:
                                count=blocks * row).view(blocks, row) for i in range(3)]
     assert planes[1].data_ptr() - planes[0].data_ptr() == planes[2].data_ptr() - planes[1].data_ptr()
     mover = KVBlockMover(planes, num_cpu_blocks=2)
-    assert mover._plan.pitch is None
+    assert mover.copier.plan.pitch is None
     # the same spacing inside one allocation does get 2D copies
     one = torch.frombuffer(memory, dtype=torch.uint8).view(3, blocks, row)
-    assert KVBlockMover(list(one.unbind(0)), num_cpu_blocks=2)._plan.pitch is not None
+    assert KVBlockMover(list(one.unbind(0)), num_cpu_blocks=2).copier.plan.pitch is not None
 
 
 @CUDA_ONLY
@@ -465,13 +465,13 @@ def test_failed_runtime_copy_fails_the_job_and_leaves_torch_usable(monkeypatch: 
     """Regression: a failed ctypes copy must not surface later as an error in torch's kernels."""
     whole, layers = spaced_layers("cuda")
     mover = KVBlockMover(layers, num_cpu_blocks=6, method="pitched", issue_thread=False)
-    real = mover._plan.pitched_copies
+    real = mover.copier.plan.pitched_copies
 
     def bad(g: torch.Tensor, c: torch.Tensor, is_store: bool) -> list:
         dst, dpitch, src, spitch, width, height = real(g, c, is_store)[0]
         return [(dst, dpitch, src, spitch, dpitch + 1, height)]  # width > pitch: invalid
 
-    monkeypatch.setattr(mover._plan, "pitched_copies", bad)
+    monkeypatch.setattr(mover.copier.plan, "pitched_copies", bad)
     mover.submit_store(1, [3], [0])
     mover.wait()
     assert [r.success for r in mover.get_finished()] == [False]
@@ -531,3 +531,17 @@ def test_scattered_jobs_on_a_cpu_cache_are_byte_exact(layout: str, method: str) 
                 expected[d] = before[name][s]
             assert torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), (layout, trial)
             t.copy_(before[name])  # the next trial starts from the same cache
+
+
+def test_the_transfer_engine_imports_nothing_of_the_scheduler_side() -> None:
+    """The worker's transfer subpackage stays importable with torch alone: it pulls in none
+    of the offload package's msgspec modules (settings, records, manager)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvconnector_core; before = set(sys.modules); "
+            "import connectors.offload.transfer; "
+            "print(sorted(m for m in set(sys.modules) - before "
+            "if m.startswith('connectors.offload.') and '.transfer' not in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -148,7 +148,7 @@ PACKAGES = {
     "kvconnector_core": KVCONNECTOR_CORE,
     "connectors": CONNECTORS,
     "connectors.offload": CONNECTORS_OFFLOAD,
-    "connectors.tiers": CONNECTORS_TIERS,
+    "connectors.offload.tiers": CONNECTORS_TIERS,
 }
 
 
@@ -207,7 +207,7 @@ def test_every_exported_name_resolves_and_is_documented(package):
 
 def test_block_hashes_and_offload_keys_are_newtypes_of_bytes():
     """NewTypes: a type checker tells them apart, and at run time they are plain bytes."""
-    from connectors.offload.policies import OffloadKey
+    from connectors.offload.manager import OffloadKey
 
     for new_type in (kvconnector_core.BlockHash, kvconnector_core.BlockHashWithGroupId, OffloadKey):
         assert new_type.__supertype__ is bytes

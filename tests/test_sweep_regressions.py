@@ -56,7 +56,7 @@ def test_forget_after_raising_hooks_leaves_no_request_state_in_the_offload_conne
     FlakyHook(monkeypatch, OffloadingConnector, "request_finished", rate=1.0)
     eng.run(trace())
     side = eng.scheduler_connector.scheduler_side
-    assert not side._gpu_hit_tokens and not side._reqs
+    assert not side.load_planner._gpu_hit_tokens and not side.state.reqs
 
 
 # Runs of the sweep that failed on main a85b2b6, with the check they failed.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from connectors.tiers import DiskTier, TierKey, make_tier
-from connectors.tiers._frame import frame_value, unframe_value
+from connectors.offload.tiers import DiskTier, TierKey, make_tier
+from connectors.offload.tiers.frame import frame_value, unframe_value
 from kvconnector_core.errors import ConfigError
 
 
@@ -136,7 +136,7 @@ def test_slow_tier_drops_stores_and_never_blocks(tmp_path, monkeypatch):
 def test_files_survive_a_restart_in_another_process(tmp_path):
     keys = _keys(3)
     script = (
-        "import sys; from connectors.tiers import DiskTier, TierKey\n"
+        "import sys; from connectors.offload.tiers import DiskTier, TierKey\n"
         f"t = DiskTier({{'path': {str(tmp_path)!r}, 'capacity_bytes': 1 << 20}})\n"
         f"t.store([(k, bytes([k.block_hash[0]]) * 64) for k in {keys[:2]!r}])\n"
         "t.flush(30); t.close()\n"
@@ -199,7 +199,7 @@ def test_a_tier_starting_while_others_rename_and_evict_files_indexes_the_rest(tm
     or evicted (another engine's budget) before it was stat'ed raised FileNotFoundError out
     of DiskTier() and left the directory iterator open. Seen with 4 TP ranks starting
     together on one directory; here the other writers act between the listing and the stat."""
-    import connectors.tiers.disk as disk
+    import connectors.offload.tiers.disk as disk
 
     with DiskTier({"path": str(tmp_path), "capacity_bytes": 1 << 20}) as first:
         keys = _keys(3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from connectors.tiers import SecondaryTier
-from connectors.tiers._base import TierKey
+from connectors.offload.tiers import SecondaryTier
+from connectors.offload.tiers.base import TierKey
 
 
 class _Flaky(SecondaryTier):
@@ -49,7 +49,7 @@ def _warnings(caplog) -> list[str]:
 
 
 def test_a_tier_that_is_down_logs_once_per_kind_and_counts_every_failure(caplog):
-    caplog.set_level(logging.DEBUG, logger="connectors.tiers._base")
+    caplog.set_level(logging.DEBUG, logger="connectors.offload.tiers.base")
     tier = _Flaky()
     try:
         for i in range(5):

@@ -6,7 +6,6 @@ import logging
 import time
 
 import pytest
-
 from _redis_servers import (  # redis_single is a fixture
     RedisCluster,
     RedisNode,
@@ -15,7 +14,8 @@ from _redis_servers import (  # redis_single is a fixture
     redis_single,  # noqa: F401
     require_redis_server,
 )
-from connectors.tiers import RedisTier, TierKey, make_tier
+
+from connectors.offload.tiers import RedisTier, TierKey, make_tier
 from kvconnector_core.errors import ConfigError
 
 pytestmark = pytest.mark.redis

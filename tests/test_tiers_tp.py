@@ -13,22 +13,24 @@ import zlib
 
 import pytest
 import torch
-
 from _redis_servers import redis_single, require_redis_server  # noqa: F401 - fixtures
 from _tp_engine import tp_engine
+from test_offload_tiering import _poll
+from test_tiers_engine import ENGINE, doc_trace, offload
+
 from connectors.multi import MultiConnector
 from connectors.offload.connector import OffloadingConnector
 from connectors.offload.records import TierRead, TierWrite
-from connectors.offload.tiering import TierLookups, WorkerTiers, tier_key
-from connectors.tiers import DiskTier, RedisTier, Shard, TierKey
-from connectors.tiers._frame import HEADER_BYTES, frame_value, unframe_value
+from connectors.offload.tiers import DiskTier, RedisTier, Shard, TierKey
+from connectors.offload.tiers.frame import HEADER_BYTES, frame_value, unframe_value
+from connectors.offload.tiers.records import tier_key
+from connectors.offload.tiers.scheduler import TierLookups
+from connectors.offload.tiers.worker import WorkerTiers
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.engine import EngineConfig
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash
-from test_offload_tiering import _poll
-from test_tiers_engine import ENGINE, doc_trace, offload
 
 HASH = BlockHash(bytes(range(32)))
 
@@ -276,10 +278,12 @@ def test_tp_workers_are_served_their_own_shards_from_disk(tmp_path, tp_baseline,
 def test_the_check_sees_a_rank_loading_another_ranks_shard(tmp_path, tp_baseline, monkeypatch):
     """The end-to-end check has teeth: with the shard left out of the keys (the old
     format), ranks overwrite each other's values and a rank's samples differ."""
-    import connectors.offload.tiering as tiering
+    import connectors.offload.tiers.scheduler as scheduler_tiers
+    import connectors.offload.tiers.worker as worker_tiers
 
-    plain = tiering.tier_key
-    monkeypatch.setattr(tiering, "tier_key", lambda key, shard=None: plain(key))
+    plain = scheduler_tiers.tier_key
+    for module in (scheduler_tiers, worker_tiers):
+        monkeypatch.setattr(module, "tier_key", lambda key, shard=None: plain(key))
     result, samples = _tp_run(offload(_disk(tmp_path)), 2, doc_trace())
     assert result.metrics.connector_stats["disk_loads"] > 0
     assert samples != tp_baseline(2)[1]

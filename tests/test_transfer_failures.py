@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from connectors.offload import _staged
-from connectors.offload.transfer import KVBlockMover
 from test_offload_staged import per_layer_caches
 from test_offload_transfer import CUDA_ONLY, cross_layer_cache
+
+from connectors.offload.transfer import KVBlockMover
+from connectors.offload.transfer import staging as _staged
 
 _BUSY_CYCLES = 2_000_000_000  # ~1 s of device time: the job's copies sit behind it
 
@@ -47,9 +47,9 @@ def _report_of(mover: KVBlockMover, job_id: int):  # type: ignore[no-untyped-def
 def test_job_failing_after_a_queued_copy_is_reported_after_that_copy() -> None:
     _, views = cross_layer_cache("cuda")
     mover = KVBlockMover(views, num_cpu_blocks=8, method="coalesced", issue_thread=False)
-    if mover._memcpy is None:
+    if mover.copier.memcpy is None:
         pytest.skip("no CUDA runtime library loadable by ctypes (cudaMemcpyAsync)")
-    mover._memcpy = _fail_second_call(mover._memcpy, lambda: 1)
+    mover.copier.memcpy = _fail_second_call(mover.copier.memcpy, lambda: 1)
     torch.cuda._sleep(_BUSY_CYCLES)
     mover.submit_store(1, [3, 7], [0, 5])  # two runs: the first is queued, the second fails
     result = _report_of(mover, 1)
@@ -87,7 +87,7 @@ def test_staged_job_failing_midway_is_reported_after_its_kernels(monkeypatch: py
     mover.submit_store(1, [7, 2, 9, 4, 11], [1, 2, 5, 6, 7])
     result = _report_of(mover, 1)
     assert not result.success
-    assert mover._kernel_streams[True].query()  # its gather kernels are done
+    assert mover.copier.kernel_streams[True].query()  # its gather kernels are done
     assert mover._streams[True].query()
     monkeypatch.setattr(_staged, "_dma", real_dma)
     torch.cuda.synchronize()
@@ -114,20 +114,20 @@ def test_batched_job_failing_on_a_lane_is_reported_after_the_other_lanes() -> No
     if not mover.batched_available:
         pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
     calls = []
-    real = mover._batch_memcpy
+    real = mover.copier.batch_memcpy
 
     def batch(*args):  # type: ignore[no-untyped-def]
         calls.append(1)
         return 1 if len(calls) == 3 else real(*args)  # lanes 0 and 1 queued, lane 2 fails
 
-    mover._batch_memcpy = batch
+    mover.copier.batch_memcpy = batch
     torch.cuda._sleep(_BUSY_CYCLES)
     gpu = [0, 2, 4, 6, 8, 10, 12, 14, 1, 3]  # ten single-block runs: split over the lanes
     mover.submit_store(1, gpu, list(range(10)))
     result = _report_of(mover, 1)
     assert not result.success
     assert len(calls) == 3
-    assert all(lane.query() for lane in mover._lanes[True])
+    assert all(lane.query() for lane in mover.copier.lanes[True])
     assert mover._streams[True].query()
     torch.cuda.synchronize()
     mover.shutdown()

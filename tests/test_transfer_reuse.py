@@ -15,12 +15,13 @@ import types
 
 import pytest
 import torch
-
-from connectors.offload import _issuer, _staged
-from connectors.offload._copy_plan import cpu_runs, estimate_joint_runs, scan_runs
-from connectors.offload.transfer import KVBlockMover
 from test_offload_staged import carved_planes, cpu_plan, per_layer_caches, store_then_load
 from test_offload_transfer import CUDA_ONLY, cross_layer_cache
+
+from connectors.offload.transfer import KVBlockMover
+from connectors.offload.transfer import issue_thread as _issuer
+from connectors.offload.transfer import staging as _staged
+from connectors.offload.transfer.copy_plan import cpu_runs, estimate_joint_runs, scan_runs
 
 LAYOUTS = ["cross-layer", "per-layer"]
 
@@ -141,13 +142,13 @@ def test_a_waiter_issues_a_job_the_delayed_thread_has_not_begun(monkeypatch: pyt
     assert mover._issuer is not None
     mover._issuer.delay = 2.0  # longer than the test: the thread sleeps through it
     issuers: list[str] = []
-    real_copy = mover._copy
+    real_copy = mover.copier._copy
 
     def recording_copy(*args: object) -> None:
         issuers.append(threading.current_thread().name)
         real_copy(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(mover, "_copy", recording_copy)
+    monkeypatch.setattr(mover.copier, "_copy", recording_copy)
     mover.submit_store(1, [3], [0])
     mover.wait()  # returns at once: this thread issued the job
     assert issuers == [threading.current_thread().name]
@@ -184,19 +185,19 @@ def test_staged_jobs_reuse_buffers_and_stay_byte_exact_with_many_in_flight() -> 
     """Jobs of growing size, both directions, none waited for until the end."""
     views = per_layer_caches("cuda", num_layers=4)
     mover = KVBlockMover(views, num_cpu_blocks=12, method="gather")
-    assert mover._staging is not None
+    assert mover.copier.staging is not None
     original = {k: v.clone() for k, v in views.items()}
     mover.submit_store(1, [7, 2], [0, 1])
     mover.wait()
-    staging = mover._staging[True]._staging
+    staging = mover.copier.staging[True]._staging
     assert staging is not None
     mover.submit_store(2, [9, 4], [2, 3])  # same size: the same staging memory
     mover.wait()
-    assert mover._staging[True]._staging is staging
+    assert mover.copier.staging[True]._staging is staging
     mover.submit_store(3, [11, 0, 5, 6, 1], [4, 5, 6, 7, 8])  # larger: grown
     mover.wait()
     assert [r.success for r in mover.get_finished()] == [True, True, True]
-    grown = mover._staging[True]._staging
+    grown = mover.copier.staging[True]._staging
     assert grown is not None and grown.shape[0] == 4 * 5
     # Loads of all of them back to back, into other blocks, after overwriting the cache.
     cpu_ids = list(range(9))
@@ -243,7 +244,7 @@ def test_batched_job_with_a_head_is_byte_exact(layout: str) -> None:
     mover = KVBlockMover(views, num_cpu_blocks=40, method="batched")
     if not mover.batched_available:
         pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
-    assert mover._head_blocks and 40 >= 4 * mover._head_blocks
+    assert mover.copier.head_blocks and 40 >= 4 * mover.copier.head_blocks
     original = {k: v.clone() for k, v in views.items()}
     src = torch.randperm(80, generator=torch.Generator().manual_seed(3))[:40].tolist()
     src[3:6] = [70, 71, 72]  # a run across the head's end (blocks 0-7 of the job)
@@ -269,10 +270,10 @@ def test_staged_job_in_many_stages_reuses_stage_views(monkeypatch: pytest.Monkey
     monkeypatch.setattr(_staged, "_STAGE_BYTES", 1024)
     views = per_layer_caches("cuda", num_layers=6)
     mover = KVBlockMover(views, num_cpu_blocks=8, method="gather")
-    if mover._gather_plan is None or mover._gather_plan.source is None:
+    if mover.copier.gather_plan is None or mover.copier.gather_plan.source is None:
         pytest.skip("the allocator placed these layers at no common row multiple")
     assert len(_staged.group_planes(6, 5 * mover.layout.block_bytes)) > 1
-    buffers = mover._staging[True]
+    buffers = mover.copier.staging[True]
     store_then_load(mover, views, [7, 2, 9, 4, 11], [1, 2, 5, 6, 7], [0, 3, 5, 6, 10])
     ((key, views_of_job),) = buffers._views.items()
     mover.submit_store(3, [1, 3, 5, 8, 10], [0, 1, 2, 3, 4])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -24,9 +24,12 @@ if TYPE_CHECKING:
 
 __all__ = ["TRANSFER_METHODS", "OffloadConfig", "OffloadGroup", "OffloadSettings"]
 
-# transfer.METHODS, repeated so that validating a config does not import torch
-# (a test checks the two agree).
-TRANSFER_METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
+# The mover's methods (transfer.mover.METHODS), repeated so that validating a config does
+# not import torch (a test checks the two agree).
+_TransferMethod = Literal["auto", "pitched", "batched", "coalesced", "per_block", "gather"]
+
+TRANSFER_METHODS: tuple[str, ...] = get_args(_TransferMethod)
+"""The valid ``transfer_method`` values."""
 
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -64,9 +67,10 @@ class OffloadSettings(ConnectorSettings):
     blocks_per_chunk: _Positive | None = None
     cache_policy: str = "lru"
     enable_events: bool = True
-    transfer_method: Literal["auto", "pitched", "batched", "coalesced", "per_block", "gather"] = "auto"
+    transfer_method: _TransferMethod = "auto"
     copy_thread: bool | None = None
-    # Each tier's own settings Struct (connectors.tiers) checks its keys when it is made.
+    # Each tier's own settings Struct (connectors.offload.tiers) checks its keys when it is
+    # made.
     tiers: list[dict[str, Any]] = msgspec.field(default_factory=list)
     recency: Literal["all_keys", "hits_only"] = "all_keys"
 
@@ -152,13 +156,16 @@ class OffloadConfig:
         return max((g.factor for g in self.groups), default=self.blocks_per_chunk)
 
     @classmethod
-    def from_extra(cls, extra: dict[str, object], kv_cache_config: KVCacheConfig | None) -> OffloadConfig:
-        """Convert ``extra_config`` to :class:`OffloadSettings`, then check it (see :meth:`from_settings`)."""
+    def from_extra(cls, extra: dict[str, object], kv_cache_config: KVCacheConfig | None
+                   ) -> OffloadConfig:
+        """Convert ``extra_config`` to :class:`OffloadSettings`, then check it (see
+        :meth:`from_settings`)."""
         return cls.from_settings(convert_settings("OffloadingConnector", OffloadSettings, extra),
                                  kv_cache_config)
 
     @classmethod
-    def from_settings(cls, settings: OffloadSettings, kv_cache_config: KVCacheConfig | None) -> OffloadConfig:
+    def from_settings(cls, settings: OffloadSettings, kv_cache_config: KVCacheConfig | None
+                      ) -> OffloadConfig:
         """Check the settings against the KV cache layout.
 
         Raises:
@@ -179,35 +186,47 @@ class OffloadConfig:
                          getattr(spec, "attention_chunk_size", 0) or 0)
             for i, spec in enumerate(specs))
         chunk_bytes = max(g.factor for g in groups) * kv_cache_config.bytes_per_block
-        if settings.num_cpu_blocks is not None and settings.cpu_bytes is not None:
-            msg = "OffloadingConnector: give either 'num_cpu_blocks' or 'cpu_bytes' in extra_config, not both"
-            raise ConfigError(msg)
-        if settings.num_cpu_blocks is not None:
-            num = settings.num_cpu_blocks
-        elif settings.cpu_bytes is not None:
-            num = settings.cpu_bytes // chunk_bytes
-        else:
-            msg = ("OffloadingConnector needs 'num_cpu_blocks' (offloaded blocks) or "
-                   f"'cpu_bytes' in extra_config (one offloaded block is {chunk_bytes} bytes)")
-            raise ConfigError(msg)
-        if num < 1:
-            msg = (f"OffloadingConnector: the CPU tier must hold at least one offloaded block of "
-                   f"{chunk_bytes} bytes; extra_config cpu_bytes={settings.cpu_bytes} is less")
-            raise ConfigError(msg)
-        host = _host_memory_bytes()
-        if host is not None and num * chunk_bytes > host:
-            # Checked here, before anything is allocated: otherwise the allocator fails
-            # (or the OOM killer ends the process) with a message that names no setting.
-            what = (f"num_cpu_blocks={settings.num_cpu_blocks}" if settings.num_cpu_blocks is not None
-                    else f"cpu_bytes={settings.cpu_bytes}")
-            msg = (f"OffloadingConnector: extra_config {what} needs {num * chunk_bytes} bytes "
-                   f"({num} offloaded blocks of {chunk_bytes} bytes), more than this host's "
-                   f"{host} bytes of memory; valid: at most {host // chunk_bytes} blocks")
-            raise ConfigError(msg)
+        num = _num_cpu_blocks(settings, chunk_bytes)
         return cls(gpu_bs, factor, num, settings.cache_policy, settings.enable_events,
                    settings.transfer_method, groups, tuple(dict(t) for t in settings.tiers),
-                   f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B", settings.copy_thread,
-                   settings.recency)
+                   f"bs{gpu_bs}x{factor}-{kv_cache_config.bytes_per_block}B",
+                   settings.copy_thread, settings.recency)
+
+
+def _num_cpu_blocks(settings: OffloadSettings, chunk_bytes: int) -> int:
+    """Offloaded chunks the CPU tier holds: ``num_cpu_blocks``, or what ``cpu_bytes``
+    holds; at least one, and no more than the host's memory holds.
+
+    Raises:
+        ConfigError: both or neither given, or a capacity out of range.
+    """
+    if settings.num_cpu_blocks is not None and settings.cpu_bytes is not None:
+        msg = ("OffloadingConnector: give either 'num_cpu_blocks' or 'cpu_bytes' in "
+               "extra_config, not both")
+        raise ConfigError(msg)
+    if settings.num_cpu_blocks is not None:
+        num = settings.num_cpu_blocks
+    elif settings.cpu_bytes is not None:
+        num = settings.cpu_bytes // chunk_bytes
+    else:
+        msg = ("OffloadingConnector needs 'num_cpu_blocks' (offloaded blocks) or "
+               f"'cpu_bytes' in extra_config (one offloaded block is {chunk_bytes} bytes)")
+        raise ConfigError(msg)
+    if num < 1:
+        msg = (f"OffloadingConnector: the CPU tier must hold at least one offloaded block of "
+               f"{chunk_bytes} bytes; extra_config cpu_bytes={settings.cpu_bytes} is less")
+        raise ConfigError(msg)
+    host = _host_memory_bytes()
+    if host is not None and num * chunk_bytes > host:
+        # Checked here, before anything is allocated: otherwise the allocator fails
+        # (or the OOM killer ends the process) with a message that names no setting.
+        what = (f"num_cpu_blocks={settings.num_cpu_blocks}"
+                if settings.num_cpu_blocks is not None else f"cpu_bytes={settings.cpu_bytes}")
+        msg = (f"OffloadingConnector: extra_config {what} needs {num * chunk_bytes} bytes "
+               f"({num} offloaded blocks of {chunk_bytes} bytes), more than this host's "
+               f"{host} bytes of memory; valid: at most {host // chunk_bytes} blocks")
+        raise ConfigError(msg)
+    return num
 
 
 def _host_memory_bytes() -> int | None:
@@ -220,12 +239,13 @@ def _host_memory_bytes() -> int | None:
 
 def _blocks_per_chunk(settings: OffloadSettings, gpu_bs: int) -> int:
     if settings.block_size is not None and settings.blocks_per_chunk is not None:
-        msg = "OffloadingConnector: give either 'block_size' or 'blocks_per_chunk' in extra_config, not both"
+        msg = ("OffloadingConnector: give either 'block_size' or 'blocks_per_chunk' in "
+               "extra_config, not both")
         raise ConfigError(msg)
     if settings.block_size is not None:
         if settings.block_size % gpu_bs:
-            msg = (f"OffloadingConnector: extra_config block_size={settings.block_size} must be a "
-                   f"positive multiple of the GPU block size {gpu_bs}")
+            msg = (f"OffloadingConnector: extra_config block_size={settings.block_size} must "
+                   f"be a positive multiple of the GPU block size {gpu_bs}")
             raise ConfigError(msg)
         return settings.block_size // gpu_bs
     return settings.blocks_per_chunk or 1

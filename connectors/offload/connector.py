@@ -7,9 +7,9 @@ group index (4 bytes), so hybrid models offload per group. See ``docs/offload.md
 the config keys and the sliding-window rules.
 
 The connector is a :class:`~kvconnector_core.connector.roles.RoleSplitConnector`: the
-scheduler-role instance is an :class:`~connectors.offload.scheduler_side.OffloadSchedulerSide`
+scheduler-role instance is an :class:`~connectors.offload.scheduler.OffloadSchedulerSide`
 (plans loads and stores over the CPU slots, learns completions), the worker-role instance
-an :class:`~connectors.offload.worker_side.OffloadWorkerSide` (moves the bytes). They
+an :class:`~connectors.offload.worker.OffloadWorkerSide` (moves the bytes). They
 share nothing but the plan (:class:`OffloadingConnectorMetadata`) and the job completions
 (:class:`OffloadWorkerMetadata`, carried in ``KVConnectorOutput.kv_connector_worker_meta``,
 never in the stats, so they survive wrapping in a MultiConnector).
@@ -22,10 +22,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.offload.config import TRANSFER_METHODS, OffloadConfig, OffloadSettings
-from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
-from connectors.offload.scheduler_side import OffloadSchedulerSide
-from connectors.offload.worker_side import OffloadWorkerSide
-from connectors.tiers import Shard
+from connectors.offload.records import (
+    OffloadingConnectorMetadata,
+    OffloadWorkerMetadata,
+    TransferJobSpec,
+)
+from connectors.offload.scheduler import OffloadSchedulerSide
+from connectors.offload.tiers import Shard
+from connectors.offload.worker import OffloadWorkerSide
 from kvconnector_core.connector.roles import RoleSplitConnector
 from kvconnector_core.errors import ConfigError
 
@@ -61,7 +65,8 @@ class OffloadingConnector(RoleSplitConnector):
         kv_cache_config: the engine's KV cache layout (one or several groups).
 
     Raises:
-        ConfigError: invalid ``extra_config`` (see :class:`OffloadSettings`, :meth:`OffloadConfig.from_settings`).
+        ConfigError: invalid ``extra_config`` (see :class:`OffloadSettings`,
+            :meth:`OffloadConfig.from_settings`).
     """
 
     name: ClassVar[str] = "OffloadingConnector"

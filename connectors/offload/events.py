@@ -31,8 +31,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from connectors.offload.manager import OffloadingEvent, OffloadingManager
-from connectors.offload.policies import OffloadKey
+from connectors.offload.manager import OffloadingEvent, OffloadingManager, OffloadKey
 from kvconnector_core.kv_cache.hashing import BlockHash
 from kvconnector_core.kv_events import (
     MEDIUM_CPU,
@@ -194,14 +193,15 @@ def to_wire_events(events: Iterable[OffloadingEvent], table: ChunkInfoTable,
 
 def _announce(key: OffloadKey, table: ChunkInfoTable, block_size: int, medium: str,
               group_idx: int) -> BlockStored | None:
-    """The stored event of one chunk: its GPU blocks no other held chunk announced (None if none)."""
+    """The stored event of one chunk: its GPU blocks no other held chunk announced (None if
+    none)."""
     info = table.stored(key)
     if info is None:
         if not table.hold((key,)):
             return None
-        return BlockStored(block_hashes=[to_external_hash(key)], parent_block_hash=None, token_ids=[],
-                           block_size=block_size, lora_id=None, medium=medium, lora_name=None,
-                           group_idx=group_idx)
+        return BlockStored(block_hashes=[to_external_hash(key)], parent_block_hash=None,
+                           token_ids=[], block_size=block_size, lora_id=None, medium=medium,
+                           lora_name=None, group_idx=group_idx)
     new = table.hold(info.block_hashes)
     if not new:
         return None
@@ -333,7 +333,8 @@ class GroupedEvents:
                 by_group.setdefault(self.group_of(key), []).append(key)
             for g, keys in by_group.items():
                 part = OffloadingEvent(tuple(keys), event.medium, event.removed)
-                self._wire += to_wire_events([part], self.tables[g], self.block_sizes[g], group_idx=g)
+                self._wire += to_wire_events([part], self.tables[g], self.block_sizes[g],
+                                             group_idx=g)
 
     def take(self, manager: OffloadingManager) -> list[KVCacheEvent]:
         """Every wire event not yet returned (the manager's pending ones translated first)."""

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from connectors.offload.config import OffloadGroup
-    from connectors.offload.policies import OffloadKey
+    from connectors.offload.manager import OffloadKey
 
 __all__ = ["longest_hit", "needed_chunks"]
 
 
-def needed_chunks(group: OffloadGroup, start_tokens: int, end_tokens: int, chunk_tokens: int) -> range:
+def needed_chunks(group: OffloadGroup, start_tokens: int, end_tokens: int, chunk_tokens: int
+                  ) -> range:
     """Chunks of ``group`` whose KV must be on the GPU to continue after ``end_tokens``
     tokens, given the first ``start_tokens`` are there already (partial chunks count)."""
     first = max(group.first_needed_token(end_tokens), start_tokens)

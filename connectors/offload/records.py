@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from connectors.offload.policies import OffloadKey
+from connectors.offload.manager import OffloadKey
 from kvconnector_core.connector.metadata import KVConnectorMetadata
 from kvconnector_core.kv_cache.hashing import BlockHash
 

@@ -6,10 +6,10 @@ N+1 (``bind_connector_metadata``, before the forward) so they never delay step N
 are submitted in ``start_load_kv`` and are asynchronous. Preempted requests' stores are
 waited for in ``handle_preemptions`` before their blocks can be overwritten, and so are
 the stores that read a sliding-window block the engine allocated again
-(``flush_job_ids``, in ``bind_connector_metadata``: see :mod:`._fence`). Job
+(``flush_job_ids``, in ``bind_connector_metadata``: see :mod:`connectors.offload.fence`). Job
 completions travel to the scheduler side as :class:`OffloadWorkerMetadata`.
 
-With secondary tiers (:class:`~connectors.offload.tiering.WorkerTiers`): a load with
+With secondary tiers (:class:`~connectors.offload.tiers.worker.WorkerTiers`): a load with
 ``tier_reads`` first reads those chunks from their tiers into the CPU slots (off the
 engine thread) and submits its CPU -> GPU copy only when all arrived; a missing or
 damaged chunk fails the load (recomputed). ``tier_writes`` are copied out of the CPU
@@ -25,8 +25,13 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
-from connectors.offload.tiering import WorkerTiers, make_tiers
+from connectors.offload.records import (
+    OffloadingConnectorMetadata,
+    OffloadWorkerMetadata,
+    TransferJobSpec,
+)
+from connectors.offload.tiers.base import make_tiers
+from connectors.offload.tiers.worker import WorkerTiers
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
 from kvconnector_core.connector.roles import KVConnectorWorkerSide
 from kvconnector_core.errors import ConfigError, InvariantError
@@ -35,13 +40,13 @@ if TYPE_CHECKING:
     import torch
 
     from connectors.offload.config import OffloadConfig
+    from connectors.offload.tiers import Shard
     from connectors.offload.transfer import KVBlockMover, TransferResult
-    from connectors.tiers import Shard
     from kvconnector_core.kv_events import KVCacheEvent
 
 __all__ = ["OffloadWorkerSide"]
 
-logger = logging.getLogger("connectors.offload.connector")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -77,10 +82,10 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         cfg = offload_config
+        block_sizes = [g.block_size for g in cfg.groups] or [cfg.gpu_block_size]
         self.tiers = WorkerTiers(make_tiers(cfg.tiers, layout=cfg.layout,
                                             enable_events=cfg.enable_events, shard=shard),
-                                 block_sizes=[g.block_size for g in cfg.groups] or [cfg.gpu_block_size],
-                                 shard=shard) if cfg.tiers else None
+                                 block_sizes=block_sizes, shard=shard) if cfg.tiers else None
         self._tier_waiting: dict[int, TransferJobSpec] = {}  # loads waiting for tier reads
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -190,7 +195,8 @@ class OffloadWorkerSide(KVConnectorWorkerSide):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: loads complete before their request is scheduled."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None
+                      ) -> None:
         """Nothing per layer: whole blocks of all layers move once per step."""
 
     def wait_for_save(self) -> None:

@@ -1,7 +1,7 @@
 """The secondary tiers' small records: keys, events, loads in flight, settings parsing.
 
-Split from :mod:`connectors.tiers._base` (which re-exports them) to keep that module
-about the tier machinery.
+Primitives: :class:`TierKey`, :class:`Shard`, :class:`TierLoad`, :class:`TierEvent`,
+:func:`settings`, and the key conversions :func:`tier_key` / :func:`offload_key`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
+from connectors.offload.manager.policy import OffloadKey
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash
 
-__all__ = ["Shard", "TierEvent", "TierKey", "TierLoad", "settings"]
+__all__ = ["Shard", "TierEvent", "TierKey", "TierLoad", "offload_key", "settings", "tier_key"]
 
 _S = TypeVar("_S")
 
@@ -135,3 +136,14 @@ class TierLoad:
     def values(self, timeout: float | None = None) -> list[Any]:
         """The results in key order; None for each key that failed. Waits up to ``timeout``."""
         return [v for f in self._futures for v in f.result(timeout)]
+
+
+def tier_key(key: OffloadKey, shard: Shard | None = None) -> TierKey:
+    """The tier key of an offload key: its chained hash and its KV cache group (the key's
+    last 4 bytes), and the shard of the worker that holds the value (None: one worker)."""
+    return TierKey(BlockHash(key[:-4]), int.from_bytes(key[-4:], "big"), shard)
+
+
+def offload_key(key: TierKey) -> OffloadKey:
+    """The offload key of a tier key (its shard dropped): the inverse of :func:`tier_key`."""
+    return OffloadKey(key.block_hash + key.group.to_bytes(4, "big"))

@@ -1,5 +1,13 @@
-"""The cache-policy interface and its records (re-exported by ``policies``, which documents
-the ref-count convention and the atomic ``evict``)."""
+"""The cache-policy interface of the CPU offloading tier and its records.
+
+Ref counts follow the manager's convention: ``-1`` = being written (not readable, not
+evictable), ``0`` = ready and evictable, ``> 0`` = pinned by that many loads.
+
+``evict`` is atomic: it either returns exactly ``n`` victims (already removed from the
+policy) or ``None`` having changed nothing, so a refused store leaves no trace.
+
+Primitives: :data:`OffloadKey`, :class:`SlotEntry`, :class:`CachePolicy`.
+"""
 
 from __future__ import annotations
 
@@ -76,7 +84,8 @@ class CachePolicy(ABC):
         held), in prefix order. Default: nothing (vLLM 0.33's ARC waits for the finish;
         its LRU ranks them at once, see :meth:`LRUCachePolicy.on_access`)."""
 
-    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]
+                            ) -> None:
         """Commit one finished request's recency, as vLLM 0.33's ``on_request_finished``.
 
         Args:

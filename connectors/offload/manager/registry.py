@@ -1,38 +1,20 @@
-"""Cache policies of the CPU offloading tier: which offloaded blocks to evict.
+"""Registry of the CPU offloading tier's cache policies by name (``cache_policy``).
 
-A policy owns the key -> :class:`SlotEntry` map of one tier and its eviction order;
-the manager (:mod:`connectors.offload.manager`) owns slots, ref counts and events.
+Built in: ``"lru"`` (:class:`~connectors.offload.manager.lru.LRUCachePolicy`) and
+``"arc"`` (:class:`~connectors.offload.manager.arc.ARCCachePolicy`).
 
-Primitives:
-    SlotEntry            a live entry: the slot holding the block and its ref count
-    CachePolicy          ABC: get / insert / remove / touch / evict(n, protected) / clear
-    LRUCachePolicy       least recently used; tails of a touched prefix are evicted first
-    ARCCachePolicy       adaptive replacement cache (T1/T2 live lists, B1/B2 ghost lists)
-    register_cache_policy(name, cls) / get_cache_policy(name) / available_cache_policies()
-
-Ref counts follow the manager's convention: ``-1`` = being written (not readable, not
-evictable), ``0`` = ready and evictable, ``> 0`` = pinned by that many loads.
-
-``evict`` is atomic: it either returns exactly ``n`` victims (already removed from the
-policy) or ``None`` having changed nothing, so a refused store leaves no trace.
-
-The interface lives in ``_policy_base``, the two policies in ``_lru`` and ``_arc``; this
-module re-exports them and holds the registry of policy names.
+Primitives: :func:`register_cache_policy`, :func:`get_cache_policy`,
+:func:`available_cache_policies`.
 """
 
 from __future__ import annotations
 
-from connectors.offload._arc import ARCCachePolicy
-from connectors.offload._lru import LRUCachePolicy
-from connectors.offload._policy_base import CachePolicy, OffloadKey, SlotEntry
+from connectors.offload.manager.arc import ARCCachePolicy
+from connectors.offload.manager.lru import LRUCachePolicy
+from connectors.offload.manager.policy import CachePolicy
 from kvconnector_core.errors import ConfigError
 
 __all__ = [
-    "ARCCachePolicy",
-    "CachePolicy",
-    "LRUCachePolicy",
-    "OffloadKey",
-    "SlotEntry",
     "available_cache_policies",
     "get_cache_policy",
     "register_cache_policy",

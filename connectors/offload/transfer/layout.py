@@ -121,7 +121,8 @@ def build_block_layout(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Te
     tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
     # Layers of KV cache groups that share a physical pool are views of the same
     # memory (slot i of each group): move each piece of memory once.
-    unique: dict[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    unique: dict[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]],
+                 torch.Tensor] = {}
     for t in tensors:
         unique.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                            t.stride()), t)

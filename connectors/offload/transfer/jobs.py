@@ -1,7 +1,7 @@
 """Records and id helpers of the block mover: what a job is, what it reports, its ids.
 
-Split from :mod:`connectors.offload.transfer` (which re-exports the public names) so
-that the mover itself stays about its streams and threads.
+Primitives: :class:`Job`, :class:`TransferResult`, :class:`EventPool`,
+:func:`chunk_to_sub_block_ids`, :func:`coalesce_runs`, :func:`id_array`, :func:`as_tensor`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["TransferResult", "chunk_to_sub_block_ids", "coalesce_runs"]
+__all__ = [
+    "EventPool",
+    "Job",
+    "TransferResult",
+    "as_tensor",
+    "chunk_to_sub_block_ids",
+    "coalesce_runs",
+    "id_array",
+]
 
 
 def chunk_to_sub_block_ids(chunk_ids: Sequence[int], factor: int, num_gpu_blocks: int

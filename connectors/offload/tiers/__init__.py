@@ -7,7 +7,7 @@ never block the engine: lookups may answer None ("ask again"), stores are droppe
 counted when the tier falls behind, loads are polled. See ``docs/tiers.md``.
 
 :func:`make_tier` builds one from a settings dict (``{"type": "disk" | "redis", ...}``).
-Names are imported lazily so that ``import connectors.tiers`` needs neither redis-py nor
+Names are imported lazily so that ``import connectors.offload.tiers`` needs neither redis-py nor
 a file system.
 """
 
@@ -20,20 +20,21 @@ from typing import TYPE_CHECKING, Any
 from kvconnector_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from connectors.tiers._base import SecondaryTier, Shard, TierEvent, TierKey, TierLoad
-    from connectors.tiers.disk import DiskTier, DiskTierConfig
-    from connectors.tiers.redis_tier import RedisTier, RedisTierConfig
+    from connectors.offload.tiers.base import SecondaryTier
+    from connectors.offload.tiers.disk import DiskTier, DiskTierConfig
+    from connectors.offload.tiers.records import Shard, TierEvent, TierKey, TierLoad
+    from connectors.offload.tiers.redis_tier import RedisTier, RedisTierConfig
 
 _EXPORTS = {
     "DiskTier": "disk",
     "DiskTierConfig": "disk",
     "RedisTier": "redis_tier",
     "RedisTierConfig": "redis_tier",
-    "SecondaryTier": "_base",
-    "Shard": "_base",
-    "TierEvent": "_base",
-    "TierKey": "_base",
-    "TierLoad": "_base",
+    "SecondaryTier": "base",
+    "Shard": "records",
+    "TierEvent": "records",
+    "TierKey": "records",
+    "TierLoad": "records",
 }
 
 TIER_TYPES = {"disk": ("disk", "DiskTier"), "redis": ("redis_tier", "RedisTier")}

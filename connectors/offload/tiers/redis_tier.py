@@ -4,7 +4,7 @@ Works against a single Redis and against Redis Cluster (``cluster=True``; any no
 bootstraps the slot map). Keys are ``kvc:<model>:<layout>:<tenant>:<hash hex>-g<group>``
 where ``<tenant>`` is a digest of the tenant salt: engines of different models, KV
 layouts or tenants never read each other's values. Values carry the checksum frame of
-:mod:`connectors.tiers._base`; a corrupted value is a failed load.
+:mod:`connectors.offload.tiers.base`; a corrupted value is a failed load.
 
 I/O is batched and pipelined on the tier's threads, never on the engine thread: a
 chain lookup is one pipeline of ``EXISTS`` (one round trip on a single node; one per
@@ -35,7 +35,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from connectors.tiers._base import SecondaryTier, Shard, TierKey, settings
+from connectors.offload.tiers.base import SecondaryTier
+from connectors.offload.tiers.records import Shard, TierKey, settings
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["RedisTier", "RedisTierConfig"]
@@ -101,7 +102,8 @@ class RedisTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             msg = (f"redis tier needs a non-empty model and layout for its key namespace "
                    f"(got model={self.model!r}, layout={self.layout!r})")
             raise ConfigError(msg)
-        if self.ttl_seconds is not None and (isinstance(self.ttl_seconds, bool) or self.ttl_seconds < 1):
+        ttl = self.ttl_seconds
+        if ttl is not None and (isinstance(ttl, bool) or ttl < 1):
             msg = f"redis tier ttl_seconds must be a positive int or null, got {self.ttl_seconds!r}"
             raise ConfigError(msg)
         if self.batch_size < 1 or self.socket_timeout <= 0:
@@ -131,7 +133,8 @@ class RedisTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             try:
                 return Path(self.password_file).read_text().rstrip("\r\n")
             except OSError as exc:
-                msg = f"redis tier password_file={self.password_file!r} cannot be read: {exc.strerror}"
+                msg = (f"redis tier password_file={self.password_file!r} cannot be read: "
+                       f"{exc.strerror}")
                 raise ConfigError(msg) from None
         return None
 
@@ -240,7 +243,8 @@ class RedisTier(SecondaryTier):
         if errors and len(errors) == len(found):
             raise errors[0]  # counted as a failed lookup: a miss
         if errors:  # a dead master: its keys are misses, the live masters' count
-            logger.warning("REDIS tier: %d of %d lookups failed: %s", len(errors), len(found), errors[0])
+            logger.warning("REDIS tier: %d of %d lookups failed: %s", len(errors), len(found),
+                           errors[0])
             self._count(lookup_failures=1)
         return [not isinstance(a, Exception) and bool(a) for a in found]
 
@@ -260,7 +264,8 @@ class RedisTier(SecondaryTier):
         values = self._run(names, lambda pipe, i: pipe.get(names[i]), self.config.batch_size)
         errors = [v for v in values if isinstance(v, Exception)]
         if errors:
-            logger.warning("REDIS tier: %d of %d loads failed: %s", len(errors), len(values), errors[0])
+            logger.warning("REDIS tier: %d of %d loads failed: %s", len(errors), len(values),
+                           errors[0])
         return [None if isinstance(v, Exception) else v for v in values]
 
     def _on_bad_values(self, keys: list[TierKey]) -> None:

@@ -15,15 +15,18 @@ own threads:
   when it is missing, unreadable, or fails its checksum (the caller recomputes it).
   :meth:`SecondaryTier.load_into` reads straight into the caller's buffers (a CPU slot).
 
-Values are framed (:mod:`connectors.tiers._frame`) with a magic, the payload length and a
-CRC-32 over the key and the payload, so a truncated, corrupted or misplaced value is a failed load, never wrong data.
+Values are framed (:mod:`connectors.offload.tiers.frame`) with a magic, the payload length and a
+CRC-32 over the key and the payload, so a truncated, corrupted or misplaced value is a failed
+load, never wrong data.
 (CRC-32 catches accidental damage, which is what it is for here; it runs at ~3 GB/s where
 BLAKE2b ran at 0.3 GB/s on the benchmark machine, and would have halved tier throughput.
 Keeping a hostile writer out is the job of Redis ACLs and file permissions.) Backends
 implement four blocking methods (``_held``, ``_put``, ``_get``, ``_close``), may override
 ``_get_into`` to read into buffers directly, and see only framed bytes.
 
-Primitives: SecondaryTier here; TierKey, Shard, TierLoad, TierEvent (in :mod:`connectors.tiers._records`, re-exported).
+Primitives: :class:`SecondaryTier`, :func:`make_tiers` (the records :class:`TierKey`,
+:class:`Shard`, :class:`TierLoad`, :class:`TierEvent` are in
+:mod:`connectors.offload.tiers.records`).
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
-from connectors.tiers._frame import (
+from connectors.offload.tiers.frame import (
     ABSENT,
     DAMAGED,
     FAILED,
@@ -46,10 +49,10 @@ from connectors.tiers._frame import (
     intact_payload,
     unframe_value,
 )
-from connectors.tiers._records import Shard, TierEvent, TierKey, TierLoad, settings
+from connectors.offload.tiers.records import Shard, TierEvent, TierKey, TierLoad
 from kvconnector_core.errors import ConfigError
 
-__all__ = ["SecondaryTier", "Shard", "TierEvent", "TierKey", "TierLoad", "settings"]
+__all__ = ["SecondaryTier", "make_tiers"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,8 @@ class SecondaryTier(ABC):
         self.shard = shard
         self._max_pending = max_pending_stores
         self._io_threads = io_threads
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-tier-{self.medium.lower()}")
+        self._pool = ThreadPoolExecutor(io_threads,
+                                        thread_name_prefix=f"kv-tier-{self.medium.lower()}")
         self._lock = threading.Lock()  # guards everything below; I/O threads update it
         self._idle = threading.Condition(self._lock)  # notified when a store batch ends
         self._pending_stores = 0
@@ -115,7 +119,8 @@ class SecondaryTier(ABC):
     def _close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources (connections)."""
 
-    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:
+    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]
+                  ) -> list[str]:
         """Blocking: put each key's payload into its buffers if its value is intact and
         fills them exactly; per key one of PLACED, ABSENT, DAMAGED, OTHER_SIZE.
 
@@ -361,3 +366,29 @@ class SecondaryTier(ABC):
 
     def _on_bad_values(self, keys: list[TierKey]) -> None:  # noqa: B027 - optional hook
         """Called with keys whose stored value was present but not intact (drop them)."""
+
+
+def make_tiers(specs: Sequence[dict[str, Any]], *, layout: str, enable_events: bool,
+               shard: Shard | None = None) -> list[SecondaryTier]:
+    """Create the tiers of ``extra_config["tiers"]`` (validated by ``OffloadConfig``).
+
+    A Redis tier without a ``layout`` gets ``layout`` (the connector's chunk geometry), so
+    engines whose KV bytes differ never share keys. ``shard``: the worker's (see
+    :class:`~connectors.offload.tiers.SecondaryTier`).
+
+    Raises:
+        ConfigError: a bad tier setting.
+    """
+    from connectors.offload.tiers import make_tier
+
+    tiers: list[SecondaryTier] = []
+    try:
+        for spec in specs:
+            if spec.get("type") == "redis":
+                spec = {"layout": layout, **spec}
+            tiers.append(make_tier(spec, enable_events=enable_events, shard=shard))
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return tiers

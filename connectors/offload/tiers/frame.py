@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from connectors.tiers._base import TierKey
+    from connectors.offload.tiers.records import TierKey
 
 __all__ = ["ABSENT", "DAMAGED", "FAILED", "HEADER_BYTES", "OTHER_SIZE", "PLACED", "frame_header",
            "frame_value", "header_matches", "intact_payload", "payload_length", "unframe_value"]

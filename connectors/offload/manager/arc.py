@@ -1,4 +1,4 @@
-"""The ARC cache policy of the CPU offloading tier (re-exported by ``policies``)."""
+"""The ARC cache policy of the CPU offloading tier."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from itertools import islice
 
-from connectors.offload._policy_base import CachePolicy, OffloadKey, SlotEntry, Victims
+from connectors.offload.manager.policy import CachePolicy, OffloadKey, SlotEntry, Victims
 
 __all__ = ["ARCCachePolicy"]
 
@@ -101,7 +101,8 @@ class ARCCachePolicy(CachePolicy):
             else:
                 self._ghost_hit(key)
 
-    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]
+                            ) -> None:
         """See :meth:`CachePolicy.on_request_finished`; vLLM 0.33's rule, tail first: a
         reused key is promoted (T1 -> T2, or to T2's end); a key the request only stored
         moves to the end of its own list (a store is not a second use); ghosts are left

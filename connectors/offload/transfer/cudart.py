@@ -162,7 +162,8 @@ def memcpy_2d_async() -> Memcpy2D | None:
 
 @functools.cache
 def max_pitch(device_index: int) -> int:
-    """The largest row pitch a 2D copy accepts on the device (``cudaDevAttrMaxPitch``); 0 if unknown."""
+    """The largest row pitch a 2D copy accepts on the device (``cudaDevAttrMaxPitch``); 0 if
+    unknown."""
     lib = _library()
     if lib is None:
         return 0

@@ -4,7 +4,7 @@ Layout: ``<root>/<namespace>/<first 2 hex digits>/<hash hex>-g<group>.kvb``. A v
 written to a temporary file in the same directory and renamed over the final name, so a
 reader sees a whole file or none, even if the writer dies mid-write (``fsync=True`` also
 survives a power loss, at a cost). Each file carries the checksum frame of
-:mod:`connectors.tiers._base`: a truncated or corrupted file is a failed load (and is
+:mod:`connectors.offload.tiers.base`: a truncated or corrupted file is a failed load (and is
 deleted), never wrong data.
 
 The files outlive the process: a new :class:`DiskTier` on the same directory indexes
@@ -28,8 +28,17 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from connectors.tiers._base import SecondaryTier, Shard, TierKey, settings
-from connectors.tiers._frame import ABSENT, DAMAGED, HEADER_BYTES, OTHER_SIZE, PLACED, header_matches, payload_length
+from connectors.offload.tiers.base import SecondaryTier
+from connectors.offload.tiers.frame import (
+    ABSENT,
+    DAMAGED,
+    HEADER_BYTES,
+    OTHER_SIZE,
+    PLACED,
+    header_matches,
+    payload_length,
+)
+from connectors.offload.tiers.records import Shard, TierKey, settings
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["DiskTier", "DiskTierConfig"]
@@ -72,7 +81,8 @@ class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity_bytes, bool) or self.capacity_bytes < 1:
-            msg = f"disk tier capacity_bytes must be a positive number of bytes, got {self.capacity_bytes!r}"
+            msg = ("disk tier capacity_bytes must be a positive number of bytes, got "
+                   f"{self.capacity_bytes!r}")
             raise ConfigError(msg)
         if not self.namespace or "/" in self.namespace or self.namespace in (".", ".."):
             msg = f"disk tier namespace={self.namespace!r} must be a non-empty name without '/'"
@@ -126,10 +136,12 @@ class DiskTier(SecondaryTier):
                     # Other writers (TP ranks, engines) share the directory: a file listed
                     # here may be renamed or evicted before it is stat'ed; skip it then.
                     try:
-                        if entry.name.endswith(_SUFFIX) and self._is_own(entry.name[: -len(_SUFFIX)]):
+                        name = entry.name
+                        if name.endswith(_SUFFIX) and self._is_own(name[: -len(_SUFFIX)]):
                             st = entry.stat()
-                            found.append((st.st_atime, entry.name, st.st_size))
-                        elif entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                            found.append((st.st_atime, name, st.st_size))
+                        elif (name.startswith(".tmp-")
+                              and now - entry.stat().st_mtime > _STALE_TMP_SECONDS):
                             # Only a crashed writer's: a live one renames its temp file
                             # within milliseconds of creating it.
                             Path(entry.path).unlink(missing_ok=True)
@@ -198,7 +210,8 @@ class DiskTier(SecondaryTier):
             removed.append(TierKey.from_name(victim[: -len(_SUFFIX)]))
         self._record_event(removed, removed=True)
 
-    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]) -> list[str]:
+    def _get_into(self, keys: Sequence[TierKey], dests: Sequence[Sequence[memoryview]]
+                  ) -> list[str]:
         # Straight into the caller's buffers (the CPU slot's rows): read the header, then
         # preadv the payload into the buffers and check the CRC over them. No bytes object
         # is made and nothing is copied twice (load ran at 0.53x raw reads with both).

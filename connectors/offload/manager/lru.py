@@ -1,11 +1,11 @@
-"""The LRU cache policy of the CPU offloading tier (re-exported by ``policies``)."""
+"""The LRU cache policy of the CPU offloading tier."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 
-from connectors.offload._policy_base import CachePolicy, OffloadKey, SlotEntry, Victims
+from connectors.offload.manager.policy import CachePolicy, OffloadKey, SlotEntry, Victims
 
 __all__ = ["LRUCachePolicy"]
 

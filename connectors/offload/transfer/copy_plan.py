@@ -179,15 +179,12 @@ class CopyPlan:
         row = gpu_planes[0].shape[1]
         if any(p.shape[1] != row or p.stride(0) != row for p in (*gpu_planes, *cpu_planes)):
             return None
-        g = [p.data_ptr() for p in gpu_planes]
-        c = [p.data_ptr() for p in cpu_planes]
-        g_pitch, c_pitch = g[1] - g[0], c[1] - c[0]
-        spans_ok = (g_pitch >= gpu_planes[0].shape[0] * row and c_pitch >= cpu_planes[0].shape[0] * row)
-        even = all(b - a == g_pitch for a, b in pairwise(g)) and all(
-            b - a == c_pitch for a, b in pairwise(c))
-        if not (spans_ok and even):
+        g_pitch = _even_pitch(gpu_planes, row)
+        c_pitch = _even_pitch(cpu_planes, row)
+        if g_pitch is None or c_pitch is None:
             return None
-        return g[0], g_pitch, c[0], c_pitch, row, len(gpu_planes)
+        return (gpu_planes[0].data_ptr(), g_pitch, cpu_planes[0].data_ptr(), c_pitch, row,
+                len(gpu_planes))
 
     def pitched_copies(self, gpu_ids: torch.Tensor, cpu_ids: torch.Tensor, is_store: bool
                        ) -> list[tuple[int, int, int, int, int, int]]:
@@ -215,7 +212,9 @@ class CopyPlan:
         return tuple(cols[:, i:i + 1] for i in range(5))  # each (planes, 1), broadcasts over runs
 
     def single_plane_descriptors(self, gpu_ids: Sequence[int], cpu_ids: Sequence[int],
-                                 is_store: bool) -> tuple[array.array[int], array.array[int], array.array[int]] | None:
+                                 is_store: bool
+                                 ) -> tuple[array.array[int], array.array[int],
+                                            array.array[int]] | None:
         """:meth:`descriptors` as ``array('q')`` built in Python, for one dense plane (else None).
 
         Why: the engine's cross-layer layout is one plane, where a job is at most a few
@@ -246,7 +245,8 @@ class CopyPlan:
             parts.append(self._expand(self._dense, *run_starts(gpu_ids, cpu_ids)))
         if self._gapped is not None:
             parts.append(self._expand(self._gapped, gpu_ids, cpu_ids, torch.ones_like(gpu_ids)))
-        cols = parts[0] if len(parts) == 1 else tuple(torch.cat(c) for c in zip(*parts, strict=True))
+        cols = (parts[0] if len(parts) == 1
+                else tuple(torch.cat(c) for c in zip(*parts, strict=True)))
         gpu_ptr, cpu_ptr, size = cols
         return (cpu_ptr, gpu_ptr, size) if is_store else (gpu_ptr, cpu_ptr, size)
 
@@ -258,3 +258,13 @@ class CopyPlan:
         cpu_ptr = (c_base + c * c_stride).view(-1)
         size = (row * n).view(-1)
         return gpu_ptr, cpu_ptr, size
+
+
+def _even_pitch(planes: Sequence[torch.Tensor], row: int) -> int | None:
+    """The distance between consecutive planes where it is one and leaves room for a
+    plane's rows; else None."""
+    ptrs = [p.data_ptr() for p in planes]
+    pitch = ptrs[1] - ptrs[0]
+    if pitch < planes[0].shape[0] * row or any(b - a != pitch for a, b in pairwise(ptrs)):
+        return None
+    return pitch

@@ -23,7 +23,8 @@ from collections.abc import Collection, Iterable, Sequence
 
 import msgspec
 
-from connectors.offload.policies import OffloadKey, SlotEntry, get_cache_policy
+from connectors.offload.manager.policy import OffloadKey, SlotEntry
+from connectors.offload.manager.registry import get_cache_policy
 from kvconnector_core.errors import ConfigError, InvariantError
 
 __all__ = [
@@ -107,7 +108,8 @@ class OffloadingManager(ABC):
         """A request uses held ``keys`` now (it loads them, or offered them for storing
         while they were held), head of the prefix first; see :meth:`finish_request`."""
 
-    def finish_request(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:  # noqa: B027
+    def finish_request(  # noqa: B027 - optional hook, a no-op by default
+            self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
         """Commit a finished request's recency, the way vLLM 0.33's manager does.
 
         Args:
@@ -148,7 +150,8 @@ class OffloadingManager(ABC):
             NotImplementedError: by default; a snapshot that cannot be built is
                 retried by the engine rather than sent wrong.
         """
-        msg = f"{type(self).__name__} does not implement ready_keys(), so its events cannot be resynced"
+        msg = (f"{type(self).__name__} does not implement ready_keys(), so its events cannot "
+               "be resynced")
         raise NotImplementedError(msg)
 
 

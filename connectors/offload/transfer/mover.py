@@ -1,20 +1,14 @@
-"""Worker side of the CPU offloading tier: moves KV blocks between device and CPU.
+"""The block mover: moves KV blocks between the device KV cache and one CPU buffer.
 
 Importable with torch alone (the benchmark runs it on machines without msgspec).
 
-Primitives:
-    BlockLayout            the KV cache seen as byte "planes" of shape (num_blocks, bytes)
-    cross_layer_planes     recover one plane per block of all layers from per-layer views
-    chunk_to_sub_block_ids CPU chunk ids -> CPU sub-block ids (one per GPU block)
-    KVBlockMover           one CPU buffer + submit_store / submit_load / get_finished / wait
-    TransferResult         what a finished job reports
+Primitives: :class:`KVBlockMover` (one CPU buffer + submit_store / submit_load /
+get_finished / wait), :data:`METHODS`.
 
-Layout. The engine keeps one tensor per KV cache group shaped ``(num_blocks, num_layers,
-2, block_size, num_kv_heads, head_size)`` and hands out per-layer views ``t[:, i]``. All
-layers of one block are then one contiguous chunk (2 MiB for Llama-3-8B), so a block
-moves as one DMA instead of ``num_layers`` small ones; :func:`cross_layer_planes`
-recovers that chunk from the views. Other layouts fall back to one plane per layer
-(still batched in one job, just more copy calls).
+Layout. The device KV cache is seen as byte planes, one row per block, cross-layer where
+the engine's tensors allow (:mod:`.layout`): a block then moves as one DMA instead of
+``num_layers`` small ones. Other layouts give one plane per layer (still batched in one
+job, just more copy calls).
 
 CUDA path. Each direction has its own stream; a job first waits for the compute stream
 (the data it reads was produced there, the blocks it writes may still be read there),
@@ -34,12 +28,12 @@ alone. Methods (``KVBlockMover(method=...)``):
     ``gather``     gather scattered rows on the device into a staging buffer, a group of
                    planes at a time (16- or 8-byte words, one kernel per group where the planes
                    share a span), and move each group with one large (2D) DMA, kernels and
-                   DMAs pipelined on two streams (:mod:`._staged`; uses some SM time)
+                   DMAs pipelined on two streams (:mod:`.staging`; uses some SM time)
     ``auto``       the default: ``gather`` when the job's copies would average under
                    256 KiB (scattered rows of the per-layer layout), else ``pitched``
                    (which falls back to ``batched``, then ``coalesced``)
 
-Issue thread. On CUDA the copies are issued by a background thread (:mod:`._issuer`):
+Issue thread. On CUDA the copies are issued by a background thread (:mod:`.issue_thread`):
 the caller records one event on its current stream, which fixes where the copies sit in
 stream order, and returns; ``get_finished`` and ``wait`` first wait until the thread has
 queued the jobs (so a caller polling in a loop cannot starve it of the GIL); a job the
@@ -52,10 +46,9 @@ Single copies go through ``cudaMemcpyAsync`` by ctypes when the CUDA runtime loa
 
 On CPU tensors the same code runs with plain synchronous ``copy_`` (what CI tests).
 
-Modules. The records and id helpers live in :mod:`._jobs`, the issuing of one job (range
-checks, events, failures) in :mod:`._issuing` and the per-method copy paths in
-:mod:`._cuda_copy` (base classes of the mover); this module keeps registration,
-submission, the issue thread's hand-off and completion.
+The mover owns a :class:`~.copy_method.CopyMethod` (how one job's copies are queued, by
+method) and keeps registration, submission, the issuing of a job (range checks, events,
+failures), the issue thread's hand-off and completion.
 
 Failures. Any exception while submitting or completing a job marks that job failed (it
 is logged and reported through :meth:`KVBlockMover.get_finished` with
@@ -66,6 +59,7 @@ caller then reuses the slots, blocks and staging memory the job named.
 
 from __future__ import annotations
 
+import array
 import functools
 import logging
 import threading
@@ -75,48 +69,52 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from connectors.offload._issuer import IssueThread
-from connectors.offload._issuing import JobIssuing
-from connectors.offload._jobs import (
-    Job,
-    TransferResult,
-    chunk_to_sub_block_ids,
-    coalesce_runs,
-    id_array,
-)
-from connectors.offload._layout import (
-    BlockLayout,
-    build_block_layout,
-    cross_layer_planes,
-)
+from connectors.offload.transfer.copy_method import CopyMethod
+from connectors.offload.transfer.issue_thread import IssueThread
+from connectors.offload.transfer.jobs import EventPool, Job, TransferResult, as_tensor, id_array
+from connectors.offload.transfer.layout import BlockLayout, build_block_layout
 
-__all__ = [
-    "BlockLayout",
-    "KVBlockMover",
-    "TransferResult",
-    "build_block_layout",
-    "chunk_to_sub_block_ids",
-    "coalesce_runs",
-    "cross_layer_planes",
-]
+__all__ = ["METHODS", "KVBlockMover"]
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 
-_Job = Job  # the name tests and probes know
-# The issue thread's start delay on CUDA (see _issuer): measured with
+# The issue thread's start delay on CUDA (see .issue_thread): measured with
 # benchmarks/probe_interference_ab.py (RESULTS.md, "Issue 14, third stage").
 # H100, 64 blocks each way per 5.5 ms step, in one process: step slowdown +3.0% -> +2.2%
 # (cross-layer) and +3.7% -> +3.2% (per-layer) at 0.1 ms; 0.3 and 1 ms no better.
 _ISSUE_DELAY_S = 0.0001
 
 
+# Jobs of at least this many ids check their range with one tensor op, smaller ones in Python.
+_TORCH_RANGE_CHECK_FROM = 512
+
+
 def _claimed(job: Job) -> bool:
     return job.claimed
 
 
-class KVBlockMover(JobIssuing):
+def _cpu_buffer(layout: BlockLayout, num_cpu_blocks: int, pin: bool
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One allocation for all planes (pinning is expensive: done once, at registration)
+    and its ``(num_cpu_blocks, row_bytes)`` view per plane."""
+    rows = {p.shape[1] for p in layout.planes}
+    if len(rows) == 1:
+        buffer = torch.empty((len(layout.planes), num_cpu_blocks, rows.pop()),
+                             dtype=torch.uint8, pin_memory=pin)
+        return buffer, tuple(buffer.unbind(0))
+    buffer = torch.empty(num_cpu_blocks * layout.block_bytes, dtype=torch.uint8,
+                         pin_memory=pin)
+    planes, offset = [], 0
+    for p in layout.planes:
+        size = num_cpu_blocks * p.shape[1]
+        planes.append(buffer[offset:offset + size].view(num_cpu_blocks, -1))
+        offset += size
+    return buffer, tuple(planes)
+
+
+class KVBlockMover:
     """Moves KV blocks between the device KV cache and one CPU buffer.
 
     Args:
@@ -133,6 +131,7 @@ class KVBlockMover(JobIssuing):
             thread makes the synchronous copies, which tests use).
 
     Attributes:
+        copier: how a job's copies are queued (the method's runtime calls and plans).
         layout: the device KV cache as byte planes.
         cpu_buffer: the one (pinned on CUDA) uint8 CPU allocation, shaped
             ``(num_planes, num_cpu_blocks, row_bytes)`` when all planes have one row size.
@@ -159,26 +158,17 @@ class KVBlockMover(JobIssuing):
         # torch.device costs on every call (tens of microseconds on the issue path).
         self._device_index = (self.device.index if self.device.index is not None
                               else torch.cuda.current_device()) if self.is_cuda else -1
-        self.method = method
         self.num_cpu_blocks = num_cpu_blocks
         pin = self.is_cuda if pin_memory is None else pin_memory
-        # One allocation for all planes: pinning is expensive, do it once at registration.
-        rows = {p.shape[1] for p in self.layout.planes}
-        if len(rows) == 1:
-            self.cpu_buffer = torch.empty((len(self.layout.planes), num_cpu_blocks, rows.pop()),
-                                          dtype=torch.uint8, pin_memory=pin)
-            self.cpu_planes = tuple(self.cpu_buffer.unbind(0))
-        else:
-            self.cpu_buffer = torch.empty(num_cpu_blocks * self.layout.block_bytes,
-                                          dtype=torch.uint8, pin_memory=pin)
-            planes, offset = [], 0
-            for p in self.layout.planes:
-                size = num_cpu_blocks * p.shape[1]
-                planes.append(self.cpu_buffer[offset:offset + size].view(num_cpu_blocks, -1))
-                offset += size
-            self.cpu_planes = tuple(planes)
+        self.cpu_buffer, self.cpu_planes = _cpu_buffer(self.layout, num_cpu_blocks, pin)
         self._jobs: list[Job] = []
-        self._setup_copies(raw_memcpy)  # streams, runtime calls, copy plans (_cuda_copy)
+        # Each direction's stream (CUDA): a job's copies and its start and end events.
+        self._streams: dict[bool, torch.cuda.Stream] = (
+            {d: torch.cuda.Stream(self.device) for d in (True, False)} if self.is_cuda else {})
+        self._ready_events = EventPool(timing=False)
+        self._timing_events = EventPool(timing=True)
+        self.copier = CopyMethod(method, self.layout, self.cpu_planes, self._device_index,
+                                 raw_memcpy)
         self._block_bytes = self.layout.block_bytes
         self._issuer: IssueThread | None = None
         self._claim_lock = threading.Lock()
@@ -189,9 +179,19 @@ class KVBlockMover(JobIssuing):
             weakref.finalize(self, self._issuer.close, join=False)
 
     @property
+    def method(self) -> str:
+        """The transfer method (see the module docstring); set it to change the method of
+        the jobs submitted from then on."""
+        return self.copier.method
+
+    @method.setter
+    def method(self, method: str) -> None:
+        self.copier.method = method
+
+    @property
     def batched_available(self) -> bool:
         """True when jobs can be issued as one ``cudaMemcpyBatchAsync`` (CUDA 12.8+)."""
-        return self._batch_memcpy is not None
+        return self.copier.batch_memcpy is not None
 
     # ------------------------------------------------------------------ submission
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int],
@@ -263,6 +263,78 @@ class KVBlockMover(JobIssuing):
         if not job.issued.is_set() and self._claim(job):
             self._issue(job, *job.issue_args)
         job.issued.wait()
+
+    # ------------------------------------------------------------------ issuing
+    def _issue(self, job: Job, ready: torch.cuda.Event | None, g_ids: array.array[int],
+               c_ids: array.array[int]) -> None:
+        """Queue a job's copies on its direction's stream (CPU: copy now); never raises."""
+        t0 = time.perf_counter()
+        try:
+            self._check_range(g_ids, c_ids)
+            if ready is None:  # CPU cache: plain synchronous copies
+                if g_ids:
+                    self.copier.copy_host(job, g_ids, c_ids)
+                job.host_seconds = time.perf_counter() - job.submitted_at
+                return
+            stream = self._streams[job.is_store]
+            stream.wait_event(ready)
+            start = self._timing_events.get()
+            start.record(stream)
+            job.start_event = start
+            if g_ids:
+                self.copier.copy_cuda(job, g_ids, c_ids, stream, start)
+            end = self._timing_events.get()
+            end.record(stream)
+            job.end_event = end
+        except Exception as exc:  # noqa: BLE001 - any failure fails the job, never the engine
+            self._fail(job, exc)
+            if job.start_event is not None and job.end_event is None:
+                self._end_after_queued(job)
+        finally:
+            if ready is not None:  # waited for above (or never will be): free to record again
+                self._ready_events.put(ready)
+            job.issue_seconds = time.perf_counter() - t0
+            if job.issued is not None:
+                job.issued.set()  # last: the fields above are complete when it is seen
+
+    def _end_after_queued(self, job: Job) -> None:
+        """Give a job that failed while issuing an end event after what it had queued.
+
+        Copies (and staged kernels) queued before the failure still run; the job must be
+        reported only after them, or its caller reuses what it named (a failed store's CPU
+        slots, a failed load's blocks, the staging memory) while they still write there.
+        """
+        try:
+            end = self._timing_events.get()
+            end.record(self._streams[job.is_store])
+        except Exception as exc:  # noqa: BLE001 - a device error: nothing more can be queued
+            logger.warning("KV transfer job %d: no end event after its failure: %s", job.job_id,
+                           exc)
+            return
+        job.end_event = end
+
+    @staticmethod
+    def _fail(job: Job, exc: Exception) -> None:
+        job.error = f"{type(exc).__name__}: {exc}"
+        logger.warning("KV %s job %d failed at submission: %s",
+                       "store" if job.is_store else "load", job.job_id, job.error)
+
+    def _check_range(self, g_ids: array.array[int], c_ids: array.array[int]) -> None:
+        """Every id in range, else IndexError naming the bad ones (one C-speed pass each)."""
+        for name, ids, bound in (("device", g_ids, self.layout.num_blocks),
+                                 ("CPU", c_ids, self.num_cpu_blocks)):
+            if not ids:
+                continue
+            # Builtin min/max cost ~20 ns an id; torch.aminmax ~10 us a call whatever
+            # the size: the tensor op only pays off for large jobs.
+            if len(ids) < _TORCH_RANGE_CHECK_FROM:
+                low, high = min(ids), max(ids)
+            else:
+                low, high = (int(v) for v in torch.aminmax(as_tensor(ids)))
+            if low < 0 or high >= bound:
+                bad = [i for i in ids if not 0 <= i < bound][:8]
+                msg = f"{name} block ids {bad} out of range [0, {bound})"
+                raise IndexError(msg)
 
     # ------------------------------------------------------------------ completion
     def get_finished(self) -> list[TransferResult]:
