@@ -40,7 +40,8 @@ class BlockPoolView:
         """Unpin: ref count - 1 (evictable at 0)."""
         self._pool.free_blocks(ordered_blocks)
 
-    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[Any] | None:
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+                         ) -> list[Any] | None:
         """The cached block per group for ``block_hash``, or None if a group misses."""
         return self._pool.get_cached_block(block_hash, list(kv_cache_group_ids))
 
