@@ -4,6 +4,9 @@
   ``KVTransferConfig`` (the ``kvconnector`` key of its extra config) and parallel config.
 - :func:`kv_cache_config_from_vllm`: kvconnector's ``KVCacheConfig`` for vLLM's.
 - :data:`EXTRA_CONFIG_KEY`: the extra-config key naming the wrapped connector.
+
+Primitives: :func:`connector_config_from_vllm`, :func:`kv_cache_config_from_vllm`,
+:data:`EXTRA_CONFIG_KEY`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ folded across workers with the connector's own ``aggregate``). Toward vLLM: stat
 (:class:`AdapterStats`, vLLM's stats protocol), worker events (:class:`AdapterKVEvents`)
 and KV events (:func:`to_vllm_events`, vLLM's event classes, field for field). From
 vLLM: its ``KVConnectorOutput``, whose sets may be None (:func:`output_from_vllm`).
+
+Primitives: :class:`AdapterMetadata`, :class:`AdapterWorkerMetadata`,
+:class:`AdapterStats`, :class:`AdapterKVEvents`, :func:`output_from_vllm`,
+:func:`to_vllm_events`.
 """
 
 from __future__ import annotations

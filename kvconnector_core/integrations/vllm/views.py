@@ -8,6 +8,8 @@
 vLLM's ``Request`` and ``KVCacheBlocks`` are passed through unchanged: they
 have every attribute kvconnector's connectors read (the LoRA name is read with
 ``kvconnector_core.request.lora_name_of``).
+
+Primitives: :class:`BlockPoolView`, :class:`SchedulerOutputView`.
 """
 
 from __future__ import annotations
