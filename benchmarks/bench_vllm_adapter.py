@@ -45,8 +45,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvconnector_core.integrations.vllm._records import AdapterWorkerMetadata  # noqa: E402
 from kvconnector_core.integrations.vllm.cpu_config import adapter_extra_config, make_vllm_config  # noqa: E402
+from kvconnector_core.integrations.vllm.records import AdapterWorkerMetadata  # noqa: E402
 
 BLOCK, LAYERS, HEADS, HEAD = 16, 4, 2, 64
 HIT_RATE_TOLERANCE = 0.01

@@ -182,3 +182,15 @@ def test_cpu_blocks_with_another_connector_is_refused(capsys):
     code, err = run_cli(capsys, "--cpu-blocks", "1", "--connector", "none")
     assert code == 2
     assert "--tier and --cpu-blocks need the cpu_offload connector, not 'none'" in err
+
+
+@pytest.mark.parametrize("name", ["ttl", "disk"])
+def test_an_option_the_connector_cannot_honour_is_refused_by_the_connector(capsys, name):
+    """The CLI passes the same DemoOptions to every connector; one without a CPU tier or
+    secondary tiers refuses them, naming the option, the connector and what is valid
+    (ttl: the base class's demo_extra_config; disk: its own)."""
+    code, err = run_cli(capsys, "--cpu-blocks", "4", "--tier", "disk:/tmp/x", "--connector", name)
+    assert code == 2
+    assert (f"--cpu-blocks and --tier do not apply to the {name!r} connector; options valid "
+            "for it: none") in err
+    assert "Traceback" not in err

@@ -130,3 +130,38 @@ def test_gpu_pool_is_sized_for_the_longest_request(monkeypatch, capsys):
     assert f"--num-gpu-blocks {config.min_num_gpu_blocks} or more" in err
     assert main(["run", "--workload", "mixed", "--connector", "none"]) == 0
     assert seen[-1].num_gpu_blocks == 64  # the default stays when it suffices
+
+
+def test_demo_options_reach_a_connector_in_either_form():
+    """``kvconnector run`` hands every connector the same DemoOptions: a connector taking
+    them uses what it honours and refuses the rest; one written before DemoOptions gets
+    ``num_gpu_blocks`` and the options it names as keywords."""
+    from typing import Any
+
+    from kvconnector_core.connector.demo import DemoOptions, demo_extra_config
+    from kvconnector_core.errors import ConfigError
+    from kvconnector_core.testing import RecordingConnector
+
+    class Typed(RecordingConnector):
+        @classmethod
+        def demo_extra_config(cls, options: DemoOptions) -> dict[str, Any]:
+            options.refuse("cpu_blocks")
+            return {"size": options.cpu_blocks or 2 * options.num_gpu_blocks}
+
+    class Legacy(RecordingConnector):
+        @classmethod
+        def demo_extra_config(cls, num_gpu_blocks: int, *, tiers=()) -> dict[str, Any]:
+            return {"size": num_gpu_blocks, "tiers": list(tiers)}
+
+    assert demo_extra_config(Typed, DemoOptions(connector="t", num_gpu_blocks=8)) == {"size": 16}
+    assert demo_extra_config(Typed, DemoOptions(connector="t", num_gpu_blocks=8,
+                                                cpu_blocks=3)) == {"size": 3}
+    with pytest.raises(ConfigError, match="--tier does not apply to the 't' connector; options "
+                                          "valid for it: --cpu-blocks"):
+        demo_extra_config(Typed, DemoOptions(connector="t", num_gpu_blocks=8, tiers=("disk:x",)))
+    legacy = DemoOptions(connector="l", num_gpu_blocks=8, tiers=("disk:x",))
+    assert demo_extra_config(Legacy, legacy) == {"size": 8, "tiers": ["disk:x"]}
+    with pytest.raises(ConfigError, match="--cpu-blocks does not apply to the 'l' connector; "
+                                          "options valid for it: --tier"):
+        demo_extra_config(Legacy, DemoOptions(connector="l", num_gpu_blocks=8, cpu_blocks=3))
+    assert demo_extra_config(RecordingConnector, DemoOptions(connector="r", num_gpu_blocks=8)) == {}

@@ -10,12 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from kvconnector_core.errors import ConfigError
 
+if TYPE_CHECKING:  # the subscriber imports zmq: only when the command runs
+    from kvconnector_core.event_publisher import EventSubscriber, ReceivedBatch
+
 __all__ = ["HELP", "add_arguments", "default_replay_endpoint", "main"]
 
-HELP = "Subscribe to a KV event publisher (kvconnector's or vLLM's) and print the event batches."
+HELP = ("Subscribe to a KV event publisher (kvconnector's or vLLM's) and print the event "
+        "batches.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,59 +74,88 @@ def _describe(event: object) -> str:
     return text
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``kvconnector events``; see :data:`HELP`."""
-    import msgspec
+def _check_args(args: argparse.Namespace) -> str | None:
+    """The usage error in ``--count`` / ``--timeout``, if any."""
+    if args.count is not None and args.count < 1:
+        return (f"--count {args.count} is out of range; valid: 1 or more (or leave it out to "
+                "print until interrupted)")
+    if args.timeout is not None and not args.timeout > 0:
+        return (f"--timeout {args.timeout} is out of range; valid: seconds > 0 (or leave it "
+                "out to wait forever)")
+    return None
 
+
+def _subscriber(args: argparse.Namespace) -> EventSubscriber:
+    """The subscriber the flags ask for (the replay endpoint defaults to the next port).
+
+    Raises:
+        ConfigError: a bad endpoint, or no port after it for the replay endpoint.
+    """
     from kvconnector_core.event_publisher import EventSubscriber
 
-    if args.count is not None and args.count < 1:
-        print(f"kvconnector events: error: --count {args.count} is out of range; valid: 1 or "
-              "more (or leave it out to print until interrupted)", file=sys.stderr)
-        return 2
-    if args.timeout is not None and not args.timeout > 0:
-        print(f"kvconnector events: error: --timeout {args.timeout} is out of range; valid: "
-              "seconds > 0 (or leave it out to wait forever)", file=sys.stderr)
-        return 2
     replay = args.replay_endpoint
+    if replay is None:
+        replay = default_replay_endpoint(args.endpoint)
+    elif replay.lower() == "none":
+        replay = None
+    return EventSubscriber(args.endpoint, replay, topic=args.topic, from_seq=args.from_seq)
+
+
+def _print_batch(args: argparse.Namespace, received: ReceivedBatch) -> bool:
+    """Print one received batch as the flags ask; False when it cannot be decoded (said
+    on stderr)."""
+    import msgspec
+
     try:
-        if replay is None:
-            replay = default_replay_endpoint(args.endpoint)
-        elif replay.lower() == "none":
-            replay = None
-        sub = EventSubscriber(args.endpoint, replay, topic=args.topic, from_seq=args.from_seq)
+        batch = received.decode()
+    except msgspec.DecodeError as exc:
+        print(f"seq {received.seq}: undecodable batch ({exc})", file=sys.stderr)
+        return False
+    if args.json:
+        line = {"seq": received.seq, "replayed": received.replayed,
+                "batch": msgspec.to_builtins(batch)}
+        if args.raw:
+            line["payload"] = received.payload.hex()
+        print(json.dumps(line), flush=True)
+        return True
+    tag = " (replayed)" if received.replayed else ""
+    print(f"seq {received.seq}{tag} ts={batch.ts:.6f} {len(batch.events)} events", flush=True)
+    for event in batch.events:
+        print(f"  {_describe(event)}", flush=True)
+    return True
+
+
+def _follow(args: argparse.Namespace, sub: EventSubscriber) -> None:
+    """Print batches until ``--count`` of them were printed or ``--timeout`` passed with
+    none (forever without either)."""
+    printed = 0
+    while args.count is None or printed < args.count:
+        got = False
+        for received in sub.receive(timeout=args.timeout):
+            got = True
+            if not _print_batch(args, received):
+                continue
+            printed += 1
+            if args.count is not None and printed >= args.count:
+                break
+        if not got and args.timeout is not None:
+            break
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``kvconnector events``; see :data:`HELP`."""
+    problem = _check_args(args)
+    if problem:
+        print(f"kvconnector events: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        sub = _subscriber(args)
     except ConfigError as exc:
         print(f"kvconnector events: error: {exc}", file=sys.stderr)
         return 2
-    printed = 0
     try:
         with sub:
-            while args.count is None or printed < args.count:
-                got = False
-                for received in sub.receive(timeout=args.timeout):
-                    got = True
-                    try:
-                        batch = received.decode()
-                    except msgspec.DecodeError as exc:
-                        print(f"seq {received.seq}: undecodable batch ({exc})", file=sys.stderr)
-                        continue
-                    if args.json:
-                        line = {"seq": received.seq, "replayed": received.replayed,
-                                "batch": msgspec.to_builtins(batch)}
-                        if args.raw:
-                            line["payload"] = received.payload.hex()
-                        print(json.dumps(line), flush=True)
-                    else:
-                        tag = " (replayed)" if received.replayed else ""
-                        print(f"seq {received.seq}{tag} ts={batch.ts:.6f} "
-                              f"{len(batch.events)} events", flush=True)
-                        for event in batch.events:
-                            print(f"  {_describe(event)}", flush=True)
-                    printed += 1
-                    if args.count is not None and printed >= args.count:
-                        break
-                if not got and args.timeout is not None:
-                    break
+            _follow(args, sub)
     except KeyboardInterrupt:
         pass
     if sub.missed:

@@ -21,7 +21,8 @@ from typing import Any
 
 __all__ = ["HELP", "add_arguments", "collect", "main"]
 
-HELP = "List installed connectors (name, class, distribution, version) and plugins that failed to load."
+HELP = ("List installed connectors (name, class, distribution, version) and plugins that "
+        "failed to load.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,38 +50,10 @@ def collect(registry: Any = None) -> dict[str, Any]:
     from kvconnector_core.errors import DuplicateConnectorError
 
     reg = registry if registry is not None else get_registry()
-    connectors = []
-    holders: dict[str, Any] = {}
-    for e in reg.entries():
-        conflicted = [n for n in (e.name, *e.aliases) if n not in reg]
-        for n in conflicted:
-            holders[n] = e
-        connectors.append(
-            {"name": e.name, "aliases": list(e.aliases), "class": e.class_path,
-             "distribution": e.distribution, "version": e.version, "entry_point": e.source,
-             "conflicted_names": conflicted, "usable": e.name not in conflicted})
-    conflicts = []
-    for name, holder in sorted(holders.items()):
-        try:
-            reg.get(name)
-        except DuplicateConnectorError as exc:
-            message = str(exc)
-        else:  # pragma: no cover - a name not in the registry always fails to resolve
-            continue
-        claimant = next((f.plugin for f in reg.errors
-                         if isinstance(f.error, DuplicateConnectorError) and f.message == message), None)
-        conflicts.append({
-            "name": name,
-            "holder": {"class": holder.class_path, "entry_point": holder.source,
-                       "distribution": holder.distribution, "version": holder.version},
-            "claimant": None if claimant is None else {
-                "entry_point": claimant.entry_point, "distribution": claimant.distribution,
-                "version": claimant.version},
-            "error": message,
-        })
+    connectors, holders = _connectors(reg)
     return {
         "connectors": connectors,
-        "conflicts": conflicts,
+        "conflicts": _conflicts(reg, holders),
         "errors": [
             {"entry_point": f.plugin.entry_point, "distribution": f.plugin.distribution,
              "version": f.plugin.version, "error": f.message}
@@ -93,38 +66,91 @@ def collect(registry: Any = None) -> dict[str, Any]:
     }
 
 
+def _connectors(reg: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every registry entry as plain data, and the entry holding each conflicted name."""
+    connectors = []
+    holders: dict[str, Any] = {}
+    for e in reg.entries():
+        conflicted = [n for n in (e.name, *e.aliases) if n not in reg]
+        for n in conflicted:
+            holders[n] = e
+        connectors.append(
+            {"name": e.name, "aliases": list(e.aliases), "class": e.class_path,
+             "distribution": e.distribution, "version": e.version, "entry_point": e.source,
+             "conflicted_names": conflicted, "usable": e.name not in conflicted})
+    return connectors, holders
+
+
+def _conflicts(reg: Any, holders: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each conflicted name with its holder, the plugin that clashed with it and the error."""
+    from kvconnector_core.errors import DuplicateConnectorError
+
+    conflicts = []
+    for name, holder in sorted(holders.items()):
+        try:
+            reg.get(name)
+        except DuplicateConnectorError as exc:
+            message = str(exc)
+        else:  # pragma: no cover - a name not in the registry always fails to resolve
+            continue
+        claimant = next((f.plugin for f in reg.errors
+                         if isinstance(f.error, DuplicateConnectorError)
+                         and f.message == message), None)
+        conflicts.append({
+            "name": name,
+            "holder": {"class": holder.class_path, "entry_point": holder.source,
+                       "distribution": holder.distribution, "version": holder.version},
+            "claimant": None if claimant is None else {
+                "entry_point": claimant.entry_point, "distribution": claimant.distribution,
+                "version": claimant.version},
+            "error": message,
+        })
+    return conflicts
+
+
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def _origin(entry_point: str, distribution: str | None) -> str:
+    """``entry point (distribution)``, as the text sections name a plugin."""
+    return f"{entry_point} ({distribution or 'unknown distribution'})"
+
+
+def _text(data: dict[str, Any]) -> str:
+    """The listing as the table and its sections (conflicts, failed, skipped)."""
+    rows = [["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION", "STATUS"]]
+    rows += [[c["name"], ",".join(c["aliases"]) or "-", c["class"], c["distribution"] or "-",
+              c["version"] or "-", _status(c)] for c in data["connectors"]]
+    lines = [_table(rows) if data["connectors"] else "no connectors found"]
+    if data["conflicts"]:
+        lines.append("\nconflicts (these names do not resolve until one claimant is removed):")
+        for c in data["conflicts"]:
+            holder, claimant = c["holder"], c["claimant"]
+            other = (_origin(claimant["entry_point"], claimant["distribution"]) if claimant
+                     else "another class")
+            lines.append(f"  {c['name']!r}: {holder['class']} from "
+                         f"{_origin(holder['entry_point'], holder['distribution'])} vs {other}: "
+                         f"{c['error']}")
+    if data["errors"]:
+        lines.append("\nfailed to load:")
+        lines += [f"  {_origin(e['entry_point'], e['distribution'])}: {e['error']}"
+                  for e in data["errors"]]
+    if data["skipped"]:
+        lines.append("\nskipped:")
+        lines += [f"  {_origin(s['entry_point'], s['distribution'])}: {s['reason']}"
+                  for s in data["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
 def main(args: argparse.Namespace, registry: Any = None) -> int:
     """Print the listing; return 2 when a plugin failed or a name is conflicted, else 0."""
     data = collect(registry)
-    out = sys.stdout
     if getattr(args, "json", False):
-        out.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
-        rows = [["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION", "STATUS"]]
-        rows += [[c["name"], ",".join(c["aliases"]) or "-", c["class"], c["distribution"] or "-",
-                  c["version"] or "-", _status(c)] for c in data["connectors"]]
-        out.write(_table(rows) + "\n" if data["connectors"] else "no connectors found\n")
-        if data["conflicts"]:
-            out.write("\nconflicts (these names do not resolve until one claimant is removed):\n")
-            for c in data["conflicts"]:
-                holder, claimant = c["holder"], c["claimant"]
-                other = (f"{claimant['entry_point']} ({claimant['distribution'] or 'unknown distribution'})"
-                         if claimant else "another class")
-                out.write(f"  {c['name']!r}: {holder['class']} from {holder['entry_point']} "
-                          f"({holder['distribution'] or 'unknown distribution'}) vs {other}: {c['error']}\n")
-        if data["errors"]:
-            out.write("\nfailed to load:\n")
-            for e in data["errors"]:
-                out.write(f"  {e['entry_point']} ({e['distribution'] or 'unknown distribution'}): {e['error']}\n")
-        if data["skipped"]:
-            out.write("\nskipped:\n")
-            for s in data["skipped"]:
-                out.write(f"  {s['entry_point']} ({s['distribution'] or 'unknown distribution'}): {s['reason']}\n")
+        sys.stdout.write(_text(data))
     if data["errors"] or data["conflicts"]:
         print(f"kvconnector list: {len(data['errors'])} plugin(s) failed to load, "
               f"{len(data['conflicts'])} conflicted name(s); see above", file=sys.stderr)

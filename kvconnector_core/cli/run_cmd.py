@@ -11,11 +11,17 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the command imports torch only when it runs
+    from kvconnector_core.engine.engine import EngineConfig, RunResult
+    from kvconnector_core.engine.workloads import Trace
+    from kvconnector_core.worker.model import ModelConfig
 
 __all__ = ["HELP", "add_arguments", "main"]
 
-HELP = "Run a workload through the engine with a connector and compare its outputs with a run without it."
+HELP = ("Run a workload through the engine with a connector and compare its outputs with a run "
+        "without it.")
 
 DEFAULT_WORKLOAD = "mixed"
 DEFAULT_CONNECTOR = "cpu_offload"
@@ -113,47 +119,61 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
-    """The connector config the flags ask for (None for no connector)."""
-    from kvconnector_core.connector.config import KVConnectorConfig, load_connector_config
+class _UsageError(Exception):
+    """A usage error found while preparing the runs (exit code 2, message on stderr)."""
+
+
+def _connector_name(args: argparse.Namespace) -> str | None:
+    """The registered connector name the flags select (None: no connector).
+
+    Raises:
+        ConfigError: ``--tier`` / ``--cpu-blocks`` with ``--connector none``.
+    """
     from kvconnector_core.connector.registry import get_registry
     from kvconnector_core.errors import ConfigError
+
+    name = args.connector
+    if name is None:
+        registry = get_registry()
+        if DEFAULT_CONNECTOR not in registry and registry.conflict(DEFAULT_CONNECTOR) is None:
+            return None  # not installed; a name claimed twice is an error (later), not absent
+        return DEFAULT_CONNECTOR
+    if name.lower() == "none":
+        if args.tier or args.cpu_blocks is not None:
+            msg = f"--tier and --cpu-blocks need the {DEFAULT_CONNECTOR} connector, not 'none'"
+            raise ConfigError(msg)
+        return None
+    return str(name)
+
+
+def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
+    """The connector config the flags ask for (None for no connector).
+
+    Without ``--config``, the connector's own demo settings (e.g. a CPU tier sized
+    against the GPU pool), from the same :class:`DemoOptions` for every connector: a
+    connector refuses the options it cannot honour.
+    """
+    from kvconnector_core.connector.config import KVConnectorConfig, load_connector_config
+    from kvconnector_core.connector.demo import DemoOptions, demo_extra_config
+    from kvconnector_core.connector.registry import get_registry
+    from kvconnector_core.errors import ConfigError, UnknownConnectorError
 
     if args.config:
         if args.tier or args.cpu_blocks is not None:
             msg = "--tier and --cpu-blocks go with --connector; in a --config file use extra_config"
             raise ConfigError(msg)
         return load_connector_config(args.config)
-    registry = get_registry()
-    name = args.connector
+    name = _connector_name(args)
     if name is None:
-        if DEFAULT_CONNECTOR not in registry and registry.conflict(DEFAULT_CONNECTOR) is None:
-            return None  # not installed; a name claimed twice is an error (below), not absent
-        name = DEFAULT_CONNECTOR
-    if name.lower() == "none":
-        if args.tier or args.cpu_blocks is not None:
-            msg = f"--tier and --cpu-blocks need the {DEFAULT_CONNECTOR} connector, not 'none'"
-            raise ConfigError(msg)
         return None
-    from kvconnector_core.errors import UnknownConnectorError
-
     try:
-        cls = registry.get(name)
+        cls = get_registry().get(name)
     except UnknownConnectorError as exc:
         # The registry's message (the same as in configs and MultiConnector children).
         raise UnknownConnectorError(f"--connector: {exc}; or 'none' for no connector") from exc
-    # The connector's own demo settings (e.g. a CPU tier sized against the GPU pool); the
-    # default connector also takes --cpu-blocks and --tier (the CLI knows none of its keys).
-    if DEFAULT_CONNECTOR in registry and cls is registry.get(DEFAULT_CONNECTOR):
-        # mypy: the default connector's demo_extra_config takes these extra keywords (the ignore)
-        extra = cls.demo_extra_config(num_gpu_blocks, cpu_blocks=args.cpu_blocks,  # type: ignore[call-arg]
-                                      tiers=args.tier)
-    elif args.tier or args.cpu_blocks is not None:
-        msg = f"--tier and --cpu-blocks need the {DEFAULT_CONNECTOR} connector, not {name!r}"
-        raise ConfigError(msg)
-    else:
-        extra = cls.demo_extra_config(num_gpu_blocks)
-    return KVConnectorConfig(name=name, extra_config=extra)
+    options = DemoOptions(connector=name, num_gpu_blocks=num_gpu_blocks,
+                          cpu_blocks=args.cpu_blocks, tiers=tuple(args.tier))
+    return KVConnectorConfig(name=name, extra_config=demo_extra_config(cls, options))
 
 
 def _publisher(args: argparse.Namespace) -> Any:
@@ -169,80 +189,132 @@ def _publisher(args: argparse.Namespace) -> Any:
                                 replay_endpoint=default_replay_endpoint(args.publish_events))
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``kvconnector run``; see :data:`HELP`."""
+def _check_device(args: argparse.Namespace) -> str | None:
+    """The usage error in ``--device``, if any; on CPU, one torch thread unless the
+    environment sets ``OMP_NUM_THREADS``."""
     import torch
-    from tqdm import tqdm
 
-    from kvconnector_core.engine.engine import DEVICES, Engine, EngineConfig
-    from kvconnector_core.engine.models import DEFAULT_MODEL, get_model
-    from kvconnector_core.engine.report import compare_outputs, format_report, report_dict
-    from kvconnector_core.engine.workloads import get_workload, load_trace_jsonl
-    from kvconnector_core.errors import KVConnectorError
+    from kvconnector_core.engine.engine import DEVICES
 
     if args.device not in DEVICES:
-        return _fail(f"unknown device {args.device!r}; valid devices: {', '.join(DEVICES)}")
+        return f"unknown device {args.device!r}; valid devices: {', '.join(DEVICES)}"
     if args.device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda: no CUDA device is available (torch.cuda.is_available() "
-                     "is False); use --device cpu")
+        return ("--device cuda: no CUDA device is available (torch.cuda.is_available() "
+                "is False); use --device cpu")
     if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # The model's tensors are tiny: one thread is faster and immune to busy cores.
         torch.set_num_threads(1)
-    problem = _check_sources(args)
-    if problem:
-        return _fail(problem)
-    try:
-        model = get_model(DEFAULT_MODEL if args.model is None else args.model)
-        vocab = model.vocab_size
-        trace = (load_trace_jsonl(args.trace, vocab_size=vocab) if args.trace is not None
-                 else get_workload(DEFAULT_WORKLOAD if args.workload is None else args.workload,
-                                   args.seed))
-        if not trace.requests:
-            return _fail(f"trace {args.trace} has no requests (the file is empty or blank)")
-        longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in trace)
-        max_model_len = longest + _MODEL_LEN_HEADROOM
-        if max_model_len > MAX_MODEL_LEN:
-            return _fail(f"the longest request of {trace.name!r} has {longest} tokens (prompt + "
-                         f"max_new_tokens); the engine supports at most "
-                         f"{MAX_MODEL_LEN - _MODEL_LEN_HEADROOM}")
-        sizing = EngineConfig(model=model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                              max_model_len=max_model_len)
-        min_blocks = sizing.min_num_gpu_blocks
-        if args.num_gpu_blocks is None:
-            # Room for the longest request plus one step's worth of blocks, so another
-            # request can make progress next to it.
-            num_gpu_blocks = max(DEFAULT_NUM_GPU_BLOCKS,
-                                 min_blocks + -(-MAX_NUM_BATCHED_TOKENS // sizing.block_size))
-        elif args.num_gpu_blocks < min_blocks:
-            return _fail(f"--num-gpu-blocks {args.num_gpu_blocks} is too small: the longest "
-                         f"request of {trace.name!r} has {longest} tokens (prompt + "
-                         f"max_new_tokens); with {_MODEL_LEN_HEADROOM} tokens of headroom the "
-                         f"pool must hold one sequence of {max_model_len} tokens in "
-                         f"{sizing.block_size}-token blocks plus the null block, which needs "
-                         f"--num-gpu-blocks {min_blocks} or more")
-        else:
-            num_gpu_blocks = args.num_gpu_blocks
-        connector = _connector_config(args, num_gpu_blocks)
-        base = dict(model=model, num_gpu_blocks=num_gpu_blocks,
-                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
-                    device=args.device, max_model_len=max_model_len,
-                    reserve_full_output=args.reserve_full_output)
-        runs = [("connector" if connector else "no connector",
-                 EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args),
-                              enable_kv_cache_events=True if args.kv_events else None))]
-        if not args.no_baseline and connector is not None:
-            runs.append(("baseline", EngineConfig(**base)))
-        results = []
-        for label, config in runs:
-            with Engine(config) as engine, tqdm(total=len(trace), desc=f"{trace.name} ({label})",
-                                                unit="req", file=sys.stderr, leave=False) as bar:
-                results.append(engine.run(trace, progress=bar.update))
-    except KVConnectorError as exc:
-        return _fail(str(exc))
-    except OSError as exc:  # the trace file vanished or cannot be read
-        return _fail(f"--trace {args.trace}: {exc.strerror or exc}")
-    result = results[0]
-    baseline = results[1] if len(results) > 1 else None
+    return None
+
+
+def _load_trace(args: argparse.Namespace, vocab_size: int) -> Trace:
+    """The workload or trace the flags name.
+
+    Raises:
+        _UsageError: the trace has no requests.
+    """
+    from kvconnector_core.engine.workloads import get_workload, load_trace_jsonl
+
+    if args.trace is not None:
+        trace = load_trace_jsonl(args.trace, vocab_size=vocab_size)
+    else:
+        trace = get_workload(DEFAULT_WORKLOAD if args.workload is None else args.workload,
+                             args.seed)
+    if not trace.requests:
+        raise _UsageError(f"trace {args.trace} has no requests (the file is empty or blank)")
+    return trace
+
+
+def _max_model_len(trace: Trace) -> tuple[int, int]:
+    """The longest request's tokens and the runs' ``max_model_len`` (with headroom).
+
+    Raises:
+        _UsageError: the longest request is beyond the engine's bound.
+    """
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in trace)
+    max_model_len = longest + _MODEL_LEN_HEADROOM
+    if max_model_len > MAX_MODEL_LEN:
+        raise _UsageError(f"the longest request of {trace.name!r} has {longest} tokens (prompt "
+                          f"+ max_new_tokens); the engine supports at most "
+                          f"{MAX_MODEL_LEN - _MODEL_LEN_HEADROOM}")
+    return longest, max_model_len
+
+
+def _num_gpu_blocks(args: argparse.Namespace, trace: Trace, sizing: EngineConfig,
+                    longest: int) -> int:
+    """The GPU pool size: ``--num-gpu-blocks``, or the default grown to fit the workload.
+
+    Raises:
+        _UsageError: ``--num-gpu-blocks`` cannot hold the longest request.
+    """
+    min_blocks = sizing.min_num_gpu_blocks
+    if args.num_gpu_blocks is None:
+        # Room for the longest request plus one step's worth of blocks, so another
+        # request can make progress next to it.
+        return max(DEFAULT_NUM_GPU_BLOCKS,
+                   min_blocks + -(-MAX_NUM_BATCHED_TOKENS // sizing.block_size))
+    if args.num_gpu_blocks < min_blocks:
+        raise _UsageError(
+            f"--num-gpu-blocks {args.num_gpu_blocks} is too small: the longest request of "
+            f"{trace.name!r} has {longest} tokens (prompt + max_new_tokens); with "
+            f"{_MODEL_LEN_HEADROOM} tokens of headroom the pool must hold one sequence of "
+            f"{sizing.max_model_len} tokens in {sizing.block_size}-token blocks plus the null "
+            f"block, which needs --num-gpu-blocks {min_blocks} or more")
+    return int(args.num_gpu_blocks)
+
+
+def _runs(args: argparse.Namespace, model: ModelConfig, trace: Trace
+          ) -> list[tuple[str, EngineConfig]]:
+    """The runs to make, labelled: with the connector, then the baseline (if any).
+
+    Raises:
+        _UsageError: the trace or the pool size does not fit the engine.
+        KVConnectorError: a bad connector choice or config.
+    """
+    from kvconnector_core.engine.engine import EngineConfig
+
+    longest, max_model_len = _max_model_len(trace)
+    sizing = EngineConfig(model=model, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                          max_model_len=max_model_len)
+    num_gpu_blocks = _num_gpu_blocks(args, trace, sizing, longest)
+    connector = _connector_config(args, num_gpu_blocks)
+    base = dict(model=model, num_gpu_blocks=num_gpu_blocks,
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
+                device=args.device, max_model_len=max_model_len,
+                reserve_full_output=args.reserve_full_output)
+    runs = [("connector" if connector else "no connector",
+             EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args),
+                          enable_kv_cache_events=True if args.kv_events else None))]
+    if not args.no_baseline and connector is not None:
+        runs.append(("baseline", EngineConfig(**base)))
+    return runs
+
+
+def _run_all(args: argparse.Namespace) -> list[RunResult]:
+    """Run the workload once per run the flags ask for; the results in that order.
+
+    Raises:
+        _UsageError, KVConnectorError, OSError: see :func:`main`.
+    """
+    from tqdm import tqdm
+
+    from kvconnector_core.engine.engine import Engine
+    from kvconnector_core.engine.models import DEFAULT_MODEL, get_model
+
+    model = get_model(DEFAULT_MODEL if args.model is None else args.model)
+    trace = _load_trace(args, model.vocab_size)
+    results = []
+    for label, config in _runs(args, model, trace):
+        with Engine(config) as engine, tqdm(total=len(trace), desc=f"{trace.name} ({label})",
+                                            unit="req", file=sys.stderr, leave=False) as bar:
+            results.append(engine.run(trace, progress=bar.update))
+    return results
+
+
+def _report(args: argparse.Namespace, result: RunResult, baseline: RunResult | None) -> int:
+    """Plot (``--plot``), print the report and return the exit code."""
+    from kvconnector_core.engine.report import compare_outputs, format_report, report_dict
+
     if args.plot:
         from kvconnector_core.engine.timeline import plot_timeline
 
@@ -261,3 +333,19 @@ def main(args: argparse.Namespace) -> int:
     if baseline is not None and not compare_outputs(result, baseline).identical:
         return 1
     return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``kvconnector run``; see :data:`HELP`."""
+    from kvconnector_core.errors import KVConnectorError
+
+    problem = _check_device(args) or _check_sources(args)
+    if problem:
+        return _fail(problem)
+    try:
+        results = _run_all(args)
+    except (_UsageError, KVConnectorError) as exc:
+        return _fail(str(exc))
+    except OSError as exc:  # the trace file vanished or cannot be read
+        return _fail(f"--trace {args.trace}: {exc.strerror or exc}")
+    return _report(args, results[0], results[1] if len(results) > 1 else None)

@@ -39,6 +39,7 @@ from kvconnector_core.connector.metadata import KVConnectorMetadata
 from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:  # the base must not import torch or the KV cache core at import time
+    from kvconnector_core.connector.demo import DemoOptions
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheManager
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
 
@@ -262,15 +263,23 @@ class KVConnectorBase_V1(_SchedulerHooks, _WorkerHooks):  # noqa: N801 - vLLM's 
                                               config.extra_config)
 
     @classmethod
-    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
+    def demo_extra_config(cls, options: DemoOptions) -> dict[str, Any]:
         """Settings for a demo run (``kvconnector run --connector NAME``) with no config file.
 
+        Override it to size a tier against the run's GPU pool or to honour the run's
+        optional options; refuse those it cannot honour with ``options.refuse(...)``.
+
         Args:
-            num_gpu_blocks: the GPU pool size of the run, to size a tier against.
+            options: the run's options (see
+                :class:`~kvconnector_core.connector.demo.DemoOptions`).
 
         Returns:
             An ``extra_config``. Default: ``{}`` (the connector's defaults).
+
+        Raises:
+            ConfigError: an optional option is set (the default honours none).
         """
+        options.refuse()
         return {}
 
     def __repr__(self) -> str:

@@ -165,7 +165,8 @@ class VllmRig:
                 group = blocks.blocks[0]
                 # where the load starts: the local hit the connector was asked with (vLLM
                 # hashes a synchronous load's blocks before this call)
-                answer = getattr(conn, "_answers", {}).get(request.request_id)
+                side = getattr(conn, "scheduler_side", None)  # the adapter's (not vLLM's connectors)
+                answer = getattr(side, "_answers", {}).get(request.request_id)
                 local = (answer[1] // self.block_size if isinstance(answer, tuple) else
                          next((i for i, b in enumerate(group) if b.block_hash is None), len(group)))
                 self.stats.hit_tokens += num_external_tokens

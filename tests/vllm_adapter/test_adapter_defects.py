@@ -85,7 +85,7 @@ def test_hma_load_errors_reported_before_the_receive_finishes_fail_that_receive(
 
     rig.connector.update_state_after_alloc = note_load
     worker = rig.workers[0]
-    worker.connector = worker._worker.connector = _LateReceives(worker.connector, rig, bad)  # noqa: SLF001
+    worker.connector = worker.worker_side.guard.connector = _LateReceives(worker.connector, rig, bad)
     rid = rig.add(p, max_tokens=2)
     rig.run()  # byte-checks every block of every running request after each step
     assert bad and rig.stats.async_loads >= 1

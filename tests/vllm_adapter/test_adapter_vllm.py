@@ -57,17 +57,17 @@ def test_hma_adapter_refuses_a_single_group_connector():
 def test_the_workers_rank_and_parallel_layout_reach_the_connector_config():
     """A worker's connector learns its shard from vLLM's parallel config (tier keys carry it)."""
     from kvconnector_core.errors import ConfigError
-    from kvconnector_core.integrations.vllm import _records
+    from kvconnector_core.integrations.vllm import config as vllm_config
 
     cfg = make_vllm_config(offload())
     cfg.parallel_config.tensor_parallel_size = 2
     cfg.parallel_config.pipeline_parallel_size = 2
     cfg.parallel_config.rank = 3  # what vLLM's worker of pp rank 1, tp rank 1 sets
-    config = _records.connector_config_from_vllm(cfg)
+    config = vllm_config.connector_config_from_vllm(cfg)
     assert (config.world_size, config.rank, config.pipeline_parallel_size) == (4, 3, 2)
     cfg.parallel_config.prefill_context_parallel_size = 2
     with pytest.raises(ConfigError, match="prefill_context_parallel_size=2"):
-        _records.connector_config_from_vllm(cfg)
+        vllm_config.connector_config_from_vllm(cfg)
 
 
 def test_third_party_entry_point_connector_loads_through_the_registry():
@@ -277,7 +277,7 @@ def test_failed_loads_are_reported_and_recomputed_by_vllm():
     rig.wipe()
     sched_side = rig.connector
     for adapter in (sched_side, *rig.workers):  # the wrapped connector, behind the guard
-        guard = adapter._sched or adapter._worker  # noqa: SLF001
+        guard = (adapter.scheduler_side or adapter.worker_side).guard
         adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, load_failure_rate=1.0)
     rid = rig.add(p, max_tokens=2)
     rig.run()  # the checker verifies every block: the recomputed bytes are right
@@ -311,7 +311,7 @@ def test_a_raising_hook_is_contained_inside_vllm(hook):
     assert rig.scheduler.reset_prefix_cache() is True
     rig.wipe()
     for adapter in (rig.connector, *rig.workers):
-        guard = adapter._sched or adapter._worker  # noqa: SLF001
+        guard = (adapter.scheduler_side or adapter.worker_side).guard
         adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, raise_in={hook})
     for p in prompts:
         rig.add(p, max_tokens=2)
@@ -360,9 +360,9 @@ def test_no_events_are_built_without_kv_events_config():
 def test_a_translation_that_copies_instead_of_viewing_is_caught(monkeypatch):
     """If the adapter handed the connector a copy of vLLM's tensor (reordered, then cloned),
     stores would read stale bytes and loads land in the copy: the byte check must fail."""
-    from kvconnector_core.integrations.vllm import _adapter
+    from kvconnector_core.integrations.vllm import worker
 
-    monkeypatch.setattr(_adapter, "block_dense_views",
+    monkeypatch.setattr(worker, "block_dense_views",
                         lambda name, t: {name: t.permute(0, 2, 1, 3).clone()})
     rig = VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)
     with pytest.raises(AssertionError, match="bytes differ"):
@@ -373,9 +373,9 @@ def test_a_translation_that_ignores_the_layout_is_caught(monkeypatch):
     """Treating LBNHC like LBHNC (split per head, no reorder) is refused at registration
     (the guard reports the connector's error; registration is not contained)."""
     from kvconnector_core.errors import ConnectorHookError
-    from kvconnector_core.integrations.vllm import _adapter
+    from kvconnector_core.integrations.vllm import worker
 
-    monkeypatch.setattr(_adapter, "block_dense_views",
+    monkeypatch.setattr(worker, "block_dense_views",
                         lambda name, t: {f"{name}#h{i}": t[:, i] for i in range(t.shape[1])})
     with pytest.raises(ConnectorHookError, match="must be one contiguous chunk"):
         VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)

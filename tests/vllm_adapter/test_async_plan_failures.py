@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "disk_connector"
 
 def _scheduler_connector(rig: VllmRig):
     """The connector the scheduler-side adapter wraps."""
-    return rig.connector._sched.connector  # noqa: SLF001
+    return rig.connector.scheduler_side.guard.connector
 
 
 def _check_after_each_update(rig: VllmRig) -> None:

@@ -36,7 +36,7 @@ def _raise_once_in_a_step_with_loads(rig: VllmRig, hook: str) -> list[int]:
     """Make ``hook`` of the worker's wrapped connector raise once, in the first step whose
     plan carries loads; returns a list that gets the step's number when it raised."""
     worker = rig.workers[0]
-    inner = worker._worker.connector  # noqa: SLF001 - the wrapped DiskConnector
+    inner = worker.worker_side.guard.connector  # the wrapped DiskConnector
     raised: list[int] = []
     forward = getattr(inner, hook)
 
@@ -159,7 +159,7 @@ def test_under_async_scheduling_the_step_planned_before_a_failed_load_was_known_
     prefix = prompt(61, 64)
     _stored_prefix(rig, prefix)
     raised = _raise_once_in_a_step_with_loads(rig, "start_load_kv")
-    inner = rig.workers[0]._worker.connector  # noqa: SLF001
+    inner = rig.workers[0].worker_side.guard.connector
     saves: list[tuple[int, int]] = []  # (step, blocks planned to store) of each call
     forward = inner.wait_for_save
 

@@ -35,7 +35,7 @@ def _wrap_faulty(rig: VllmRig, **faults) -> list[FaultInjectingConnector]:
     """Wrap the connector behind every adapter of ``rig`` in a fault injector."""
     wrapped = []
     for adapter in (rig.connector, *rig.workers):
-        guard = adapter._sched or adapter._worker  # noqa: SLF001
+        guard = (adapter.scheduler_side or adapter.worker_side).guard
         adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, **faults)
         wrapped.append(adapter.connector)
     return wrapped
@@ -286,7 +286,7 @@ def test_synchronous_hits_under_hma_are_recomputed(caplog):
     rig = VllmRig(offload(128), num_gpu_blocks=64, sliding_window=40, hma=True, kv_transfer=HMA)
     prompts = [prompt(39, 99), prompt(40, 70)]
     _stored_then_reset(rig, prompts)
-    guard = rig.connector._sched  # noqa: SLF001
+    guard = rig.connector.scheduler_side.guard
     ask = guard.get_num_new_matched_tokens
     answers = []
 
@@ -297,7 +297,7 @@ def test_synchronous_hits_under_hma_are_recomputed(caplog):
 
     guard.get_num_new_matched_tokens = synchronous
     rids = [rig.add(p, max_tokens=2) for p in prompts]
-    with caplog.at_level("ERROR", logger="kvconnector_core.integrations.vllm._adapter"):
+    with caplog.at_level("ERROR", logger="kvconnector_core.integrations.vllm.scheduler"):
         rig.run()
     assert max(answers) > 0  # the connector had hits
     assert rig.stats.hit_tokens == 0
@@ -560,7 +560,7 @@ def test_a_worker_whose_stores_always_fail_does_not_stall_vllm(hook, async_sched
     randomized(rig, seed=5, num_requests=48)  # byte-checked every step
     assert rig.stats.finished == 48 and rig.stats.preemptions > 0
     assert rig.stats.hit_tokens == 0  # nothing the failing worker stored became visible
-    assert rig.workers[0]._worker.quarantined  # noqa: SLF001 - cut off, and the run still drained
+    assert rig.workers[0].worker_side.guard.quarantined  # cut off, and the run still drained
     assert sum(f.num_injected["raises"] for f in faulty) >= 8
     assert_no_leak(rig)
     rig.shutdown()

@@ -16,14 +16,21 @@ and kvconnector's public connector API, and nothing imports it), so it lives in
 ``kvconnector_core.integrations``, next to nothing engine-specific; importing
 this module imports vLLM, so only vLLM's environment imports it.
 
+The package's modules, one object each, as in every connector package of the project:
+``connector`` (the adapter vLLM creates, the facade), ``scheduler`` (its scheduler-role
+object), ``worker`` (its worker-role object), ``config`` (vLLM's configs translated),
+``records`` (what crosses between the roles and the vLLM boundary), ``views`` (vLLM's
+scheduler objects in kvconnector's shapes), ``layouts`` (vLLM's KV tensors as block-dense
+views) and ``cpu_config`` (a CPU ``VllmConfig`` for tests and benchmarks).
+
 Primitives: :class:`KVConnectorAdapter`, :class:`KVConnectorAdapterHMA`,
 :class:`AdapterStats`, :func:`block_dense_views`.
 """
 
 from __future__ import annotations
 
-from kvconnector_core.integrations.vllm._adapter import KVConnectorAdapter, KVConnectorAdapterHMA
-from kvconnector_core.integrations.vllm._layouts import block_dense_views
-from kvconnector_core.integrations.vllm._records import AdapterStats
+from kvconnector_core.integrations.vllm.connector import KVConnectorAdapter, KVConnectorAdapterHMA
+from kvconnector_core.integrations.vllm.layouts import block_dense_views
+from kvconnector_core.integrations.vllm.records import AdapterStats
 
 __all__ = ["AdapterStats", "KVConnectorAdapter", "KVConnectorAdapterHMA", "block_dense_views"]

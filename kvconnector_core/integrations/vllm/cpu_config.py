@@ -57,10 +57,12 @@ def model_dir() -> str:
     return _MODEL_DIR
 
 
-def make_vllm_config(extra_config: dict[str, Any] | None, *, block_size: int = 16, max_num_seqs: int = 8,
-                     max_num_batched_tokens: int = 256, max_model_len: int = 512,
-                     hma: bool | None = None, load_failure_policy: str = "recompute",
-                     kv_transfer: dict[str, Any] | None = None, kv_events: bool = False) -> VllmConfig:
+def make_vllm_config(extra_config: dict[str, Any] | None, *, block_size: int = 16,
+                     max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                     max_model_len: int = 512, hma: bool | None = None,
+                     load_failure_policy: str = "recompute",
+                     kv_transfer: dict[str, Any] | None = None,
+                     kv_events: bool = False) -> VllmConfig:
     """A CPU VllmConfig with the adapter selected (``hma=None`` is vLLM's default, auto).
 
     ``kv_transfer`` overrides KVTransferConfig fields (e.g. another connector);
@@ -69,13 +71,17 @@ def make_vllm_config(extra_config: dict[str, Any] | None, *, block_size: int = 1
     """
     model = ModelConfig(model=model_dir(), dtype="float16", trust_remote_code=True,
                         skip_tokenizer_init=True, max_model_len=max_model_len)
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=True,
                             is_encoder_decoder=False, disable_hybrid_kv_cache_manager=(
                                 None if hma is None else not hma))
-    ktc = KVTransferConfig(**{**ADAPTER, "kv_role": "kv_both", "kv_connector_extra_config": extra_config or {},
-                              "kv_load_failure_policy": load_failure_policy, **(kv_transfer or {})})
+    ktc = KVTransferConfig(**{**ADAPTER, "kv_role": "kv_both",
+                              "kv_connector_extra_config": extra_config or {},
+                              "kv_load_failure_policy": load_failure_policy,
+                              **(kv_transfer or {})})
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     return VllmConfig(model_config=model, scheduler_config=sched,
                       cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-                      kv_transfer_config=ktc, device_config=DeviceConfig("cpu"), kv_events_config=events)
+                      kv_transfer_config=ktc, device_config=DeviceConfig("cpu"),
+                      kv_events_config=events)

@@ -15,6 +15,8 @@ with views only:
 
 Every result shares storage with vLLM's tensor (checked by the tests), so a
 load written through it lands in vLLM's cache.
+
+Primitives: :func:`block_dense_views`.
 """
 
 from __future__ import annotations

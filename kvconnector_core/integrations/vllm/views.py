@@ -8,6 +8,8 @@
 vLLM's ``Request`` and ``KVCacheBlocks`` are passed through unchanged: they
 have every attribute kvconnector's connectors read (the LoRA name is read with
 ``kvconnector_core.request.lora_name_of``).
+
+Primitives: :class:`BlockPoolView`, :class:`SchedulerOutputView`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class BlockPoolView:
         """Unpin: ref count - 1 (evictable at 0)."""
         self._pool.free_blocks(ordered_blocks)
 
-    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[Any] | None:
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+                         ) -> list[Any] | None:
         """The cached block per group for ``block_hash``, or None if a group misses."""
         return self._pool.get_cached_block(block_hash, list(kv_cache_group_ids))
 

@@ -1,13 +1,13 @@
-"""The adapter's per-step worker-role hooks, as vLLM's model runner calls them.
+"""The adapter's worker-role object: vLLM's per-step model-runner hooks, through the guard.
 
-:class:`AdapterWorkerHooks` is the base of
-:class:`~kvconnector_core.integrations.vllm.KVConnectorAdapter`: it forwards the
-hooks of a step (bind, preemptions, loads, saves, results, load errors, events,
-worker metadata, clear) to the wrapped connector through its
-:class:`~kvconnector_core.connector.guard.GuardedWorker`, and reports the loads
-the scheduler side already knows failed (carried in :class:`AdapterMetadata`) as
-failed receives / load errors. The adapter's ``__init__`` sets the state declared
-here; registration (``register_kv_caches``) stays with the adapter.
+:class:`AdapterWorker` forwards the hooks of a step (registration, bind, preemptions,
+loads, saves, results, load errors, events, worker metadata, clear) to the wrapped
+connector through its :class:`~kvconnector_core.connector.guard.GuardedWorker`, and
+reports the loads the scheduler role already knows failed (carried in
+:class:`~.records.AdapterMetadata`) as failed receives / load errors, so that vLLM
+never waits for them.
+
+Primitives: :class:`AdapterWorker`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1 as VllmConnectorBase,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults as VllmTransferResults,
 )
 
 from kvconnector_core.connector.guard import GuardedWorker
-from kvconnector_core.errors import InvariantError
-from kvconnector_core.integrations.vllm._records import (
+from kvconnector_core.integrations.vllm.layouts import block_dense_views
+from kvconnector_core.integrations.vllm.records import (
     AdapterKVEvents,
     AdapterMetadata,
     AdapterWorkerMetadata,
@@ -34,7 +31,9 @@ from kvconnector_core.integrations.vllm._records import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AdapterWorkerHooks"]
+    from kvconnector_core.connector.base import KVConnectorBase_V1
+
+__all__ = ["AdapterWorker"]
 
 _MAX_REPORTED_RECVING = 100_000
 """Request ids remembered to drop a second report of a receive: a load failed by the
@@ -49,50 +48,55 @@ def _remember(seen: OrderedDict[str, None], ids: set[str]) -> None:
         seen.popitem(last=False)
 
 
-class AdapterWorkerHooks(VllmConnectorBase):
-    """The worker-role hooks of a step, forwarded through the guard (see the module)."""
+class AdapterWorker:
+    """The worker-role instance's hooks and state (the adapter forwards vLLM's calls here).
 
-    _worker: GuardedWorker | None
-    _several_groups: bool
-    _step_begun: bool
-    _step_invalid: set[int]
-    _failed_sync_step: int | None
-    _failed_for_connector: OrderedDict[str, None]
-    _reported_sent: set[str]
-    _recving_blocks: dict[str, set[int]]
-    _poisoned_recving: set[str]
-    connector: Any
+    Args:
+        connector: the wrapped connector (worker-role instance).
+        several_groups: the model has several KV cache groups (vLLM's HMA).
 
-    def _init_worker_state(self) -> None:
-        """The worker side's state (the adapter's ``__init__`` calls this)."""
+    Attributes:
+        guard: the wrapped connector behind kvconnector's failure contract.
+    """
+
+    def __init__(self, connector: KVConnectorBase_V1, *, several_groups: bool) -> None:
+        self.guard = GuardedWorker(connector)
+        self._several_groups = several_groups
+        self._meta: Any = None  # the plan bound for this step (vLLM's record)
         self._step_begun = False
-        self._step_invalid = set()
+        self._step_invalid: set[int] = set()
         # the step of a failed synchronous load the scheduler side may not know of yet
         self._failed_sync_step: int | None = None
         # HMA: the asynchronous loads in flight and the blocks each writes, and those a
         # load error already hit (reported failed when their receive finishes)
-        self._recving_blocks = {}
-        self._poisoned_recving = set()
+        self._recving_blocks: dict[str, set[int]] = {}
+        self._poisoned_recving: set[str] = set()
         # Receives the adapter reported failed for the connector: a later report of the
         # same request by the connector is dropped (vLLM asserts on a report for a request
         # it has forgotten, and such a request never loads again: it recomputes).
         # Bounded, oldest dropped.
-        self._failed_for_connector = OrderedDict()
+        self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
         # Sends reported, until the scheduler side's plans stop listing them as unreported
         # (vLLM then dropped the request; a later request may reuse its id).
-        self._reported_sent = set()
+        self._reported_sent: set[str] = set()
 
-    def _guard(self) -> GuardedWorker:
-        if self._worker is None:
-            msg = "worker-side hook called on the adapter's scheduler-role instance"
-            raise InvariantError(msg)
-        return self._worker
+    # ------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Hand vLLM's per-layer tensors over as block-dense views (no copies; see
+        :mod:`~kvconnector_core.integrations.vllm.layouts`)."""
+        views: dict[str, torch.Tensor] = {}
+        for name, tensor in kv_caches.items():
+            views.update(block_dense_views(name, tensor))
+        self.guard.register_kv_caches(views)
+
+    # ------------------------------------------------------------ step start and end
 
     def _begin_step(self, meta: Any) -> None:
         if not self._step_begun:
             self._step_begun = True
             sync = not isinstance(meta, AdapterMetadata) or bool(meta.sync_load_blocks)
-            self._guard().begin_step(sync_loads=sync, skip_saves=self._plans_before_failure(meta))
+            self.guard.begin_step(sync_loads=sync, skip_saves=self._plans_before_failure(meta))
 
     def _plans_before_failure(self, meta: Any) -> bool:
         """Whether this step was planned before the scheduler side learned of a failed
@@ -109,38 +113,42 @@ class AdapterWorkerHooks(VllmConnectorBase):
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Bind the wrapped plan (none when the scheduler side failed to build one)."""
-        super().bind_connector_metadata(connector_metadata)
+        self._meta = connector_metadata
         self._begin_step(connector_metadata)
         if connector_metadata.inner is not None:
-            self._guard().bind_connector_metadata(connector_metadata.inner)
+            self.guard.bind_connector_metadata(connector_metadata.inner)
 
     def clear_connector_metadata(self) -> None:
         """Unbind; the next hook starts the guard's next step."""
-        super().clear_connector_metadata()
-        self._guard().clear_connector_metadata()
+        self._meta = None
+        self.guard.clear_connector_metadata()
         self._step_begun = False
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
         self._begin_step(kv_connector_metadata)
         if kv_connector_metadata.inner is not None:
-            self._guard().handle_preemptions(kv_connector_metadata.inner)
+            self.guard.handle_preemptions(kv_connector_metadata.inner)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Forwarded (model runner V2's extra keyword arguments are dropped)."""
-        self._guard().start_load_kv(forward_context)
+    # ------------------------------------------------------------ loads and saves
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        """Forwarded."""
+        self.guard.start_load_kv(forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Forwarded."""
-        self._guard().wait_for_layer_load(layer_name)
+        self.guard.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         """Forwarded."""
-        self._guard().save_kv_layer(layer_name, kv_layer, attn_metadata)
+        self.guard.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
         """Forwarded."""
-        self._guard().wait_for_save()
+        self.guard.wait_for_save()
+
+    # ------------------------------------------------------------ the step's report
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> VllmTransferResults:
         """The wrapped results in vLLM's record, plus the receives the plan says failed.
@@ -151,36 +159,42 @@ class AdapterWorkerHooks(VllmConnectorBase):
         (HMA), load errors by block fail the step's receives instead (vLLM refuses
         them by block).
         """
-        guard = self._guard()
-        meta = self._connector_metadata
-        if isinstance(meta, AdapterMetadata):
-            # vLLM takes a request id again once the request with it is gone: a new load
-            # under a remembered id is another request's, and its report must pass.
-            for rid in meta.async_loads:
-                self._failed_for_connector.pop(rid, None)
+        guard, meta = self.guard, self._meta
+        # No plan bound: an empty one, which adds nothing to the report.
+        plan = meta if isinstance(meta, AdapterMetadata) else AdapterMetadata()
+        # vLLM takes a request id again once the request with it is gone: a new load
+        # under a remembered id is another request's, and its report must pass.
+        for rid in plan.async_loads:
+            self._failed_for_connector.pop(rid, None)
         res = guard.get_transfer_results(set(finished_req_ids))
-        self._step_invalid = set(guard.get_block_ids_with_load_errors())
-        if isinstance(meta, AdapterMetadata) and meta.sync_load_blocks:
-            if guard.loads_failed:
-                # the forward ran on the step's synchronous loads: vLLM must not count them
-                self._step_invalid |= meta.sync_load_blocks
-            if (guard.loads_failed or self._step_invalid) and self._failed_sync_step is None:
-                self._failed_sync_step = meta.step
+        self._read_load_errors(plan)
         failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
         recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
-        if isinstance(meta, AdapterMetadata):
-            recving |= meta.failed_recving
-            failed |= meta.failed_recving
-            self._step_invalid |= meta.invalid_block_ids
-            _remember(self._failed_for_connector, meta.failed_recving)
+        recving |= plan.failed_recving
+        failed |= plan.failed_recving
+        self._step_invalid |= plan.invalid_block_ids
+        _remember(self._failed_for_connector, plan.failed_recving)
         if self._several_groups:
             failed |= self._hma_failed_receives(meta, recving)
         sending = set(res.finished_sending)
-        if guard.stores_failed and isinstance(meta, AdapterMetadata) and meta.delayed_frees:
-            sending |= self._frees_it_may_never_learn(meta.delayed_frees)
+        if guard.stores_failed and plan.delayed_frees:
+            sending |= self._frees_it_may_never_learn(plan.delayed_frees)
         sending = self._first_reports_of_sends(sending, meta)
         return VllmTransferResults(finished_sending=sending, finished_recving=recving,
                                    failed_recving=failed & recving)
+
+    def _read_load_errors(self, plan: AdapterMetadata) -> None:
+        """The step's load errors, the blocks of its synchronous loads included when the
+        worker's loads failed (the forward ran on them: vLLM must not count them); a
+        failed synchronous load's step is remembered for :meth:`_plans_before_failure`."""
+        guard = self.guard
+        self._step_invalid = set(guard.get_block_ids_with_load_errors())
+        if not plan.sync_load_blocks:
+            return
+        if guard.loads_failed:
+            self._step_invalid |= plan.sync_load_blocks
+        if (guard.loads_failed or self._step_invalid) and self._failed_sync_step is None:
+            self._failed_sync_step = plan.step
 
     def _hma_failed_receives(self, meta: Any, recving: set[str]) -> set[str]:
         """With several KV cache groups: the receives of ``recving`` that a load error hit.
@@ -199,7 +213,8 @@ class AdapterWorkerHooks(VllmConnectorBase):
         if invalid:
             hit = {rid for rid, blocks in self._recving_blocks.items() if blocks & invalid}
             known = set().union(*self._recving_blocks.values()) if self._recving_blocks else set()
-            self._poisoned_recving |= hit if invalid <= known else set(self._recving_blocks) | recving
+            everyone = set(self._recving_blocks) | recving
+            self._poisoned_recving |= hit if invalid <= known else everyone
         failed = recving & self._poisoned_recving
         for rid in recving:
             self._recving_blocks.pop(rid, None)
@@ -238,17 +253,12 @@ class AdapterWorkerHooks(VllmConnectorBase):
         has nothing in flight (``has_pending_work`` says no; absent or raising counts
         as busy), no store still reads those blocks: they are reported sent now.
         """
-        pending = getattr(self.connector, "has_pending_work", None)
+        pending = getattr(self.guard.connector, "has_pending_work", None)
         try:
             busy = pending is None or bool(pending())
         except Exception:  # noqa: BLE001 - a raising answer counts as busy
             busy = True
         return set() if busy else set(delayed_frees)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Legacy form of :meth:`get_transfer_results`."""
-        res = self.get_transfer_results(finished_req_ids)
-        return res.finished_sending or None, res.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The step's load errors (read in :meth:`get_transfer_results`)."""
@@ -257,17 +267,20 @@ class AdapterWorkerHooks(VllmConnectorBase):
 
     def get_kv_connector_kv_cache_events(self) -> AdapterKVEvents | None:
         """The wrapped worker's events (its optional hook of that name), or None."""
-        events = to_vllm_events(self._guard().get_kv_connector_kv_cache_events())
+        events = to_vllm_events(self.guard.get_kv_connector_kv_cache_events())
         return AdapterKVEvents(events) if events else None
 
     def build_connector_worker_meta(self) -> AdapterWorkerMetadata | None:
         """The wrapped worker metadata and the guard's step flags, foldable across
         workers (None when there is nothing)."""
-        guard = self._guard()
+        guard = self.guard
         meta = guard.build_connector_worker_meta()
         if meta is None and not (guard.loads_failed or guard.stores_failed):
             return None
-        plan = self._connector_metadata
+        plan = self._meta
         step = plan.step if isinstance(plan, AdapterMetadata) else None
         return AdapterWorkerMetadata(meta, guard.loads_failed, guard.stores_failed, step)
 
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The wrapped connector's stats (through the guard)."""
+        return self.guard.get_kv_connector_stats()
