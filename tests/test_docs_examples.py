@@ -214,7 +214,9 @@ def test_settings_block(package):
     from kvconnector_core.testing import make_kv_cache_config
 
     kvc = make_kv_cache_config()
-    extra = cls.demo_extra_config(64)
+    from kvconnector_core.connector.demo import DemoOptions
+
+    extra = cls.demo_extra_config(DemoOptions(connector="TierConnector", num_gpu_blocks=64))
     connector = cls(KVConnectorConfig(name="TierConnector", extra_config=extra), KVConnectorRole.SCHEDULER, kvc)
     assert connector.settings.path == "/tmp/my-tier" and connector.settings.mode == "safe"
     for bad, needle in [({"pth": "x"}, "unknown extra_config key 'pth' (did you mean 'path'?)"),

@@ -13,6 +13,7 @@ import pytest
 from kvconnector_core.cli import main, run_cmd
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import load_connector_config
+from kvconnector_core.connector.demo import DemoOptions
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.connector.settings import ConnectorSettings, convert_settings
 from kvconnector_core.engine.engine import RunMetrics, RunResult
@@ -53,8 +54,8 @@ class DemoConnector(RecordingConnector):
     settings_type: ClassVar[type[Any] | None] = DemoSettings
 
     @classmethod
-    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
-        return {"path": "/tmp/demo", "size": num_gpu_blocks}
+    def demo_extra_config(cls, options: DemoOptions) -> dict[str, Any]:
+        return {"path": "/tmp/demo", "size": options.num_gpu_blocks}
 
 
 def test_connector_gets_its_settings_converted():
@@ -139,7 +140,8 @@ def test_cli_takes_demo_settings_from_the_connector(monkeypatch, capsys):
 def test_offload_demo_settings_size_the_cpu_tier():
     from connectors.offload.connector import OffloadingConnector
 
-    assert OffloadingConnector.demo_extra_config(64) == {"num_cpu_blocks": 256}
+    options = DemoOptions(connector="cpu_offload", num_gpu_blocks=64)
+    assert OffloadingConnector.demo_extra_config(options) == {"num_cpu_blocks": 256}
 
 
 def test_a_bad_boolean_lists_the_valid_values():

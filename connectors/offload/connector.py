@@ -18,7 +18,6 @@ never in the stats, so they survive wrapping in a MultiConnector).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.offload.config import TRANSFER_METHODS, OffloadConfig, OffloadSettings
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
     from connectors.offload.transfer import KVBlockMover
     from kvconnector_core.connector.base import KVConnectorRole
     from kvconnector_core.connector.config import KVConnectorConfig
+    from kvconnector_core.connector.demo import DemoOptions
     from kvconnector_core.connector.metadata import KVConnectorMetadata
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
     from kvconnector_core.kv_events import KVCacheEvent
@@ -94,21 +94,20 @@ class OffloadingConnector(RoleSplitConnector):
         super().__init__(config, role, kv_cache_config)
 
     @classmethod
-    def demo_extra_config(cls, num_gpu_blocks: int, *, cpu_blocks: int | None = None,
-                          tiers: Sequence[str] = ()) -> dict[str, Any]:
+    def demo_extra_config(cls, options: DemoOptions) -> dict[str, Any]:
         """A CPU tier four times the GPU pool (what ``kvconnector run`` uses).
 
-        Args:
-            num_gpu_blocks: the run's GPU pool size.
-            cpu_blocks: ``kvconnector run --cpu-blocks``: the CPU tier's size instead.
-            tiers: ``kvconnector run --tier`` values, ``disk:PATH`` or ``redis:URL``, in order.
+        Honours every option: ``cpu_blocks`` (``--cpu-blocks``) sizes the CPU tier instead,
+        ``tiers`` (``--tier``: ``disk:PATH`` or ``redis:URL``, in order) become secondary
+        tiers behind it.
 
         Raises:
             ConfigError: a tier that is neither ``disk:PATH`` nor ``redis:URL``.
         """
-        extra: dict[str, Any] = {"num_cpu_blocks": cpu_blocks or 4 * num_gpu_blocks}
-        if tiers:
-            extra["tiers"] = [_run_tier_settings(t) for t in tiers]
+        extra: dict[str, Any] = {
+            "num_cpu_blocks": options.cpu_blocks or 4 * options.num_gpu_blocks}
+        if options.tiers:
+            extra["tiers"] = [_run_tier_settings(t) for t in options.tiers]
         return extra
 
     def make_scheduler_side(self) -> OffloadSchedulerSide:

@@ -37,6 +37,7 @@ from kvconnector_core.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from kvconnector_core.connector.demo import DemoOptions
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import SchedulerOutput
@@ -116,8 +117,9 @@ class DiskConnector(KVConnectorBase_V1):
         self._tmp_names = itertools.count()
 
     @classmethod
-    def demo_extra_config(cls, num_gpu_blocks: int) -> dict[str, Any]:
-        """A directory under the system temp dir."""
+    def demo_extra_config(cls, options: DemoOptions) -> dict[str, Any]:
+        """A directory under the system temp dir (no CPU tier, no secondary tiers)."""
+        options.refuse()
         return {"path": os.path.join(tempfile.gettempdir(), "kvconnector-disk-demo")}
 
     def _has(self, name: str) -> bool:
