@@ -1,15 +1,15 @@
 """The connector API: base class, records, config, registry.
 
 - :mod:`~kvconnector_core.connector.base`: :class:`KVConnectorBase_V1`
-  (alias ``KVConnectorBase``), :class:`KVConnectorRole`.
+  (alias ``KVConnectorBase``), :class:`KVConnectorRole`, and a connector as two role
+  objects: :class:`KVConnectorSchedulerSide`, :class:`KVConnectorWorkerSide`,
+  :class:`RoleSplitConnector`.
 - :mod:`~kvconnector_core.connector.metadata`: :class:`KVConnectorMetadata`
   (scheduler -> worker), :class:`KVConnectorOutput` (worker -> scheduler).
 - :mod:`~kvconnector_core.connector.config`: :class:`KVConnectorConfig`.
 - :mod:`~kvconnector_core.connector.registry`: :class:`ConnectorRegistry`,
   :func:`get_registry`, :func:`create_connector`.
 - :mod:`~kvconnector_core.connector.hookspecs`: :data:`hookimpl` for plugins.
-- :mod:`~kvconnector_core.connector.roles`: :class:`KVConnectorSchedulerSide`,
-  :class:`KVConnectorWorkerSide`, :class:`RoleSplitConnector` (a connector as two role objects).
 - :mod:`~kvconnector_core.connector.guard`: :class:`GuardedScheduler`,
   :class:`GuardedWorker` (the failure contract; ``docs/failure-contract.md``).
 
@@ -24,6 +24,9 @@ from kvconnector_core.connector.base import (
     KVConnectorBase,
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorSchedulerSide,
+    KVConnectorWorkerSide,
+    RoleSplitConnector,
 )
 from kvconnector_core.connector.config import (
     KV_ROLES,
@@ -52,7 +55,6 @@ from kvconnector_core.connector.registry import (
     get_registry,
     reset_registry,
 )
-from kvconnector_core.connector.roles import KVConnectorSchedulerSide, KVConnectorWorkerSide, RoleSplitConnector
 
 __all__ = [
     "ABSTRACT_HOOKS",
