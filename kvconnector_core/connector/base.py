@@ -371,7 +371,9 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
 
     # ----------------------------------------------------------- scheduler side
 
-    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027 - optional hook
+    # An optional hook's default may do nothing: its empty body is meant (ruff B027).
+
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027
         """Receive the GPU block pool (scheduler side, opt-in).
 
         The scheduler calls this exactly once, unconditionally, right after
@@ -470,7 +472,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             An instance of :attr:`metadata_type` that survives msgpack.
         """
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027 - optional hook
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027
         """Learn what the worker side finished this step (scheduler side).
 
         Args:
@@ -511,8 +513,10 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             request_ids: the requests to forget.
         """
 
-    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,  # noqa: B027 - optional hook
-                    stores_failed: bool) -> None:
+    def plan_failed(  # noqa: B027 - optional hook
+        self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+        stores_failed: bool,
+    ) -> None:
         """The worker side could not carry out part of a plan (scheduler side, optional).
 
         Called by the guard, before ``update_connector_output`` of the same step, with
@@ -603,7 +607,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
             raise InvariantError(msg)
         return self._connector_metadata
 
-    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027 - optional hook
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027
         """Act on the step's preemptions before the forward (worker side, optional).
 
         Called right after ``bind_connector_metadata`` and before
@@ -633,7 +637,7 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         """
         return None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional hook
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027
         """Receive the paged KV tensors once they are allocated (worker side).
 
         Args:
@@ -754,7 +758,7 @@ class KVConnectorSchedulerSide(abc.ABC):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The step's plan for the worker side."""
 
-    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027 - optional hook
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027
         """Receive the GPU block pool. Default: ignored."""
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027
@@ -768,8 +772,10 @@ class KVConnectorSchedulerSide(abc.ABC):
     def forget_requests(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Plan nothing more for these requests (see the facade). Default: nothing."""
 
-    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,  # noqa: B027
-                    stores_failed: bool) -> None:
+    def plan_failed(  # noqa: B027 - optional hook
+        self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+        stores_failed: bool,
+    ) -> None:
         """Part of a plan failed on the worker side (see the facade). Default: nothing."""
 
     def take_events(self) -> Iterable[KVCacheEvent]:
