@@ -14,7 +14,7 @@ and also from the builtin that fits, so ``except ValueError`` keeps working::
     │   ├── InvalidConnectorError (also TypeError)    a registered object is not a connector
     │   └── PluginLoadError                     an entry point failed to import
     │       └── PluginDeniedError               the allow/deny lists exclude a connector module
-    ├── ConnectorHookError (RuntimeError)       a connector hook raised; carries the connector and hook
+    ├── ConnectorHookError (RuntimeError)       a connector hook raised; carries connector and hook
     ├── TransferError (RuntimeError)            a KV transfer failed
     └── ShutdownError (RuntimeError)            one or more connectors failed to shut down
 

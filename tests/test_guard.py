@@ -8,8 +8,12 @@ from typing import Any
 import pytest
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
-from kvconnector_core.connector._guard_base import MAX_PENDING_STEPS
-from kvconnector_core.connector.guard import EVENT_SNAPSHOT_ATTEMPTS, GuardedScheduler, GuardedWorker
+from kvconnector_core.connector.guard import (
+    EVENT_SNAPSHOT_ATTEMPTS,
+    MAX_PENDING_STEPS,
+    GuardedScheduler,
+    GuardedWorker,
+)
 from kvconnector_core.connector.metadata import KVConnectorOutput, KVConnectorTransferResults
 from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvconnector_core.request import Request

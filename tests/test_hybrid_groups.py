@@ -10,10 +10,14 @@ from typing import ClassVar
 
 import pytest
 
-from kvconnector_core.connector.base import KVConnectorRole
+from kvconnector_core.connector.base import (
+    KVConnectorRole,
+    KVConnectorSchedulerSide,
+    KVConnectorWorkerSide,
+    RoleSplitConnector,
+)
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.registry import create_connector
-from kvconnector_core.connector.roles import KVConnectorSchedulerSide, KVConnectorWorkerSide, RoleSplitConnector
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.models import get_model
 from kvconnector_core.errors import ConfigError

@@ -8,14 +8,14 @@ import sys
 import types
 
 import pytest
-
 from _plugin_helpers import ep, plugin
+
 from kvconnector_core.cli import list_cmd
 from kvconnector_core.cli import main as cli_main
 from kvconnector_core.connector import ConnectorRegistry, KVConnectorConfig, hookimpl
-from kvconnector_core.connector import registry as registry_module
-from kvconnector_core.connector.registry import get_connector_class
 from kvconnector_core.errors import DuplicateConnectorError, PluginDeniedError, PluginLoadError
+from kvconnector_core.plugins import registry as registry_module
+from kvconnector_core.plugins.registry import get_connector_class
 from kvconnector_core.testing import RecordingConnector
 
 

@@ -205,6 +205,32 @@ def test_every_exported_name_resolves_and_is_documented(package):
     assert undocumented == []
 
 
+PLUGINS = [
+    "ConnectorEntry",
+    "ConnectorRegistry",
+    "PluginFailure",
+    "PluginRecord",
+    "create_connector",
+    "get_connector_class",
+    "get_registry",
+    "hookimpl",
+    "reset_registry",
+]
+
+
+def test_plugin_machinery_is_exported_by_plugins_connector_and_the_package():
+    """kvconnector_core.plugins defines the registry's public names; the connector API
+    and the package export the same objects (a plugin imports hookimpl from either)."""
+    import kvconnector_core.connector as connector
+    import kvconnector_core.plugins as plugins
+
+    assert plugins.__all__ == PLUGINS
+    for name in PLUGINS:
+        assert getattr(connector, name) is getattr(plugins, name), name
+        assert name in connector.__all__ and name in KVCONNECTOR_CORE, name
+        assert getattr(kvconnector_core, name) is getattr(plugins, name), name
+
+
 def test_block_hashes_and_offload_keys_are_newtypes_of_bytes():
     """NewTypes: a type checker tells them apart, and at run time they are plain bytes."""
     from connectors.offload.manager import OffloadKey

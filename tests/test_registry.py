@@ -8,8 +8,8 @@ import types
 from typing import Any
 
 import pytest
-
 from _plugin_helpers import FakeEntryPoint, ep, plugin
+
 from kvconnector_core.connector import (
     ConnectorRegistry,
     KVConnectorConfig,
@@ -19,7 +19,6 @@ from kvconnector_core.connector import (
     hookimpl,
     reset_registry,
 )
-from kvconnector_core.connector.registry import get_connector_class
 from kvconnector_core.errors import (
     ConfigError,
     DuplicateConnectorError,
@@ -27,6 +26,7 @@ from kvconnector_core.errors import (
     PluginLoadError,
     UnknownConnectorError,
 )
+from kvconnector_core.plugins.registry import get_connector_class
 from kvconnector_core.testing import RecordingConnector
 
 
@@ -220,8 +220,9 @@ def test_importing_the_package_loads_nothing():
     """Importing kvconnector_core.connector loads no plugin and no torch (fresh interpreter)."""
     import subprocess
 
-    code = ("import sys, kvconnector_core.connector as c, connectors; "
-            "assert c.registry._default is None; assert 'torch' not in sys.modules; "
+    code = ("import sys, kvconnector_core.connector, connectors; "
+            "import kvconnector_core.plugins.registry as r; "
+            "assert r._default is None; assert 'torch' not in sys.modules; "
             "assert 'ttl_connector' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,17 +1,21 @@
-"""The connector API: base class, records, config, registry.
+"""The connector API: base class, records, config, guard; and the registry's names.
 
 - :mod:`~kvconnector_core.connector.base`: :class:`KVConnectorBase_V1`
-  (alias ``KVConnectorBase``), :class:`KVConnectorRole`.
+  (alias ``KVConnectorBase``), :class:`KVConnectorRole`, and a connector as two role
+  objects: :class:`KVConnectorSchedulerSide`, :class:`KVConnectorWorkerSide`,
+  :class:`RoleSplitConnector`.
 - :mod:`~kvconnector_core.connector.metadata`: :class:`KVConnectorMetadata`
   (scheduler -> worker), :class:`KVConnectorOutput` (worker -> scheduler).
 - :mod:`~kvconnector_core.connector.config`: :class:`KVConnectorConfig`.
-- :mod:`~kvconnector_core.connector.registry`: :class:`ConnectorRegistry`,
-  :func:`get_registry`, :func:`create_connector`.
-- :mod:`~kvconnector_core.connector.hookspecs`: :data:`hookimpl` for plugins.
-- :mod:`~kvconnector_core.connector.roles`: :class:`KVConnectorSchedulerSide`,
-  :class:`KVConnectorWorkerSide`, :class:`RoleSplitConnector` (a connector as two role objects).
+- :mod:`~kvconnector_core.connector.settings`: :class:`ConnectorSettings`, a connector's
+  typed ``extra_config``.
 - :mod:`~kvconnector_core.connector.guard`: :class:`GuardedScheduler`,
   :class:`GuardedWorker` (the failure contract; ``docs/failure-contract.md``).
+
+The plugin machinery (:class:`ConnectorRegistry`, :func:`get_registry`,
+:func:`create_connector`, :data:`hookimpl`, ...) lives in :mod:`kvconnector_core.plugins`;
+its public names are exported here too, since a connector author imports the whole
+API from this package.
 
 Importing this package loads no plugin and does not import torch.
 """
@@ -24,6 +28,9 @@ from kvconnector_core.connector.base import (
     KVConnectorBase,
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorSchedulerSide,
+    KVConnectorWorkerSide,
+    RoleSplitConnector,
 )
 from kvconnector_core.connector.config import (
     KV_ROLES,
@@ -32,7 +39,6 @@ from kvconnector_core.connector.config import (
     load_connector_config,
 )
 from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
-from kvconnector_core.connector.hookspecs import hookimpl
 from kvconnector_core.connector.metadata import (
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -42,7 +48,7 @@ from kvconnector_core.connector.metadata import (
     decode_metadata,
     encode_metadata,
 )
-from kvconnector_core.connector.registry import (
+from kvconnector_core.plugins import (
     ConnectorEntry,
     ConnectorRegistry,
     PluginFailure,
@@ -50,9 +56,9 @@ from kvconnector_core.connector.registry import (
     create_connector,
     get_connector_class,
     get_registry,
+    hookimpl,
     reset_registry,
 )
-from kvconnector_core.connector.roles import KVConnectorSchedulerSide, KVConnectorWorkerSide, RoleSplitConnector
 
 __all__ = [
     "ABSTRACT_HOOKS",

@@ -1,4 +1,4 @@
-"""The connector base class: :class:`KVConnectorBase_V1` (alias :data:`KVConnectorBase`).
+"""The connector contract: :class:`KVConnectorBase_V1` and the two role interfaces.
 
 A connector moves KV cache between the engine's GPU block pool and somewhere
 else (CPU memory, disk, another engine). One connector class is instantiated
@@ -23,25 +23,53 @@ hook has a documented no-op default. Capabilities are class attributes, so the
 registry, the engine and ``kvconnector list`` can read them without creating an
 instance.
 
+A connector whose two roles share nothing but the plan and the worker's report can
+instead be written as two small objects, each implementing one interface, tied together
+by a :class:`RoleSplitConnector` facade that creates the object of its role and forwards
+every hook to it (the way vLLM's OffloadingConnector delegates to its scheduler and
+worker halves):
+
+- :class:`KVConnectorSchedulerSide`: plans loads and stores, learns completions;
+- :class:`KVConnectorWorkerSide`: moves the bytes for the plan bound each step.
+
+A hook of the other role called on the facade raises :class:`InvariantError` naming
+both roles, instead of an ``AttributeError`` from state that only the other role has.
+
+This file reads top to bottom: the role enum, :class:`KVConnectorBase_V1` (common
+members, then the scheduler-side hooks in the order a request meets them, then the
+worker-side hooks in step order), the two role interfaces, and the facade.
+
 Primitives: :class:`KVConnectorRole`, :class:`KVConnectorBase_V1`,
-:data:`KVConnectorBase`, :data:`ABSTRACT_HOOKS`, :data:`OPTIONAL_HOOKS`.
+:data:`KVConnectorBase`, :data:`ABSTRACT_HOOKS`, :data:`OPTIONAL_HOOKS`,
+:class:`KVConnectorSchedulerSide`, :class:`KVConnectorWorkerSide`,
+:class:`RoleSplitConnector`.
 """
 
 from __future__ import annotations
 
+import abc
 import enum
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvconnector_core.connector._scheduler_hooks import _SchedulerHooks
-from kvconnector_core.connector._worker_hooks import _WorkerHooks
 from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.connector.metadata import KVConnectorMetadata
-from kvconnector_core.errors import ConfigError
+from kvconnector_core.connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorTransferResults,
+)
+from kvconnector_core.errors import ConfigError, InvariantError
 
 if TYPE_CHECKING:  # the base must not import torch or the KV cache core at import time
+    import torch
+
     from kvconnector_core.connector.demo import DemoOptions
-    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheManager
+    from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
+    from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from kvconnector_core.kv_cache.kv_cache_spec import KVCacheConfig
+    from kvconnector_core.kv_events import KVCacheEvent
+    from kvconnector_core.request import Request
+    from kvconnector_core.scheduler.output import SchedulerOutput
 
 __all__ = [
     "ABSTRACT_HOOKS",
@@ -49,6 +77,9 @@ __all__ = [
     "KVConnectorBase",
     "KVConnectorBase_V1",
     "KVConnectorRole",
+    "KVConnectorSchedulerSide",
+    "KVConnectorWorkerSide",
+    "RoleSplitConnector",
 ]
 
 ABSTRACT_HOOKS: tuple[str, ...] = (
@@ -93,7 +124,8 @@ class KVConnectorRole(enum.IntEnum):
     """Runs next to the model: moves KV bytes in and out of the paged tensors."""
 
 
-def _refuse_unsupported_groups(connector: KVConnectorBase_V1, kv_cache_config: KVCacheConfig | None) -> None:
+def _refuse_unsupported_groups(connector: KVConnectorBase_V1,
+                               kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse a one-group connector on a model with several KV cache groups.
 
     vLLM refuses a connector without hybrid support when its hybrid KV cache manager is
@@ -114,7 +146,7 @@ def _refuse_unsupported_groups(connector: KVConnectorBase_V1, kv_cache_config: K
     raise ConfigError(msg)
 
 
-class KVConnectorBase_V1(_SchedulerHooks, _WorkerHooks):  # noqa: N801 - vLLM's name, kept for portability
+class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portability
     """Base class of every KV connector.
 
     Subclass it, set :attr:`name`, implement the seven abstract hooks and
@@ -157,9 +189,6 @@ class KVConnectorBase_V1(_SchedulerHooks, _WorkerHooks):  # noqa: N801 - vLLM's 
     flight, or while admission is blocked. Every hook of a step runs on it
     (``build_connector_meta``, the worker sequence without a forward, stats,
     ``take_events``). An empty step alone is not a sign of starvation.
-
-    The hooks of each role are written in a private mixin beside this module
-    (``_scheduler_hooks``, ``_worker_hooks``); this class is the one to subclass.
 
     **Capabilities** are the class attributes below; keep them truthful, the
     engine and the test kit rely on them.
@@ -307,7 +336,7 @@ class KVConnectorBase_V1(_SchedulerHooks, _WorkerHooks):  # noqa: N801 - vLLM's 
         """The engine's KV cache layout, as given to the constructor."""
         return self._kv_cache_config
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, buffers, pins). Both roles; default: nothing.
 
         Called once when the engine stops; must be safe to call again.
@@ -349,6 +378,675 @@ class KVConnectorBase_V1(_SchedulerHooks, _WorkerHooks):  # noqa: N801 - vLLM's 
         """
         return None
 
+    # ----------------------------------------------------------- scheduler side
+
+    # An optional hook's default may do nothing: its empty body is meant (ruff B027).
+
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027
+        """Receive the GPU block pool (scheduler side, opt-in).
+
+        The scheduler calls this exactly once, unconditionally, right after
+        the KV cache manager exists. A connector that wants to pin GPU blocks
+        (``touch``), release them (``free_blocks``) or walk the prefix cache
+        (``get_cached_block``, ``iter_cached_blocks``) keeps the view.
+        Default: does nothing.
+
+        Args:
+            gpu_block_pool: narrow view of the engine's GPU block pool.
+        """
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Receive the KV cache manager (scheduler side, optional).
+
+        The kvconnector scheduler does **not** call this: it calls only
+        ``bind_gpu_block_pool``. It exists for engines that follow vLLM, which
+        call ``bind_kv_cache_manager`` instead; the default stores the manager
+        and forwards its block pool to ``bind_gpu_block_pool``, so call one or
+        the other, never both.
+
+        Args:
+            kv_cache_manager: the engine's KV cache manager.
+        """
+        self._kv_cache_manager = kv_cache_manager
+        self.bind_gpu_block_pool(kv_cache_manager.block_pool)
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Return how many tokens beyond the local hit this connector can load.
+
+        Called when a request with no computed tokens is considered for
+        admission; it may be called again for the same request (e.g. when
+        admission failed), so it must not change state a repeated call would
+        see differently.
+
+        Args:
+            request: the waiting request (``request.block_hashes`` are its
+                chained block hashes).
+            num_computed_tokens: tokens already found in the GPU prefix cache,
+                rounded down to a block.
+
+        Returns:
+            ``(num_tokens, load_async)``: tokens loadable beyond
+            ``num_computed_tokens`` (count only blocks available now; None =
+            undecided, ask again next step), and whether the load is
+            asynchronous (False when the count is 0). The count may cover
+            the whole prompt: see the full-prompt-hit rule in
+            :meth:`update_state_after_alloc`.
+        """
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Learn the blocks allocated for an admitted request.
+
+        Called after every successful admission allocation, with 0 external
+        tokens too (a connector may still plan to save the request). May be
+        called a second time for a request with an asynchronous load. Decide
+        what to do from ``num_external_tokens``, not from ``blocks``.
+
+        **Full-prompt-hit rule.** ``num_external_tokens`` is this connector's own
+        answer, clamped to the prompt: load tokens ``[n, n + num_external_tokens)``
+        where ``n`` is the ``num_computed_tokens`` it was asked with, i.e. every
+        block that range touches, including a block it ends in part-way
+        (``cdiv(n + num_external_tokens, block_size)`` blocks in all). A claim may
+        cover the whole prompt: the engine still computes the last prompt token
+        (it needs its logits) after the load, rewriting that token's slot with
+        the same values. A claim that leaves nothing but the last token to load
+        counts as no load (``num_external_tokens=0``). vLLM 0.33 does the same
+        for asynchronous loads; its scheduler rejects a synchronous claim of the
+        whole prompt, so a connector meant for both engines claims at most
+        ``request.num_tokens - 1 - n`` tokens for synchronous loads (and still
+        loads the block the claim ends in).
+
+        Args:
+            request: the admitted request.
+            blocks: all of the request's blocks, per KV cache group.
+            num_external_tokens: tokens this connector will load (its answer
+                from ``get_num_new_matched_tokens``, or 0 when another
+                connector or nobody loads).
+        """
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Build this step's plan for the worker side and reset per-step state.
+
+        Called at the end of every ``schedule()``, empty steps included. Must
+        not mutate ``scheduler_output``.
+
+        Args:
+            scheduler_output: what the scheduler scheduled this step.
+
+        Returns:
+            An instance of :attr:`metadata_type` that survives msgpack.
+        """
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027
+        """Learn what the worker side finished this step (scheduler side).
+
+        Args:
+            connector_output: the worker's report. Default: ignored.
+        """
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """A request finished; called exactly once, before its blocks are freed.
+
+        Args:
+            request: the finished request.
+            block_ids: its GPU block ids (first KV cache group).
+
+        Returns:
+            ``(delay_free, kv_transfer_params)``: with ``delay_free=True`` the
+            scheduler keeps the blocks until the request appears in
+            ``finished_sending``; the params (or None) are returned to the
+            caller of the engine. Default: ``(False, None)``.
+        """
+        return False, None
+
+    def forget_requests(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
+        """Stop planning for these requests (scheduler side, optional; called by the guard).
+
+        The guard calls this after a hook raised in a way that may have left this
+        connector's view of these requests wrong (see ``docs/failure-contract.md``).
+        From then on the requests are not shown to the connector again except in
+        ``request_finished``. A connector with per-request state must plan no new load
+        or store for them, drop loads it planned but did not hand to the worker yet
+        (releasing what they hold), and never make visible a store of theirs that has
+        not completed. It may keep a request's state only while a store of it is in
+        flight (so that ``request_finished`` can still delay the free) and must drop
+        the rest now: the guard also calls this after ``request_finished`` raised, and
+        then no other call about the request follows. Default: does nothing.
+
+        Args:
+            request_ids: the requests to forget.
+        """
+
+    def plan_failed(  # noqa: B027 - optional hook
+        self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+        stores_failed: bool,
+    ) -> None:
+        """The worker side could not carry out part of a plan (scheduler side, optional).
+
+        Called by the guard, before ``update_connector_output`` of the same step, with
+        the plan this connector built for that step. With ``loads_failed`` its loads may
+        never have started: the scheduler already treats them as failed (async loads
+        as failed receives), so release what they hold. With ``stores_failed`` its
+        stores may never have run, or read blocks that changed: never make them visible,
+        release what they hold, and make sure requests whose free you delayed are still
+        reported in ``finished_sending``. Default: does nothing.
+
+        Args:
+            connector_metadata: the failed plan (what ``build_connector_meta`` returned).
+            loads_failed: the plan's loads failed.
+            stores_failed: the plan's stores failed.
+        """
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Return the KV cache events produced since the last call (scheduler side).
+
+        Default: no events.
+        """
+        return ()
+
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Describe everything the connector holds now, to resync event consumers (scheduler side).
+
+        The engine calls it in place of :meth:`take_events` after ``take_events``
+        raised: the events it had drained are lost, so a consumer replaying the
+        stream would stay wrong. The snapshot replaces them: for every medium the
+        connector reports events for, an ``AllBlocksCleared(medium=M)`` followed by
+        ``BlockStored`` events for every block it holds in ``M`` now, with the same
+        self-describing fields as its normal events. Events the connector produced
+        before the snapshot and has not returned yet must be dropped (the snapshot
+        already covers them), and the next :meth:`take_events` continues from the
+        snapshot's state. A consumer that applies the snapshot is then exact again.
+
+        The engine does not drain :meth:`take_events` before asking for a snapshot, so
+        the snapshot must supersede the queue itself. If it raises, the engine retries
+        it a few times at once; if none succeeds, it publishes an
+        ``AllBlocksCleared(medium=M)`` for every medium the connector's events named
+        (a consumer then holds nothing of the connector, never a stale block) and
+        retries the snapshot at every later event take until one succeeds.
+
+        Default: no events (a connector that reports no events has nothing to resync).
+        """
+        return ()
+
+    # -------------------------------------------------------------- worker side
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind this step's plan before the forward (worker side).
+
+        Args:
+            connector_metadata: what the scheduler side's ``build_connector_meta``
+                returned for this step.
+        """
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind the plan after ``wait_for_save`` and the step's reports (worker side)."""
+        self._connector_metadata = None
+
+    def has_connector_metadata(self) -> bool:
+        """Return True while a plan is bound."""
+        return self._connector_metadata is not None
+
+    def get_connector_metadata(self) -> KVConnectorMetadata:
+        """Return this step's plan (worker side): what ``build_connector_meta`` returned.
+
+        Raises:
+            InvariantError: no plan is bound (called outside a step's
+                ``bind_connector_metadata`` / ``clear_connector_metadata``).
+        """
+        return self._get_connector_metadata()
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        """Return the bound plan (vLLM's name; :meth:`get_connector_metadata` is the public one).
+
+        Raises:
+            InvariantError: no plan is bound (the hook was called outside
+                ``bind_connector_metadata`` / ``clear_connector_metadata``).
+        """
+        if self._connector_metadata is None:
+            msg = (
+                f"{type(self).__name__}: no connector metadata is bound; worker hooks run "
+                "only between bind_connector_metadata() and clear_connector_metadata()"
+            )
+            raise InvariantError(msg)
+        return self._connector_metadata
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027
+        """Act on the step's preemptions before the forward (worker side, optional).
+
+        Called right after ``bind_connector_metadata`` and before
+        ``start_load_kv`` and the forward, every step with a plan. A request
+        preempted by the scheduler this step has already lost its GPU blocks,
+        which this step's forward may overwrite; a connector that still reads
+        them asynchronously (a pending save) must finish or submit those reads
+        here. The plan should name the preempted requests (the scheduler side
+        sees ``scheduler_output.preempted_req_ids``). Default: does nothing.
+
+        Args:
+            connector_metadata: the plan just bound (the same object).
+        """
+
+    def build_connector_worker_meta(self) -> Any:
+        """Return records for this connector's scheduler side (worker side, optional).
+
+        Called once per step after ``get_kv_connector_stats``; the result
+        travels as ``KVConnectorOutput.kv_connector_worker_meta`` to the
+        scheduler side's ``update_connector_output``. Use it for things the
+        scheduler side must act on (e.g. ids of finished transfer jobs), not
+        the stats, which wrappers aggregate and engines report. Prefer a
+        msgspec Struct. With several workers (tensor parallelism inside vLLM)
+        the records of one step are folded with the record's
+        ``aggregate(other)`` method, so give it one; ``config.world_size`` says
+        how many workers report. Default: None (nothing to report).
+        """
+        return None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027
+        """Receive the paged KV tensors once they are allocated (worker side).
+
+        Args:
+            kv_caches: layer name -> that layer's KV tensor, in layer order.
+                Default: ignored.
+        """
+
+    @abc.abstractmethod
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Start loading this step's planned KV into the GPU blocks (worker side).
+
+        Called every step. With synchronous loads (``has_sync_kv_loads``) it
+        runs before the forward and the loads must be complete before a layer
+        reads them (in ``wait_for_layer_load`` at the latest); otherwise it
+        runs right after the forward is launched.
+
+        Args:
+            forward_context: engine-specific context of the forward, or None.
+        """
+
+    @abc.abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until ``layer_name``'s KV for this step is loaded (worker side).
+
+        Called inside each attention layer before it reads the KV cache.
+        """
+
+    @abc.abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any = None) -> None:
+        """Start saving one layer's KV (worker side).
+
+        Called inside each attention layer after it wrote its KV.
+
+        Args:
+            layer_name: the layer.
+            kv_layer: that layer's paged KV tensor.
+            attn_metadata: engine-specific attention metadata, or None.
+        """
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None:
+        """End of the step's saves (worker side).
+
+        Called once per step, empty steps included, with the plan still bound.
+        A connector saving asynchronously may return at once, but must keep
+        reading from the source blocks only until it reports the request in
+        ``get_finished``'s sending set.
+        """
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report requests whose asynchronous transfers completed (worker side).
+
+        Args:
+            finished_req_ids: requests the scheduler finished in this step's
+                schedule; every id later reported as sending must have appeared
+                here in this or an earlier step.
+
+        Returns:
+            ``(finished_sending, finished_recving)``; either may be None (=
+            empty). Each request is reported at most once per direction.
+            Default: ``(None, None)``.
+        """
+        return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Report finished and failed transfers (worker side); the model runner calls this.
+
+        The default wraps :meth:`get_finished` and reports no failed receive.
+        Override it (instead of ``get_finished``) to report
+        ``failed_recving``: a request whose asynchronous load failed appears in
+        both ``finished_recving`` and ``failed_recving``, and its blocks in
+        ``get_block_ids_with_load_errors``. Call one of the two per step, not
+        both: each transfer is reported once.
+
+        Args:
+            finished_req_ids: as for :meth:`get_finished`.
+
+        Returns:
+            The step's transfer results.
+        """
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ())
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Return GPU block ids whose load failed since the last call (worker side).
+
+        Synchronous loads report in the step the error is detected;
+        asynchronous loads no later than the step their request appears in
+        ``finished_recving``. Default: empty set.
+        """
+        return set()
+
 
 KVConnectorBase = KVConnectorBase_V1
 """Short name of :class:`KVConnectorBase_V1`."""
+
+
+class KVConnectorSchedulerSide(abc.ABC):
+    """The scheduler-side half of a connector; hooks mean what they mean on the facade.
+
+    Three hooks are abstract; the others default to doing nothing.
+    """
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens loadable beyond the local hit and whether asynchronously (None = ask again)."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Learn an admitted request's blocks and how many tokens this connector loads."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The step's plan for the worker side."""
+
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:  # noqa: B027
+        """Receive the GPU block pool. Default: ignored."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027
+        """Learn what the worker side finished. Default: ignored."""
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)``. Default: ``(False, None)``."""
+        return False, None
+
+    def forget_requests(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
+        """Plan nothing more for these requests (see the facade). Default: nothing."""
+
+    def plan_failed(  # noqa: B027 - optional hook
+        self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+        stores_failed: bool,
+    ) -> None:
+        """Part of a plan failed on the worker side (see the facade). Default: nothing."""
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV cache events since the last call. Default: none."""
+        return ()
+
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Per medium a clear and every block held now (a resync). Default: none."""
+        return ()
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """Scheduler-side statistics (deltas since the last call, gauges apart). Default: None."""
+        return None
+
+    def has_pending_work(self) -> bool:
+        """Something to deliver in a later step (see the facade). Default: False."""
+        return False
+
+    def reset_cache(self) -> bool | None:
+        """Drop cached KV and release held GPU blocks before a prefix-cache reset. Default: None."""
+        return None
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Default: nothing."""
+
+
+class KVConnectorWorkerSide(abc.ABC):
+    """The worker-side half of a connector; hooks mean what they mean on the facade.
+
+    The plan of the step is passed to :meth:`bind_connector_metadata` and kept in
+    :attr:`plan` until :meth:`clear_connector_metadata`.
+    """
+
+    plan: KVConnectorMetadata | None = None
+    """The plan bound for the current step, or None between steps."""
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's plan (default: keep it in :attr:`plan`)."""
+        self.plan = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind the plan at the end of the step."""
+        self.plan = None
+
+    @abc.abstractmethod
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Start the step's loads."""
+
+    @abc.abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until one layer's loads are done."""
+
+    @abc.abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any = None) -> None:
+        """Start saving one layer."""
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None:
+        """End of the step's saves."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027
+        """Receive the paged KV tensors. Default: ignored."""
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027
+        """Act on the step's preemptions before the forward. Default: nothing."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished and failed transfers. Default: none."""
+        return KVConnectorTransferResults()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks whose load failed since the last call. Default: none."""
+        return set()
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The step's statistics. Default: None."""
+        return None
+
+    def has_pending_work(self) -> bool:
+        """Something to deliver in a later step (see the facade). Default: False."""
+        return False
+
+    def build_connector_worker_meta(self) -> Any:
+        """Records for the scheduler side. Default: None."""
+        return None
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Default: nothing."""
+
+
+class RoleSplitConnector(KVConnectorBase_V1):
+    """A facade that creates the role object of its role and forwards every hook to it.
+
+    Subclasses implement :meth:`make_scheduler_side` and :meth:`make_worker_side`
+    (called once, for the instance's role, at the end of ``__init__``).
+    """
+
+    def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self._scheduler_side: KVConnectorSchedulerSide | None = None
+        self._worker_side: KVConnectorWorkerSide | None = None
+        if self._role == KVConnectorRole.SCHEDULER:
+            self._scheduler_side = self.make_scheduler_side()
+        else:
+            self._worker_side = self.make_worker_side()
+
+    @abc.abstractmethod
+    def make_scheduler_side(self) -> KVConnectorSchedulerSide:
+        """Create the scheduler-side object (the instance's config is set)."""
+
+    @abc.abstractmethod
+    def make_worker_side(self) -> KVConnectorWorkerSide:
+        """Create the worker-side object (the instance's config is set)."""
+
+    def _wrong_role(self, wanted: KVConnectorRole) -> InvariantError:
+        return InvariantError(f"{type(self).__name__}: a {wanted.name.lower()}-side hook was "
+                              f"called on the {self._role.name.lower()}-side instance")
+
+    @property
+    def scheduler_side(self) -> KVConnectorSchedulerSide:
+        """The scheduler-side object.
+
+        Raises:
+            InvariantError: this is the worker-side instance.
+        """
+        if self._scheduler_side is None:
+            raise self._wrong_role(KVConnectorRole.SCHEDULER)
+        return self._scheduler_side
+
+    @property
+    def worker_side(self) -> KVConnectorWorkerSide:
+        """The worker-side object.
+
+        Raises:
+            InvariantError: this is the scheduler-side instance.
+        """
+        if self._worker_side is None:
+            raise self._wrong_role(KVConnectorRole.WORKER)
+        return self._worker_side
+
+    # ----------------------------------------------------------- scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: GPUBlockPoolView) -> None:
+        """Forwarded to the scheduler side."""
+        self.scheduler_side.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Forwarded to the scheduler side."""
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Forwarded to the scheduler side."""
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Forwarded to the scheduler side."""
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Forwarded to the scheduler side."""
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Forwarded to the scheduler side."""
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def forget_requests(self, request_ids: set[str]) -> None:
+        """Forwarded to the scheduler side."""
+        self.scheduler_side.forget_requests(request_ids)
+
+    def plan_failed(self, connector_metadata: KVConnectorMetadata, *, loads_failed: bool,
+                    stores_failed: bool) -> None:
+        """Forwarded to the scheduler side."""
+        self.scheduler_side.plan_failed(connector_metadata, loads_failed=loads_failed,
+                                        stores_failed=stores_failed)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Forwarded to the scheduler side."""
+        return self.scheduler_side.take_events()
+
+    def reset_cache(self) -> bool | None:
+        """Forwarded to the scheduler side."""
+        return self.scheduler_side.reset_cache()
+
+    def get_event_snapshot(self) -> Iterable[KVCacheEvent]:
+        """Forwarded to the scheduler side."""
+        return self.scheduler_side.get_event_snapshot()
+
+    # -------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Forwarded to the worker side."""
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bound here (``has_connector_metadata``) and forwarded to the worker side."""
+        self.worker_side.bind_connector_metadata(connector_metadata)
+        super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        """Forwarded to the worker side, then unbound here."""
+        self.worker_side.clear_connector_metadata()
+        super().clear_connector_metadata()
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Forwarded to the worker side."""
+        self.worker_side.handle_preemptions(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Forwarded to the worker side."""
+        self.worker_side.start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Forwarded to the worker side."""
+        self.worker_side.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any = None) -> None:
+        """Forwarded to the worker side."""
+        self.worker_side.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        """Forwarded to the worker side."""
+        self.worker_side.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Forwarded to the worker side."""
+        return self.worker_side.get_transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Legacy form of :meth:`get_transfer_results` (failed receives count as finished)."""
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Forwarded to the worker side."""
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        """Forwarded to the worker side."""
+        return self.worker_side.build_connector_worker_meta()
+
+    # ---------------------------------------------------------------- both roles
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """Forwarded to the object of this instance's role."""
+        side = self._scheduler_side or self._worker_side
+        assert side is not None  # noqa: S101 - one of the two is always set
+        return side.get_kv_connector_stats()
+
+    def has_pending_work(self) -> bool:
+        """Forwarded to the object of this instance's role."""
+        side = self._scheduler_side or self._worker_side
+        return bool(getattr(side, "has_pending_work", lambda: False)())
+
+    def shutdown(self) -> None:
+        """Forwarded to the object of this instance's role."""
+        side = self._scheduler_side or self._worker_side
+        assert side is not None  # noqa: S101 - one of the two is always set
+        side.shutdown()

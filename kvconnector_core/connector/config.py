@@ -3,41 +3,59 @@
 :class:`KVConnectorConfig` is the typed counterpart of vLLM's ``KVTransferConfig``
 (only the fields a connector framework needs). It is a msgspec Struct, so it
 loads from a plain dict (``msgspec.convert``, see :meth:`KVConnectorConfig.from_dict`)
-or from a JSON file (:func:`load_connector_config`) with type errors that name
-the bad field.
+or from a JSON file (:func:`load_connector_config`) with errors that name the bad field,
+its value and the nearest valid one.
+
+Each field's valid values are in its type (``Literal`` choices, ``msgspec.Meta``
+bounds); each closed choice is defined once, as a ``Literal`` alias, and its tuple of
+values derived from it. The connector ``name`` stays open (plugins add names): the
+registry checks it.
 
 Primitives: :class:`KVConnectorConfig`, :func:`load_connector_config`,
-:data:`KV_ROLES`, :data:`LOAD_FAILURE_POLICIES`.
+:data:`KVRole`, :data:`LoadFailurePolicy`, :data:`KV_ROLES`, :data:`LOAD_FAILURE_POLICIES`,
+:data:`DEFAULT_QUARANTINE_AFTER_RAISES`.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from typing import Any
+import typing
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvconnector_core._suggest import did_you_mean
+from kvconnector_core.connector.validation import find_field_problem
 from kvconnector_core.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_QUARANTINE_AFTER_RAISES",
     "KV_ROLES",
     "LOAD_FAILURE_POLICIES",
     "KVConnectorConfig",
+    "KVRole",
+    "LoadFailurePolicy",
     "load_connector_config",
 ]
 
-KV_ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+"""What a connector does with KV: only saves, only loads, or both."""
+
+LoadFailurePolicy = Literal["recompute", "fail"]
+"""What the scheduler does when a KV load fails: recompute the tokens or fail the request."""
+
+KV_ROLES: tuple[str, ...] = typing.get_args(KVRole)
 """Valid values of :attr:`KVConnectorConfig.role`."""
 
-LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
+LOAD_FAILURE_POLICIES: tuple[str, ...] = typing.get_args(LoadFailurePolicy)
 """Valid values of :attr:`KVConnectorConfig.load_failure_policy`."""
-
 
 DEFAULT_QUARANTINE_AFTER_RAISES = 8
 """Default of :attr:`KVConnectorConfig.quarantine_after_raises`: at a 10% raise rate, eight
 raises in a row of one hook come once in 10^8 calls, so only a broken hook gets there."""
 
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Which connector to create, and its settings.
@@ -76,57 +94,45 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             adapter from vLLM's ``kv_events_config``; True for a connector built alone.
 
     Raises:
-        ConfigError: on construction, when ``name`` is empty or ``role`` /
-            ``load_failure_policy`` is not one of the valid values; when loaded
-            from a dict or file, also for a field this class does not have
-            (the message names the nearest valid one).
+        ConfigError: on construction, when a field's value does not fit its type (an
+            empty ``name``, a ``role`` or ``load_failure_policy`` not among the choices,
+            a count below 1) or ``rank`` / ``pipeline_parallel_size`` do not fit
+            ``world_size``; when loaded from a dict or file, also for a field this class
+            does not have. The message names the field, the bad value and the nearest
+            valid one.
     """
 
-    name: str
-    role: str = "kv_both"
+    name: _NonEmpty
+    role: KVRole = "kv_both"
     extra_config: dict[str, Any] = msgspec.field(default_factory=dict)
-    module_path: str | None = None
+    module_path: _NonEmpty | None = None
     engine_id: str | None = None
-    load_failure_policy: str = "recompute"
-    world_size: int = 1
-    rank: int = 0
-    pipeline_parallel_size: int = 1
-    quarantine_after_raises: int | None = DEFAULT_QUARANTINE_AFTER_RAISES
+    load_failure_policy: LoadFailurePolicy = "recompute"
+    world_size: _Positive = 1
+    rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    pipeline_parallel_size: _Positive = 1
+    quarantine_after_raises: _Positive | None = DEFAULT_QUARANTINE_AFTER_RAISES
     enable_kv_cache_events: bool = True
 
     def __post_init__(self) -> None:
-        # msgspec runs __post_init__ on decode/convert too, so a bad file is
-        # rejected with the same message as a bad constructor call.
-        if not self.name:
-            msg = "KVConnectorConfig.name must be a non-empty connector name"
-            raise ConfigError(msg)
-        if self.role not in KV_ROLES:
-            msg = f"KVConnectorConfig.role must be one of {list(KV_ROLES)}, got {self.role!r}"
-            raise ConfigError(msg)
-        if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
-            msg = (
-                f"KVConnectorConfig.load_failure_policy must be one of "
-                f"{list(LOAD_FAILURE_POLICIES)}, got {self.load_failure_policy!r}"
-            )
-            raise ConfigError(msg)
-        if self.world_size < 1:
-            msg = f"KVConnectorConfig.world_size must be a number of workers >= 1, got {self.world_size!r}"
-            raise ConfigError(msg)
-        if not 0 <= self.rank < self.world_size:
-            msg = (f"KVConnectorConfig.rank must be a worker rank in [0, {self.world_size}) "
-                   f"(world_size={self.world_size}), got {self.rank!r}")
-            raise ConfigError(msg)
-        if self.pipeline_parallel_size < 1 or self.world_size % self.pipeline_parallel_size:
-            msg = (f"KVConnectorConfig.pipeline_parallel_size must be >= 1 and divide "
-                   f"world_size={self.world_size}, got {self.pipeline_parallel_size!r}")
-            raise ConfigError(msg)
-        if self.quarantine_after_raises is not None and self.quarantine_after_raises < 1:
-            msg = ("KVConnectorConfig.quarantine_after_raises must be a number of raises >= 1 or None "
-                   f"(never), got {self.quarantine_after_raises!r}")
-            raise ConfigError(msg)
-        if self.module_path == "":
-            msg = "KVConnectorConfig.module_path must be a module import path or None, got ''"
-            raise ConfigError(msg)
+        # msgspec checks the field types on decode and convert, not in the constructor, and
+        # a rule between fields in neither: both are checked here (msgspec runs this on
+        # decode too), so a bad constructor call and a bad file fail with one message.
+        problem = find_field_problem(type(self), {f: getattr(self, f)
+                                                  for f in self.__struct_fields__})
+        field = problem.field if problem is not None else self._cross_field_problem()
+        if field is not None:
+            raise ConfigError(_field_error(field, getattr(self, field), self.world_size,
+                                           problem.reason if problem is not None else ""))
+
+    def _cross_field_problem(self) -> str | None:
+        """The field breaking a rule between fields (rank and pipeline stages against
+        ``world_size``), or None."""
+        if self.rank >= self.world_size:
+            return "rank"
+        if self.world_size % self.pipeline_parallel_size:
+            return "pipeline_parallel_size"
+        return None
 
     @property
     def is_kv_producer(self) -> bool:
@@ -157,11 +163,7 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
         """
         if isinstance(data, KVConnectorConfig):
             return data
-        try:
-            return msgspec.convert(data, type=cls)
-        except msgspec.ValidationError as exc:
-            msg = f"invalid connector config {data!r}: {_explain(exc)}"
-            raise ConfigError(msg) from exc
+        return _convert(data, repr(data))
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as a plain dict (the inverse of :meth:`from_dict`)."""
@@ -189,21 +191,63 @@ def load_connector_config(path: str | os.PathLike[str]) -> KVConnectorConfig:
         msg = f"cannot read connector config {os.fspath(path)!r}: {exc}"
         raise ConfigError(msg) from exc
     try:
-        return msgspec.json.decode(raw, type=KVConnectorConfig)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        msg = f"invalid connector config in {os.fspath(path)!r}: {_explain(exc)}"
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        msg = f"invalid connector config in {os.fspath(path)!r}: {exc}"
+        raise ConfigError(msg) from exc
+    return _convert(data, f"in {os.fspath(path)!r}")
+
+
+def _convert(data: Any, where: str) -> KVConnectorConfig:
+    """``data`` as a config; msgspec's error becomes a ConfigError naming ``where``."""
+    try:
+        return msgspec.convert(data, type=KVConnectorConfig)
+    except msgspec.ValidationError as exc:
+        msg = f"invalid connector config {where}: {_explain(exc, data)}"
         raise ConfigError(msg) from exc
 
 
-def _explain(exc: msgspec.MsgspecError) -> str:
-    """msgspec's message, plus the nearest valid field for an unknown one."""
-    text = str(exc)
-    unknown = re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$(?P<at>[^`]*)`)?", text)
-    if unknown is None:
-        return text
-    from kvconnector_core._suggest import did_you_mean
-
+def _explain(exc: msgspec.ValidationError, data: Any) -> str:
+    """The project's message for a config msgspec refused."""
+    if isinstance(exc.__cause__, ConfigError):  # raised by __post_init__: already worded
+        return str(exc.__cause__)
+    problem = find_field_problem(KVConnectorConfig, data)
+    if problem is None:
+        return str(exc)
     fields = KVConnectorConfig.__struct_fields__
-    where = f" at {unknown['at']}" if unknown["at"] else ""
-    return (f"unknown field {unknown[1]!r}{where}{did_you_mean(unknown[1], fields)}; "
-            f"valid fields: {', '.join(fields)}")
+    if problem.kind == "unknown":
+        return (f"unknown field {problem.field!r}{did_you_mean(problem.field, fields)}; "
+                f"valid fields: {', '.join(fields)}")
+    if problem.kind == "missing":
+        return f"missing required field {problem.field!r}; valid fields: {', '.join(fields)}"
+    return _field_error(problem.field, data[problem.field], data.get("world_size", 1),
+                        problem.reason)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {"role": KV_ROLES,
+                                        "load_failure_policy": LOAD_FAILURE_POLICIES}
+
+
+def _requirement(field: str, world_size: Any) -> str | None:
+    """What a valid value of ``field`` is, in words (None: say msgspec's reason)."""
+    return {
+        "name": "a non-empty connector name",
+        "role": f"one of {list(KV_ROLES)}",
+        "module_path": "a module import path or None",
+        "load_failure_policy": f"one of {list(LOAD_FAILURE_POLICIES)}",
+        "world_size": "a number of workers >= 1",
+        "rank": f"a worker rank in [0, {world_size}) (world_size={world_size})",
+        "pipeline_parallel_size": f">= 1 and divide world_size={world_size}",
+        "quarantine_after_raises": "a number of raises >= 1 or None (never)",
+    }.get(field)
+
+
+def _field_error(field: str, value: Any, world_size: Any, reason: str) -> str:
+    """The message for a bad value: the field, what it must be, the value and, for a
+    closed choice, the nearest valid one."""
+    requirement = _requirement(field, world_size)
+    if requirement is None:
+        return f"KVConnectorConfig.{field}={value!r} is not valid: {reason}"
+    choices = _CHOICES.get(field, ())
+    hint = did_you_mean(value, choices) if choices and isinstance(value, str) else ""
+    return f"KVConnectorConfig.{field} must be {requirement}, got {value!r}{hint}"

@@ -21,8 +21,40 @@ guard tells it through two optional scheduler-side hooks of
 - ``plan_failed(plan, loads_failed=, stores_failed=)``: the worker side could not carry
   out part of a plan; release what its loads or stores hold.
 
-Primitives: :class:`GuardedScheduler`, :class:`GuardedWorker` (in
-:mod:`kvconnector_core.connector._guard_worker`), :data:`MAX_UNDELIVERED_OUTPUTS`.
+**The worker side.** Per step the model runner calls :meth:`GuardedWorker.begin_step`,
+then the hooks of the step (each a typed method); what failed is left in three flags that
+the runner puts into the step's :class:`KVConnectorOutput`:
+
+- ``loads_failed``: the step's loads may not have run or finished (``bind_connector_metadata``,
+  ``start_load_kv`` or ``wait_for_layer_load`` raised, or which loads failed is unknown).
+  Sync loads' blocks are reported invalid by the runner; the scheduler reports the async
+  loads it planned this step as failed receives, and the scheduler side gets
+  ``plan_failed(plan, loads_failed=True)``.
+- ``stores_failed``: the step's stores may not have run or may have read blocks that
+  changed (``bind_connector_metadata``, ``handle_preemptions``, ``save_kv_layer`` or
+  ``wait_for_save`` raised), or they were computed on a failed synchronous load (below);
+  the scheduler side gets ``plan_failed(plan, stores_failed=True)`` and must never make
+  them visible.
+- ``load_errors_unknown``: ``get_block_ids_with_load_errors`` raised; every receive
+  reported finished this step is reported failed.
+
+Stores computed on a failed load. In a step with synchronous loads the forward reads the
+blocks those loads write; if a load failed, the KV the step computes on top of it is wrong,
+and so is every store of the step. So the guard learns the step's load errors *before* it
+lets the connector finish its saves: once a load hook raised, later ``save_kv_layer`` calls
+are skipped; and ``wait_for_save`` first reads ``get_block_ids_with_load_errors`` (kept for
+the step's own call of that hook, which returns them together with any later ones). When a
+load failed either way, ``wait_for_save`` is not called and the step's stores fail. A
+connector that stores in ``wait_for_save`` therefore never writes KV computed on a failed
+load, with no failure handling of its own; one that writes in ``save_kv_layer`` drops the
+step's stores in ``plan_failed`` (``stores_failed``).
+
+Both sides derive from :class:`GuardBase`: the connector, its label, the error counts,
+the quarantine and the one place where a hook's exception is caught
+(:meth:`GuardBase._contained`).
+
+Primitives: :class:`GuardBase`, :class:`GuardedScheduler`, :class:`GuardedWorker`,
+:data:`MAX_PENDING_STEPS`, :data:`MAX_UNDELIVERED_OUTPUTS`, :data:`EVENT_SNAPSHOT_ATTEMPTS`.
 """
 
 from __future__ import annotations
@@ -35,31 +67,152 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from kvconnector_core.connector._guard_base import GuardBase
-from kvconnector_core.connector._guard_worker import GuardedWorker
-from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput
+from kvconnector_core.connector.config import DEFAULT_QUARANTINE_AFTER_RAISES
+from kvconnector_core.connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorTransferResults,
+)
+from kvconnector_core.errors import ConnectorHookError
 from kvconnector_core.kv_events import AllBlocksCleared
 
 if TYPE_CHECKING:
+    import torch
+
     from kvconnector_core.connector.base import KVConnectorBase_V1
     from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.kv_events import KVCacheEvent
     from kvconnector_core.request import Request
-    from kvconnector_core.scheduler.output import SchedulerOutput
+    from kvconnector_core.scheduler.output import CachedRequestData, SchedulerOutput
 
-__all__ = ["EVENT_SNAPSHOT_ATTEMPTS", "MAX_UNDELIVERED_OUTPUTS", "GuardedScheduler", "GuardedWorker"]
+__all__ = [
+    "EVENT_SNAPSHOT_ATTEMPTS",
+    "MAX_PENDING_STEPS",
+    "MAX_UNDELIVERED_OUTPUTS",
+    "GuardBase",
+    "GuardedScheduler",
+    "GuardedWorker",
+]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)  # kvconnector_core.connector.guard, named in the docs
+T = TypeVar("T")
+D = TypeVar("D")  # the default's own type: inferring T from both would make a None default fix T
+R = TypeVar("R")
+
+MAX_PENDING_STEPS = 64
+"""Consecutive asks for which a guard answers that its connector has pending work; past
+this the engine is let go idle (logged once), so a connector that never delivers cannot
+keep it stepping forever."""
 
 EVENT_SNAPSHOT_ATTEMPTS = 4
 """Tries of ``get_event_snapshot`` per resync call before the stream carries a gap marker."""
 
-R = TypeVar("R")
-
 MAX_UNDELIVERED_OUTPUTS = 64
 """Worker reports kept for redelivery after ``update_connector_output`` raised; beyond
 this the oldest is dropped (logged, counted as ``update_connector_output.dropped``)."""
+
+_LOADS_FAIL = "the step's loads fail"
+_STORES_FAIL = "the step's stores fail"
+_NEXT_STEP = "the connector reports it next step"
+
+
+class GuardBase:
+    """A connector (one role) behind the failure contract.
+
+    Args:
+        connector: the connector instance.
+        label: names the connector in log lines and errors (default: its ``name``).
+        errors: the dict to count errors in (hook name -> count); default: a new one.
+    """
+
+    def __init__(self, connector: KVConnectorBase_V1, *, label: str | None = None,
+                 errors: dict[str, int] | None = None) -> None:
+        self.connector = connector
+        self.label = label or connector.name
+        self.errors: dict[str, int] = {} if errors is None else errors
+        """Per hook name, how many times the connector raised (contained)."""
+        self._pending_asks = 0
+        config = getattr(connector, "config", None)
+        self.quarantine_after: int | None = getattr(config, "quarantine_after_raises",
+                                                    DEFAULT_QUARANTINE_AFTER_RAISES)
+        """Raises in a row of one hook after which the connector is quarantined (None: never)."""
+        self.quarantined = False
+        """Set once one hook raised ``quarantine_after`` times in a row; never cleared."""
+        self._streaks: dict[str, int] = {}  # hook -> raises in a row
+        # Hooks that raised since the last step began: the worker's hot hooks inline their
+        # try (no per-call success bookkeeping), so their streaks end at the next step
+        # in which they did not raise (GuardedWorker.begin_step).
+        self._raised_now: set[str] = set()
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine should run another step for this connector: the guard's own
+        redeliveries (:meth:`_own_pending`) or the connector's ``has_pending_work`` (a
+        raise counts as no). After :data:`MAX_PENDING_STEPS` consecutive yeses, no."""
+        # optional: connectors older than the hook lack it
+        hook = getattr(self.connector, "has_pending_work", None)
+        pending = self._own_pending() or (hook is not None and bool(
+            self._contained("has_pending_work", "taken as no", hook, False)[0]))
+        self._pending_asks = self._pending_asks + 1 if pending else 0
+        if self._pending_asks == MAX_PENDING_STEPS + 1:
+            logger.error("connector %s: still has pending work after %d steps; the engine may "
+                         "go idle", self.label, MAX_PENDING_STEPS)
+        return pending and self._pending_asks <= MAX_PENDING_STEPS
+
+    def _own_pending(self) -> bool:
+        """What the guard itself still has to deliver (subclasses)."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.label}>"
+
+    def _count(self, hook: str) -> None:
+        self.errors[hook] = self.errors.get(hook, 0) + 1
+
+    def _contained(self, hook: str, consequence: str, call: Callable[[], T],
+                   default: D) -> tuple[T | D, bool]:
+        """Run one hook call; on an exception log it (naming the connector, the hook and
+        ``consequence``), count it and return ``(default, False)``."""
+        try:
+            result = call()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised(hook, consequence)
+            return default, False
+        if self._streaks:
+            self._streaks.pop(hook, None)
+        return result, True
+
+    def _note_raise(self, hook: str) -> None:
+        """Quarantine the connector once ``hook`` raised ``quarantine_after`` times in a row
+        (for the worker's per-step hooks: in consecutive steps; see ``_raised_now``)."""
+        streak = self._streaks[hook] = self._streaks.get(hook, 0) + 1
+        if self.quarantined or self.quarantine_after is None or streak < self.quarantine_after:
+            return
+        self.quarantined = True
+        self._count("quarantined")
+        logger.error("connector %s quarantined: %s raised %d times in a row; no more loads or "
+                     "stores go through it", self.label, hook, streak)
+
+    def _raised(self, hook: str, consequence: str) -> None:
+        """Log (with the traceback) and count the exception being handled; called from
+        the ``except`` block of a hot hook that inlines its ``try`` instead of building a
+        closure for :meth:`_contained` (the per-layer and per-step hooks)."""
+        logger.exception("connector %s raised in %s; %s", self.label, hook, consequence)
+        self._count(hook)
+        self._raised_now.add(hook)
+        self._note_raise(hook)
+
+    def _not_contained(self, hook: str, call: Callable[[], None]) -> None:
+        """Run a setup hook whose failure means misconfiguration.
+
+        Raises:
+            ConnectorHookError: the hook raised (the original is the cause).
+        """
+        try:
+            call()
+        except Exception as exc:
+            msg = f"connector {self.label} raised in {hook}: {type(exc).__name__}: {exc}"
+            raise ConnectorHookError(msg, self.label, hook) from exc
 
 
 def _replace(record: R, **changes: Any) -> R:
@@ -72,6 +225,21 @@ def _replace(record: R, **changes: Any) -> R:
     view: Any = record  # duck-typed: any record with a ``replace`` method
     replaced: R = view.replace(**changes)
     return replaced
+
+
+def _cached_without(cached: CachedRequestData, hidden: set[str]) -> CachedRequestData:
+    """``cached`` without the rows of the ``hidden`` requests (its columns are parallel
+    lists; an optional column left empty by the engine stays empty)."""
+    keep = [i for i, r in enumerate(cached.req_ids) if r not in hidden]
+
+    def rows(column: list[Any]) -> list[Any]:
+        return [column[i] for i in keep] if column else []
+
+    return _replace(
+        cached, req_ids=rows(cached.req_ids), resumed_req_ids=cached.resumed_req_ids - hidden,
+        new_token_ids=rows(cached.new_token_ids), new_block_ids=rows(cached.new_block_ids),
+        num_computed_tokens=rows(cached.num_computed_tokens),
+        num_output_tokens=rows(cached.num_output_tokens))
 
 
 class GuardedScheduler(GuardBase):
@@ -131,7 +299,8 @@ class GuardedScheduler(GuardBase):
         Raises:
             ConnectorHookError: the hook raised (the original is the cause).
         """
-        self._not_contained("bind_gpu_block_pool", lambda: self.connector.bind_gpu_block_pool(gpu_block_pool))
+        self._not_contained("bind_gpu_block_pool",
+                            lambda: self.connector.bind_gpu_block_pool(gpu_block_pool))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -198,7 +367,8 @@ class GuardedScheduler(GuardBase):
         try:
             plan = self.connector.build_connector_meta(shown)
         except Exception:  # noqa: BLE001 - containing it is the contract
-            self._raised("build_connector_meta", "no plan this step; the step's requests are forgotten")
+            self._raised("build_connector_meta",
+                         "no plan this step; the step's requests are forgotten")
             self.forget_requests([*(r.req_id for r in so.scheduled_new_reqs),
                                   *so.scheduled_cached_reqs.req_ids, *so.preempted_req_ids])
             return None
@@ -212,25 +382,17 @@ class GuardedScheduler(GuardBase):
         hidden = self.detached
         cached = so.scheduled_cached_reqs
         if not hidden or not (any(n.req_id in hidden for n in so.scheduled_new_reqs)
-                              or any(r in hidden for r in cached.req_ids)):
+                              or not hidden.isdisjoint(cached.req_ids)):
             return so
-        keep = [i for i, r in enumerate(cached.req_ids) if r not in hidden]
-        shown = _replace(
-            cached,
-            req_ids=[cached.req_ids[i] for i in keep],
-            resumed_req_ids=cached.resumed_req_ids - hidden,
-            new_token_ids=[cached.new_token_ids[i] for i in keep] if cached.new_token_ids else [],
-            new_block_ids=[cached.new_block_ids[i] for i in keep],
-            num_computed_tokens=[cached.num_computed_tokens[i] for i in keep],
-            num_output_tokens=[cached.num_output_tokens[i] for i in keep] if cached.num_output_tokens else [],
-        )
         num_scheduled = {r: n for r, n in so.num_scheduled_tokens.items() if r not in hidden}
         return _replace(
             so, scheduled_new_reqs=[n for n in so.scheduled_new_reqs if n.req_id not in hidden],
-            scheduled_cached_reqs=shown, num_scheduled_tokens=num_scheduled,
+            scheduled_cached_reqs=_cached_without(cached, hidden),
+            num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()))
 
-    def plan_failed(self, plan: KVConnectorMetadata, *, loads_failed: bool, stores_failed: bool) -> None:
+    def plan_failed(self, plan: KVConnectorMetadata, *, loads_failed: bool,
+                    stores_failed: bool) -> None:
         """Tell the connector the worker could not carry out part of ``plan`` (retried
         until it succeeds, see :meth:`_run_repairs`)."""
         self._repairs.append(("plan_failed", lambda: self.connector.plan_failed(
@@ -265,8 +427,9 @@ class GuardedScheduler(GuardBase):
         self._undelivered.append(connector_output)
         while self._undelivered:
             report = self._undelivered[0]
-            _, ok = self._contained("update_connector_output", "the report is delivered again next step",
-                                    functools.partial(self.connector.update_connector_output, report), None)
+            _, ok = self._contained(
+                "update_connector_output", "the report is delivered again next step",
+                functools.partial(self.connector.update_connector_output, report), None)
             if not ok:
                 break
             self._undelivered.pop(0)
@@ -283,7 +446,8 @@ class GuardedScheduler(GuardBase):
         try:
             answer = self.connector.request_finished(request, block_ids)
         except Exception:  # noqa: BLE001 - containing it is the contract
-            self._raised("request_finished", "blocks freed now; its pending stores never become visible")
+            self._raised("request_finished",
+                         "blocks freed now; its pending stores never become visible")
             self.forget_requests((rid,))
             answer = (False, None)
         else:
@@ -389,6 +553,246 @@ class GuardedScheduler(GuardBase):
         result, _ = self._contained("reset_cache", "the prefix-cache reset is refused",
                                     self.connector.reset_cache, False)
         return result is not False
+
+    def shutdown(self) -> None:
+        """Shut the connector down (not contained: the caller collects failures)."""
+        self.connector.shutdown()
+
+
+class GuardedWorker(GuardBase):
+    """A worker-side connector behind the failure contract; one typed method per hook.
+
+    Args:
+        connector: the worker-role connector.
+        label: names the connector in log lines and errors (default: its ``name``).
+        errors: the dict to count errors in (hook name -> count); default: a new one.
+    """
+
+    def __init__(self, connector: KVConnectorBase_V1, *, label: str | None = None,
+                 errors: dict[str, int] | None = None) -> None:
+        super().__init__(connector, label=label, errors=errors)
+        self.loads_failed = False
+        """This step's loads may not have run (reset by :meth:`begin_step`)."""
+        self.stores_failed = False
+        """This step's stores may not have run or read changed blocks (reset each step)."""
+        self.load_errors_unknown = False
+        """``get_block_ids_with_load_errors`` raised this step: which loads failed is unknown."""
+        self._has_plan = False
+        self._sync_loads = True  # whether this step may have synchronous loads (begin_step)
+        self._skip_saves = False  # the engine says this step computes on a failed load
+        # load errors read before wait_for_save, returned with the step's own call
+        self._early_errors: set[int] = set()
+        # finished_req_ids a raising get_transfer_results did not take: passed again.
+        self._unseen_finished: set[str] = set()
+        self._uncleared = False  # clear_connector_metadata raised: the plan is still bound
+        # The optional vLLM hook (not on the base class), looked up once, not every step.
+        self._events_hook = getattr(connector, "get_kv_connector_kv_cache_events", None)
+
+    @property
+    def uses_layer_hooks(self) -> bool:
+        """False when the connector declares its per-layer hooks do nothing: the runner
+        then skips ``wait_for_layer_load`` / ``save_kv_layer`` (two calls per layer per
+        step); a hook that is never called cannot fail, so the contract is unchanged."""
+        return bool(getattr(self.connector, "uses_layer_hooks", True))
+
+    @property
+    def has_sync_kv_loads(self) -> bool:
+        """The connector's capability (read on the instance)."""
+        return bool(self.connector.has_sync_kv_loads)
+
+    def _own_pending(self) -> bool:
+        """Finished request ids a raising ``get_transfer_results`` did not take yet, or a
+        plan ``clear_connector_metadata`` could not unbind (the next bind replaces it)."""
+        return bool(self._unseen_finished) or self._uncleared
+
+    def begin_step(self, *, sync_loads: bool = True, skip_saves: bool = False) -> None:
+        """Reset the per-step failure flags; a quarantined connector's loads and stores
+        fail every step (the scheduler recomputes and drops them).
+
+        Args:
+            sync_loads: whether the step may have synchronous loads (the forward then
+                reads blocks being loaded, and a failed load fails the step's stores);
+                True when unknown.
+            skip_saves: the engine knows this step computes on a failed load already
+                (vLLM's async scheduling runs a step planned before an earlier step's
+                failure was known): no save hook is called and the stores fail.
+        """
+        self.loads_failed = self.stores_failed = self.quarantined
+        self._sync_loads = sync_loads
+        self._skip_saves = skip_saves
+        self._early_errors = set()
+        if self._streaks:  # a hook that did not raise in the last step ends its streak
+            for hook in [h for h in self._streaks if h not in self._raised_now]:
+                del self._streaks[hook]
+        self._raised_now.clear()
+        self.load_errors_unknown = False
+        self._has_plan = False
+
+    # ------------------------------------------------------------------ hooks
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Give the connector the KV tensors; not contained (a startup error).
+
+        Raises:
+            ConnectorHookError: the hook raised (the original is the cause).
+        """
+        self._not_contained("register_kv_caches",
+                            lambda: self.connector.register_kv_caches(kv_caches))
+
+    def bind_connector_metadata(self, plan: KVConnectorMetadata) -> bool:
+        """Bind the step's plan; False when it raised (the whole plan failed: the step's
+        loads and stores are skipped and reported failed)."""
+        try:
+            self.connector.bind_connector_metadata(plan)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("bind_connector_metadata", "the step's loads and stores fail")
+            self._has_plan = False
+            self.loads_failed = self.stores_failed = True
+            return False
+        self._has_plan = True
+        return True
+
+    def handle_preemptions(self, plan: KVConnectorMetadata) -> None:
+        """Let the connector flush preempted requests' stores (called even when the bind
+        failed: the plan is the argument). A raise fails the step's stores."""
+        try:
+            self.connector.handle_preemptions(plan)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("handle_preemptions", _STORES_FAIL)
+            self.stores_failed = True
+
+    def start_load_kv(self, forward_context: Any = None) -> None:
+        """Start the step's loads; skipped without a bound plan. A raise fails them."""
+        if self._has_plan:
+            try:
+                self.connector.start_load_kv(forward_context)
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("start_load_kv", _LOADS_FAIL)
+                self.loads_failed = True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait for one layer's loads; a raise fails the step's loads (later layers skip it)."""
+        if self._has_plan and not self.loads_failed:
+            try:
+                self.connector.wait_for_layer_load(layer_name)
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("wait_for_layer_load", _LOADS_FAIL)
+                self.loads_failed = True
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any = None) -> None:
+        """Save one layer; a raise fails the step's stores (later layers are not saved).
+        Skipped once a synchronous load of the step failed (the layer holds KV computed
+        on it)."""
+        if self._skip_saves or (self.loads_failed and self._sync_loads):
+            self.stores_failed = True
+        elif self._has_plan and not self.stores_failed:
+            try:
+                self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata)
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("save_kv_layer", _STORES_FAIL)
+                self.stores_failed = True
+
+    def _saves_poisoned(self) -> bool:
+        """A synchronous load of this step failed, so what the step computed is wrong."""
+        return self._skip_saves or (
+            self._sync_loads and (self.loads_failed or bool(self._early_errors)))
+
+    def wait_for_save(self) -> None:
+        """End the step's saves (run even after a failed save_kv_layer: the connector may
+        keep bookkeeping there); a raise fails the step's stores. In a step with
+        synchronous loads the load errors are read first, and when a load failed the
+        hook is not called: the step's stores fail (see the module)."""
+        if self._has_plan and self._sync_loads and not self.loads_failed:
+            self._early_errors = self._read_load_errors()
+        if self._saves_poisoned():
+            self.stores_failed = True
+        elif self._has_plan:
+            try:
+                self.connector.wait_for_save()
+            except Exception:  # noqa: BLE001 - containing it is the contract
+                self._raised("wait_for_save", _STORES_FAIL)
+                self.stores_failed = True
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished and failed transfers; empty on a raise (a connector keeps what it did
+        not return and reports it next step; the guard passes the step's
+        ``finished_req_ids`` again next time, so no delayed free is lost)."""
+        finished = (self._unseen_finished | finished_req_ids if self._unseen_finished
+                    else finished_req_ids)
+        try:
+            results = self.connector.get_transfer_results(finished)
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_transfer_results", _NEXT_STEP)
+            self._unseen_finished = set(finished)
+            return KVConnectorTransferResults()
+        if self._unseen_finished:
+            self._unseen_finished = set()
+        if not (results.finished_sending or results.finished_recving or results.failed_recving):
+            return KVConnectorTransferResults()  # most steps: nothing to copy
+        return KVConnectorTransferResults(
+            finished_sending=set(results.finished_sending),
+            finished_recving=set(results.finished_recving),
+            failed_recving=set(results.failed_recving) & set(results.finished_recving),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed (with those read before ``wait_for_save``). On a raise
+        this is unknown: the step's loads fail and :attr:`load_errors_unknown` is set."""
+        errors = self._read_load_errors()
+        if self._early_errors:
+            errors |= self._early_errors
+            self._early_errors = set()
+        return errors
+
+    def _read_load_errors(self) -> set[int]:
+        try:
+            return set(self.connector.get_block_ids_with_load_errors())
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_block_ids_with_load_errors", "this step's loads count as failed")
+            self.loads_failed = self.load_errors_unknown = True
+            return set()
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The step's stats; None on a raise."""
+        try:
+            stats = self.connector.get_kv_connector_stats()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_kv_connector_stats", "no stats this step")
+            return None
+        return stats if isinstance(stats, dict) and stats else None
+
+    def get_kv_connector_kv_cache_events(self) -> list[Any]:
+        """Worker-side events of connectors that define this optional vLLM hook; [] on a raise."""
+        hook = self._events_hook
+        if hook is None:
+            return []
+        try:
+            events = hook()
+            return list(events) if events else []
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("get_kv_connector_kv_cache_events", "events lost")
+            return []
+
+    def build_connector_worker_meta(self) -> Any:
+        """Records for the scheduler side; None on a raise (a connector keeps what it did
+        not return and reports it next step)."""
+        try:
+            return self.connector.build_connector_worker_meta()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("build_connector_worker_meta", _NEXT_STEP)
+            return None
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind the plan; a raise is counted (the next bind replaces the plan)."""
+        try:
+            self.connector.clear_connector_metadata()
+        except Exception:  # noqa: BLE001 - containing it is the contract
+            self._raised("clear_connector_metadata", "the next bind replaces the plan")
+            self._uncleared = True
+        else:
+            self._uncleared = False
+        self._has_plan = False
 
     def shutdown(self) -> None:
         """Shut the connector down (not contained: the caller collects failures)."""

@@ -24,35 +24,22 @@ Primitives: :class:`ConnectorSettings`, :func:`convert_settings`.
 
 from __future__ import annotations
 
-import re
-import typing
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from kvconnector_core._suggest import did_you_mean
+from kvconnector_core.connector.validation import FieldProblem, field_choices, find_field_problem
 from kvconnector_core.errors import ConfigError
 
 __all__ = ["ConnectorSettings", "convert_settings"]
 
 S = TypeVar("S", bound=msgspec.Struct)
 
-# msgspec ends a validation message with " - at `$.key...`"; the key is what we report.
-_AT = re.compile(r"^(?P<reason>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.DOTALL)
-
 
 class ConnectorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base class of a connector's settings (keyword-only, unknown keys rejected)."""
-
-
-def _literal_choices(settings_type: type, key: str) -> tuple[Any, ...]:
-    """The allowed values of ``key`` when it is typed as a ``Literal`` or a bool (as JSON
-    writes them; ``"true"``/``"false"`` strings convert too), else ``()``."""
-    hint = typing.get_type_hints(settings_type).get(key)
-    if hint is bool:
-        return ("true", "false")
-    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
 def convert_settings(connector: str, settings_type: type[S], extra_config: Mapping[str, Any]) -> S:
@@ -71,28 +58,27 @@ def convert_settings(connector: str, settings_type: type[S], extra_config: Mappi
             or a value of the wrong type or out of bounds; the message names the connector
             and the key.
     """
-    valid = settings_type.__struct_fields__
-    for key in extra_config:
-        if key not in valid:
-            msg = (f"{connector}: unknown extra_config key {key!r}{did_you_mean(str(key), valid)}; "
-                   f"valid keys: {', '.join(valid) or 'none'}")
-            raise ConfigError(msg)
     try:
         return msgspec.convert(dict(extra_config), type=settings_type, strict=False)
     except msgspec.ValidationError as exc:
-        match = _AT.match(str(exc))
-        reason = match["reason"] if match else str(exc)
-        key = (match["path"] or "") if match else ""
-        missing = re.search(r"missing required field `([^`]+)`", reason)
-        if missing:
-            msg = f"{connector}: extra_config needs {missing[1]!r}; valid keys: {', '.join(valid)}"
-            raise ConfigError(msg) from None
-        if key and key.split(".")[0].split("[")[0] in extra_config:
-            root = key.split(".")[0].split("[")[0]
-            choices = _literal_choices(settings_type, root)
-            hint = f"; valid: {', '.join(map(str, choices))}" if choices else ""
-            msg = (f"{connector}: extra_config {key}={extra_config[root]!r} is not valid: "
-                   f"{reason}{hint}")
-        else:
-            msg = f"{connector}: extra_config is not valid: {reason}"
+        problem = find_field_problem(settings_type, extra_config, strict=False)
+        msg = (f"{connector}: extra_config is not valid: {exc}" if problem is None
+               else _explain(connector, settings_type, extra_config, problem))
         raise ConfigError(msg) from None
+
+
+def _explain(connector: str, settings_type: type[msgspec.Struct],
+             extra_config: Mapping[str, Any], problem: FieldProblem) -> str:
+    """The message for one bad key: it names the key, its value and the valid choices."""
+    key = problem.field
+    valid = ", ".join(settings_type.__struct_fields__)
+    if problem.kind == "unknown":
+        close = did_you_mean(key, settings_type.__struct_fields__)
+        return (f"{connector}: unknown extra_config key {key!r}{close}; "
+                f"valid keys: {valid or 'none'}")
+    if problem.kind == "missing":
+        return f"{connector}: extra_config needs {key!r}; valid keys: {valid}"
+    choices = field_choices(settings_type, key)
+    hint = f"; valid: {', '.join(map(str, choices))}" if choices else ""
+    return (f"{connector}: extra_config {key}={extra_config[key]!r} is not valid: "
+            f"{problem.reason}{hint}")

@@ -1,8 +1,7 @@
 """Records of the connector registry: registered classes, plugins, plugin failures.
 
-Private to the registry (re-exported by :mod:`kvconnector_core.connector.registry`).
-
-Primitives: ConnectorEntry, PluginRecord, PluginFailure, plugin_record.
+Primitives: :class:`ConnectorEntry`, :class:`PluginRecord`, :class:`PluginFailure`,
+:data:`DIRECT`, :func:`plugin_record`.
 """
 
 from __future__ import annotations
@@ -92,7 +91,8 @@ class PluginFailure:
 
 
 def plugin_record(ep: importlib.metadata.EntryPoint) -> PluginRecord:
-    """The record of an entry point (its distribution and version when its metadata is readable)."""
+    """The record of an entry point (with its distribution and version when its metadata
+    is readable)."""
     dist = getattr(ep, "dist", None)
     dist_name = version = None
     if dist is not None:

@@ -1,13 +1,14 @@
-"""Which plugins may load, and running third-party plugin code so it cannot take the process down.
+"""Which plugins may load, and running plugin code so that it cannot take the process down.
 
-Private to the registry. :class:`PluginPolicy` holds the allow/deny lists (entry-point,
+:class:`PluginPolicy` holds the allow/deny lists (entry-point,
 distribution or module names, PEP 503-normalised) and answers both questions the
 registry asks: may this entry point load, and may this ``module_path`` be imported. The
 module check reads installed metadata only, so a denied module (or any package above it)
 is never imported. :func:`run_contained` runs plugin code and turns whatever it raises,
 ``SystemExit`` and other ``BaseException`` included, into a recorded error.
 
-Primitives: PluginPolicy, run_contained, normalize.
+Primitives: :class:`PluginPolicy`, :func:`run_contained`, :func:`normalize`,
+:data:`ENV_PLUGINS_ALLOW`, :data:`ENV_PLUGINS_DENY`, :data:`BUILTIN_PACKAGES`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ T = TypeVar("T")
 
 
 def normalize(name: str) -> str:
-    """Normalise a distribution, entry-point or module name (PEP 503) for allow/deny matching."""
+    """Normalise a distribution, entry-point or module name (PEP 503) for allow/deny lists."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
@@ -67,10 +68,21 @@ class PluginPolicy:
     denied: frozenset[str] = frozenset()
 
     @classmethod
-    def resolve(cls, allow: Iterable[str] | None = None, deny: Iterable[str] | None = None) -> PluginPolicy:
-        """The lists given, or else ``$KVCONNECTOR_PLUGINS_ALLOW`` / ``$KVCONNECTOR_PLUGINS_DENY``."""
-        allowed = frozenset(map(normalize, allow)) if allow is not None else _env_names(ENV_PLUGINS_ALLOW)
-        denied = frozenset(map(normalize, deny)) if deny is not None else (_env_names(ENV_PLUGINS_DENY) or frozenset())
+    def resolve(cls, allow: Iterable[str] | None = None,
+                deny: Iterable[str] | None = None) -> PluginPolicy:
+        """The lists given, or else ``$KVCONNECTOR_PLUGINS_ALLOW`` / ``$KVCONNECTOR_PLUGINS_DENY``.
+
+        Args:
+            allow: third-party plugins allowed to load (None: the environment's list).
+            deny: plugins that must not load (None: the environment's list).
+
+        Returns:
+            The normalised policy.
+        """
+        allowed = (frozenset(map(normalize, allow)) if allow is not None
+                   else _env_names(ENV_PLUGINS_ALLOW))
+        denied = (frozenset(map(normalize, deny)) if deny is not None
+                  else (_env_names(ENV_PLUGINS_DENY) or frozenset()))
         return cls(allowed, denied)
 
     def exclusion(self, names: Iterable[str], *, is_builtin: bool) -> str | None:
@@ -106,8 +118,9 @@ class PluginPolicy:
         where = f"distribution {', '.join(sorted(dists))}" if dists else "no installed distribution"
         if reason.startswith("denied"):
             hit = sorted(normalize(n) for n in names if normalize(n) in self.denied)
-            msg = (f"connector module_path {module_path!r} ({where}) is {reason} (matches {', '.join(hit)}); "
-                   f"it was not imported: remove it from {ENV_PLUGINS_DENY} or use another connector")
+            msg = (f"connector module_path {module_path!r} ({where}) is {reason} (matches "
+                   f"{', '.join(hit)}); it was not imported: remove it from {ENV_PLUGINS_DENY} "
+                   f"or use another connector")
         else:
             msg = (f"connector module_path {module_path!r} ({where}) is {reason} "
                    f"({', '.join(sorted(self.allowed or ()))}); it was not imported: add "
