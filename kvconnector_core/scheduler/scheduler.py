@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvconnector_core.connector.config import LOAD_FAILURE_POLICIES
 from kvconnector_core.connector.guard import GuardedScheduler
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LOAD_FAILURE_POLICIES", "Scheduler"]
 
-LOAD_FAILURE_POLICIES = ("recompute", "fail")
 """What to do with a request whose KV load failed: recompute from its first bad block, or fail."""
 
 
