@@ -55,7 +55,7 @@ from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.kv_cache.kv_cache_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec
-from kvconnector_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvconnector_core.scheduler.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from kvconnector_core.worker._batch import _GroupBuilder, _RequestState
 from kvconnector_core.worker.kv_cache import KVCacheTensors, allocate_kv_caches
 from kvconnector_core.worker.model import (
@@ -138,32 +138,39 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             old = self.requests.get(new.req_id)
             # A re-sent request keeps the tokens it sampled if they extend the prompt.
-            keep = old is not None and old.token_ids[:len(new.prompt_token_ids)] == new.prompt_token_ids
-            tokens = old.token_ids if keep and old is not None else list(new.prompt_token_ids)
+            prompt = new.prompt_token_ids
+            keep = old is not None and old.token_ids[:len(prompt)] == prompt
+            tokens = old.token_ids if keep and old is not None else list(prompt)
             self.requests[new.req_id] = _RequestState(
-                new.req_id, tokens, len(new.prompt_token_ids), [list(b) for b in new.block_ids])
+                new.req_id, tokens, len(prompt), [list(b) for b in new.block_ids])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
             if state is None:
                 msg = f"cached request {req_id!r} was never sent as a new request to the worker"
                 raise InvariantError(msg)
-            resumed = req_id in cached.resumed_req_ids
-            if cached.new_token_ids and cached.new_token_ids[i]:
-                if resumed:
-                    state.token_ids = list(cached.new_token_ids[i])
-                else:
-                    state.token_ids.extend(cached.new_token_ids[i])
-            if cached.num_output_tokens:
-                # The scheduler discards a step's sample when that step's sync load failed.
-                del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i]:]
-            new_blocks = cached.new_block_ids[i]
-            if new_blocks is not None:
-                if resumed:
-                    state.block_ids = [list(b) for b in new_blocks]
-                else:
-                    for group_ids, added in zip(state.block_ids, new_blocks):
-                        group_ids.extend(added)
+            self._update_cached(state, cached, i)
+
+    @staticmethod
+    def _update_cached(state: _RequestState, cached: CachedRequestData, i: int) -> None:
+        """Apply entry ``i`` of a step's cached-request data to one request's state."""
+        resumed = state.req_id in cached.resumed_req_ids
+        if cached.new_token_ids and cached.new_token_ids[i]:
+            if resumed:
+                state.token_ids = list(cached.new_token_ids[i])
+            else:
+                state.token_ids.extend(cached.new_token_ids[i])
+        if cached.num_output_tokens:
+            # The scheduler discards a step's sample when that step's sync load failed.
+            del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i]:]
+        new_blocks = cached.new_block_ids[i]
+        if new_blocks is None:
+            return
+        if resumed:
+            state.block_ids = [list(b) for b in new_blocks]
+            return
+        for group_ids, added in zip(state.block_ids, new_blocks):
+            group_ids.extend(added)
 
     def _scheduled(self, so: SchedulerOutput) -> list[tuple[_RequestState, int, int]]:
         """``(state, num_computed_tokens, num_scheduled)`` of every request with work."""
@@ -304,6 +311,16 @@ class ModelRunner:
             loads_failed=connector.loads_failed, stores_failed=connector.stores_failed,
         )
 
+    def _block_holders(self) -> dict[int, int]:
+        """How many requests hold each block (the runner's state is already updated)."""
+        holders: dict[int, int] = {}
+        for state in self.requests.values():
+            if state.req_id in self._preempted:
+                continue  # its blocks were freed (and may be this step's load targets)
+            for block_id in {b for group_ids in state.block_ids for b in group_ids}:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        return holders
+
     def _blocks_of_loaded_prefixes(self, so: SchedulerOutput) -> set[int]:
         """Blocks a failed sync load may have been writing.
 
@@ -324,13 +341,7 @@ class ModelRunner:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_ids is not None:
                 admitted.append((req_id, cached.num_computed_tokens[i], new_ids))
-        # How many requests hold each block (the runner's state is already updated).
-        holders: dict[int, int] = {}
-        for state in self.requests.values():
-            if state.req_id in self._preempted:
-                continue  # its blocks were freed (and may be this step's load targets)
-            for block_id in {b for group_ids in state.block_ids for b in group_ids}:
-                holders[block_id] = holders.get(block_id, 0) + 1
+        holders = self._block_holders()
         bad: set[int] = set()
         for _, num_computed, block_ids in admitted:
             if num_computed <= 0:
