@@ -101,10 +101,21 @@ from kvconnector_core.kv_events import (
     to_external_hash,
 )
 from kvconnector_core.request import Request, RequestStatus, lora_name_of
-from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput, yield_req_data
+from kvconnector_core.scheduler.output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    yield_req_data,
+)
 
 if TYPE_CHECKING:
-    from kvconnector_core.engine.engine import Engine, EngineConfig, RequestOutput, RunMetrics, RunResult
+    from kvconnector_core.engine.engine import (
+        Engine,
+        EngineConfig,
+        RequestOutput,
+        RunMetrics,
+        RunResult,
+    )
     from kvconnector_core.engine.models import MODEL_PRESETS, get_model
     from kvconnector_core.engine.workloads import (
         WORKLOADS,

@@ -258,7 +258,8 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 

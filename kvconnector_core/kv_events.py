@@ -2,7 +2,8 @@
 
 The structs match vLLM 0.33's ``vllm.distributed.kv_events`` field for field
 and in the same order, with the same msgspec options (batches encode as arrays,
-events as maps tagged ``"type": <class name>``, None-defaults omitted), so a consumer written for vLLM's event stream
+events as maps tagged ``"type": <class name>``, None-defaults omitted), so a consumer
+written for vLLM's event stream
 decodes ours unchanged and vice versa.
 
 Unlike vLLM's offloading events, ours are *self-describing*: every
@@ -105,7 +106,8 @@ class BlockStored(KVCacheEvent):
     def __hash__(self) -> int:
         # Hashable like vLLM's, so aggregators can count identical events from workers.
         return hash((
-            tuple(self.block_hashes), self.parent_block_hash, tuple(self.token_ids), self.block_size,
+            tuple(self.block_hashes), self.parent_block_hash, tuple(self.token_ids),
+            self.block_size,
             self.lora_id, self.medium, self.lora_name,
             tuple(self.extra_keys) if self.extra_keys else None, self.group_idx,
             self.kv_cache_spec_kind, self.kv_cache_spec_sliding_window,

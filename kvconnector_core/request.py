@@ -100,7 +100,8 @@ class Request:
         eos_token_id: int | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
-            raise ConfigError(f"request {request_id!r}: prompt_token_ids is empty; give at least one token")
+            raise ConfigError(
+                f"request {request_id!r}: prompt_token_ids is empty; give at least one token")
         if max_tokens < 1:
             raise ConfigError(f"request {request_id!r}: max_tokens={max_tokens}; must be >= 1")
         self.request_id = request_id

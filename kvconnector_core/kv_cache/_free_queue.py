@@ -20,7 +20,8 @@ class KVCacheBlock:
     free queue can unlink any block in O(1) when a cache hit revives it.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block",
+                 "is_null")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

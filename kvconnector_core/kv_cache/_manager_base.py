@@ -114,7 +114,10 @@ class SingleTypeKVCacheManager:
         return num_new + num_evictable
 
     def save_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], total_computed_tokens: int = 0
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int = 0,
     ) -> None:
         """Add local cache hits to a new request's table, taking a reference on each.
 
@@ -134,7 +137,9 @@ class SingleTypeKVCacheManager:
         # Hits are cached already: caching resumes after them.
         self.num_cached_block[request_id] = len(self.req_to_blocks[request_id])
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int
+    ) -> list[KVCacheBlock]:
         """Grow the request's table to cover ``num_tokens`` tokens; return the new blocks.
 
         Positions the request will never read (before its window) get the null
@@ -154,7 +159,8 @@ class SingleTypeKVCacheManager:
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Put the request's full blocks among its first ``num_tokens`` tokens in the prefix cache."""
+        """Put the request's full blocks among its first ``num_tokens`` tokens in the prefix
+        cache."""
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
         hashable_tokens = len(request.block_hashes) * self.block_pool.hash_block_size

@@ -123,7 +123,8 @@ class BlockPool:
         medium: str = MEDIUM_GPU,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ConfigError(f"num_blocks={num_blocks!r}; need an int >= 2 (block 0 is the null block)")
+            raise ConfigError(
+                f"num_blocks={num_blocks!r}; need an int >= 2 (block 0 is the null block)")
         if hash_block_size < 1:
             raise ConfigError(f"hash_block_size={hash_block_size}; must be >= 1")
         self.num_gpu_blocks = num_blocks
@@ -193,7 +194,8 @@ class BlockPool:
         if len(hashes) < num_full_blocks * scale:
             raise InvariantError(
                 f"request {request.request_id!r} has {len(hashes)} block hashes; "
-                f"caching {num_full_blocks} blocks of {block_size} tokens needs {num_full_blocks * scale}"
+                f"caching {num_full_blocks} blocks of {block_size} tokens needs "
+                f"{num_full_blocks * scale}"
             )
         new_hashes: list[ExternalBlockHash] | None = [] if self.enable_kv_cache_events else None
         extra_keys: list[tuple[Any, ...] | None] = []
@@ -215,7 +217,9 @@ class BlockPool:
         if new_hashes:
             parent_idx = num_cached_blocks * scale - 1
             parent = to_external_hash(hashes[parent_idx]) if parent_idx >= 0 else None
-            tokens = request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+            tokens = request.all_token_ids[
+                num_cached_blocks * block_size : num_full_blocks * block_size
+            ]
             self.kv_event_queue.append(
                 BlockStored(
                     block_hashes=new_hashes,

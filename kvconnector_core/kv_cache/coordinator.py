@@ -36,7 +36,8 @@ __all__ = [
 BlockLists = tuple[list[KVCacheBlock], ...]
 
 
-def check_block_sizes(scheduler_block_size: int, hash_block_size: int, group_block_sizes: Sequence[int]) -> None:
+def check_block_sizes(scheduler_block_size: int, hash_block_size: int,
+                      group_block_sizes: Sequence[int]) -> None:
     """Validate the block-size relations the coordinator relies on.
 
     ``scheduler_block_size`` must be a positive multiple of ``hash_block_size``
@@ -50,7 +51,8 @@ def check_block_sizes(scheduler_block_size: int, hash_block_size: int, group_blo
 
     def fail(msg: str) -> None:
         raise BlockSizeError(
-            f"{msg} (scheduler_block_size={scheduler_block_size}, hash_block_size={hash_block_size}, "
+            f"{msg} (scheduler_block_size={scheduler_block_size}, "
+            f"hash_block_size={hash_block_size}, "
             f"group block sizes={list(sizes)})",
             scheduler_block_size, hash_block_size, sizes,
         )
@@ -58,10 +60,12 @@ def check_block_sizes(scheduler_block_size: int, hash_block_size: int, group_blo
     if scheduler_block_size < 1 or hash_block_size < 1:
         fail("block sizes must be >= 1")
     if scheduler_block_size % hash_block_size:
-        fail(f"scheduler_block_size {scheduler_block_size} is not a multiple of hash_block_size {hash_block_size}")
+        fail(f"scheduler_block_size {scheduler_block_size} is not a multiple of "
+             f"hash_block_size {hash_block_size}")
     for bs in sizes:
         if scheduler_block_size % bs:
-            fail(f"scheduler_block_size {scheduler_block_size} is not a multiple of group block size {bs}")
+            fail(f"scheduler_block_size {scheduler_block_size} is not a multiple of "
+                 f"group block size {bs}")
         if bs % hash_block_size:
             fail(f"group block size {bs} is not a multiple of hash_block_size {hash_block_size}")
 
@@ -128,7 +132,8 @@ class KVCacheCoordinator:
         """Sum of every group's block need (see ``SingleTypeKVCacheManager``)."""
         return sum(
             m.get_num_blocks_to_allocate(
-                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens, apply_admission_cap
+                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+                apply_admission_cap
             )
             for i, m in enumerate(self.single_type_managers)
         )
@@ -139,10 +144,12 @@ class KVCacheCoordinator:
         for m, blocks in zip(self.single_type_managers, new_computed_blocks):
             m.save_new_computed_blocks(request_id, blocks, total_computed_tokens)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> BlockLists:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_computed_tokens: int) -> BlockLists:
         """Grow every group's table to ``num_tokens`` tokens; return the new blocks per group."""
         return tuple(
-            m.allocate_new_blocks(request_id, num_tokens, num_computed_tokens) for m in self.single_type_managers
+            m.allocate_new_blocks(request_id, num_tokens, num_computed_tokens)
+            for m in self.single_type_managers
         )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -199,10 +206,12 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         apply_admission_cap: bool = False,
     ) -> int:
         return self._manager.get_num_blocks_to_allocate(
-            request_id, num_tokens, new_computed_blocks[0], total_computed_tokens, apply_admission_cap
+            request_id, num_tokens, new_computed_blocks[0], total_computed_tokens,
+            apply_admission_cap
         )
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> BlockLists:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_computed_tokens: int) -> BlockLists:
         return (self._manager.allocate_new_blocks(request_id, num_tokens, num_computed_tokens),)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -215,7 +224,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                                ) -> tuple[BlockLists, int]:
         m = self.single_type_managers[0]
         hits = type(m).find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, [0], self.block_pool, m.kv_cache_spec, self.scheduler_block_size
+            block_hashes, max_cache_hit_length, [0], self.block_pool, m.kv_cache_spec,
+            self.scheduler_block_size
         )
         return hits, len(hits[0]) * m.block_size
 
@@ -256,7 +266,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                         del results[gid][hit_length // bs :]
                     continue
                 mgr_cls = type(self.single_type_managers[gids[0]])
-                hits = mgr_cls.find_longest_cache_hit(block_hashes, hit_length, gids, self.block_pool, spec, align)
+                hits = mgr_cls.find_longest_cache_hit(block_hashes, hit_length, gids,
+                                                      self.block_pool, spec, align)
                 for gid, lst in zip(gids, hits):
                     results[gid] = lst
                 if isinstance(spec, FullAttentionSpec):

@@ -38,7 +38,8 @@ class KVCacheBlocks:
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the first group's blocks that are not cached (single group only)."""
         if len(self.blocks) != 1:
-            raise ConfigError(f"get_unhashed_block_ids needs one KV cache group, got {len(self.blocks)}")
+            raise ConfigError(
+                f"get_unhashed_block_ids needs one KV cache group, got {len(self.blocks)}")
         return [b.block_id for b in self.blocks[0] if b.block_hash is None]
 
     def new_empty(self) -> KVCacheBlocks:
@@ -111,7 +112,8 @@ class KVCacheManager:
         )
         self.block_pool: BlockPool = self.coordinator.block_pool
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple([] for _ in range(self.num_kv_cache_groups)))
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -144,7 +146,8 @@ class KVCacheManager:
         """
         total = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         need = self.coordinator.get_num_blocks_to_allocate(
-            f"\0probe:{request.request_id}", total, self.empty_kv_cache_blocks.blocks, 0, apply_admission_cap=True
+            f"\0probe:{request.request_id}", total, self.empty_kv_cache_blocks.blocks, 0,
+            apply_admission_cap=True
         )
         return need <= self.block_pool.num_gpu_blocks - 1
 
@@ -201,17 +204,20 @@ class KVCacheManager:
             )
         groups = self.coordinator
         new_blocks_per_group = (
-            new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
+            new_computed_blocks.blocks if new_computed_blocks is not None
+            else self.empty_kv_cache_blocks.blocks
         )
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = num_local_computed + num_external_computed_tokens
-        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens,
+                                   self.max_model_len)
         free = self.block_pool.get_num_free_blocks() - reserved_blocks
 
         if full_sequence_must_fit:
             full = max(self.admission_tokens(request), num_tokens_need_slot)
             need_full = groups.get_num_blocks_to_allocate(
-                request.request_id, full, new_blocks_per_group, total_computed, apply_admission_cap=True
+                request.request_id, full, new_blocks_per_group, total_computed,
+                apply_admission_cap=True
             )
             if need_full > free:
                 return None
@@ -227,8 +233,10 @@ class KVCacheManager:
         if need > free:
             return None
         if new_computed_blocks is not None and any(new_blocks_per_group):
-            groups.save_new_computed_blocks(request.request_id, new_blocks_per_group, total_computed)
-        new_blocks = groups.allocate_new_blocks(request.request_id, num_tokens_need_slot, total_computed)
+            groups.save_new_computed_blocks(request.request_id, new_blocks_per_group,
+                                            total_computed)
+        new_blocks = groups.allocate_new_blocks(request.request_id, num_tokens_need_slot,
+                                                total_computed)
         if self.enable_caching and not delay_cache_blocks:
             groups.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         for group in new_blocks:

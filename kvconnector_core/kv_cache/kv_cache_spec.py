@@ -63,13 +63,15 @@ class KVCacheSpec:
         """Bytes one block of one layer occupies."""
         raise NotImplementedError
 
-    def max_admission_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+    def max_admission_blocks_per_request(self, max_num_batched_tokens: int,
+                                         max_model_len: int) -> int:
         """Most blocks one request can hold at once under this spec."""
         raise NotImplementedError
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """Bytes one layer needs for one request of ``max_model_len`` tokens."""
-        return self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len) * self.page_size_bytes
+        return (self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+                * self.page_size_bytes)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class AttentionSpec(KVCacheSpec):
             # kept as its name so the spec stays hashable, comparable and torch-free.
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if self.dtype not in DTYPE_SIZES:
-            raise ConfigError(f"dtype={self.dtype!r}; known dtypes: {', '.join(sorted(DTYPE_SIZES))}")
+            raise ConfigError(f"dtype={self.dtype!r}; "
+                              f"known dtypes: {', '.join(sorted(DTYPE_SIZES))}")
         if self.num_kv_heads < 1 or self.head_size < 1:
             raise ConfigError(
                 f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}; both must be >= 1"
@@ -108,7 +111,8 @@ class FullAttentionSpec(AttentionSpec):
     def kind(self) -> str:
         return "full_attention"
 
-    def max_admission_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+    def max_admission_blocks_per_request(self, max_num_batched_tokens: int,
+                                         max_model_len: int) -> int:
         """``cdiv(max_model_len, block_size)``."""
         return cdiv(max_model_len, self.block_size)
 
@@ -128,8 +132,10 @@ class SlidingWindowSpec(AttentionSpec):
     def kind(self) -> str:
         return "sliding_window"
 
-    def max_admission_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
-        """``cdiv(min(sliding_window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1``.
+    def max_admission_blocks_per_request(self, max_num_batched_tokens: int,
+                                         max_model_len: int) -> int:
+        """``cdiv(min(sliding_window - 1 + max_num_batched_tokens, max_model_len),
+        block_size) + 1``.
 
         The window plus one step's worth of new tokens, plus one block because
         the window can start in the middle of a block.
@@ -153,8 +159,10 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def kind(self) -> str:
         return "chunked_local_attention"
 
-    def max_admission_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
-        """``cdiv(min(attention_chunk_size + max_num_batched_tokens, max_model_len), block_size)``."""
+    def max_admission_blocks_per_request(self, max_num_batched_tokens: int,
+                                         max_model_len: int) -> int:
+        """``cdiv(min(attention_chunk_size + max_num_batched_tokens, max_model_len),
+        block_size)``."""
         tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
         return cdiv(tokens, self.block_size)
 
@@ -183,7 +191,8 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
-            raise ConfigError(f"num_blocks={self.num_blocks}; need >= 2 (block 0 is the null block)")
+            raise ConfigError(
+                f"num_blocks={self.num_blocks}; need >= 2 (block 0 is the null block)")
         if not self.kv_cache_groups:
             raise ConfigError("kv_cache_groups is empty; give at least one KVCacheGroupSpec")
 

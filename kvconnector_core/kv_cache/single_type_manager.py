@@ -165,7 +165,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """
 
     spec_type = ChunkedLocalAttentionSpec
-    kv_cache_spec: ChunkedLocalAttentionSpec  # narrowed: get_manager_for_kv_cache_spec picks by spec_type
+    # narrowed: get_manager_for_kv_cache_spec picks by spec_type
+    kv_cache_spec: ChunkedLocalAttentionSpec
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the start of the chunk that ``num_computed_tokens`` is in."""
@@ -180,7 +181,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         bs = kv_cache_spec.block_size
         scale = bs // block_pool.hash_block_size
         null = block_pool.null_block
-        chunk = cast(ChunkedLocalAttentionSpec, kv_cache_spec).attention_chunk_size  # this class's spec_type
+        # cast: kv_cache_spec is this class's spec_type
+        chunk = cast(ChunkedLocalAttentionSpec, kv_cache_spec).attention_chunk_size
         max_blocks = min(max_length // bs, len(block_hashes) // scale)
         local_start = (max_length // chunk) * chunk
         num_null = min(local_start // bs, max_blocks)

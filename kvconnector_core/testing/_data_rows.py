@@ -118,7 +118,8 @@ class Recorder:
             state = runner.requests[rid]
             self.book.tokens[rid] = list(state.token_ids)
             for g, ids in enumerate(self.book.block_table(rid)):
-                self.book.rows[(rid, g)] = (self.book.read(ids, g, end).clone(), self.book.live(ids, g, end))
+                self.book.rows[(rid, g)] = (self.book.read(ids, g, end).clone(),
+                                            self.book.live(ids, g, end))
 
 
 class Checker:
@@ -164,7 +165,8 @@ class Checker:
         runner = self.book.engine.model_runner
         for rid, end in _scheduled(so):
             state = runner.requests[rid]
-            if rid in self._reported or rid in failed or invalid & {b for g in state.block_ids for b in g}:
+            if (rid in self._reported or rid in failed
+                    or invalid & {b for g in state.block_ids for b in g}):
                 continue
             self._compare(rid, state, end)
 

@@ -71,7 +71,8 @@ class DataCheckWorkload:
         """The engine config of this workload, with ``connector`` (None = baseline)."""
         model = ModelConfig(vocab_size=_VOCAB, layer_types=self.layer_types, num_kv_heads=1,
                             head_size=8, mlp_size=16, kv_dtype=self.kv_dtype)
-        return EngineConfig(model=model, num_gpu_blocks=self.num_gpu_blocks, block_size=self.block_size,
+        return EngineConfig(model=model, num_gpu_blocks=self.num_gpu_blocks,
+                            block_size=self.block_size,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching, connector=connector)
@@ -123,7 +124,8 @@ def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
                    (20, odd, 2), (20, b16, 2), (30, b16, 2)])
     system = _tokens(rng, 10)
     turns = [[_tokens(rng, 7)] + [_tokens(rng, 3) for _ in range(2)] for _ in range(4)]
-    prefixes = _trace([(8 * r + i, system + functools.reduce(operator.iadd, turns[i][:r + 1], []), 3)
+    prefixes = _trace([(8 * r + i,
+                        system + functools.reduce(operator.iadd, turns[i][:r + 1], []), 3)
                        for r in range(3) for i in range(4)])
     prompts = [_tokens(rng, 12 + 2 * i) for i in range(4)]
     evict = _trace([(6 * i, prompts[i % 4], 2) for i in range(12)])
@@ -144,6 +146,7 @@ def data_check_workloads(seed: int = 0) -> dict[str, DataCheckWorkload]:
         DataCheckWorkload("eviction", evict, num_gpu_blocks=10, max_model_len=32, max_num_seqs=2),
         DataCheckWorkload("preemption", preempt, num_gpu_blocks=30, max_model_len=64),
         DataCheckWorkload("chained_prefixes", chained, enable_prefix_caching=False),
-        DataCheckWorkload("hybrid", hybrid, enable_prefix_caching=False, layer_types=HYBRID_LAYER_TYPES),
+        DataCheckWorkload("hybrid", hybrid, enable_prefix_caching=False,
+                          layer_types=HYBRID_LAYER_TYPES),
     ]
     return {w.name: w for w in workloads}

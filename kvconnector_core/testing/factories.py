@@ -52,7 +52,10 @@ _request_ids = itertools.count()
 
 
 def make_kv_cache_config(
-    num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, num_layers: int = 2, dtype: str = "int32"
+    num_blocks: int = NUM_BLOCKS,
+    block_size: int = BLOCK_SIZE,
+    num_layers: int = 2,
+    dtype: str = "int32",
 ) -> KVCacheConfig:
     """Return a one-group full-attention KV cache config (layers ``layer.0`` ...).
 
@@ -62,10 +65,15 @@ def make_kv_cache_config(
         num_layers: attention layers in the group.
         dtype: KV dtype name (the engine's model uses ``"int32"``).
     """
-    from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvconnector_core.kv_cache.kv_cache_spec import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=2, dtype=dtype)
-    group = KVCacheGroupSpec(layer_names=[f"layer.{i}" for i in range(num_layers)], kv_cache_spec=spec)
+    group = KVCacheGroupSpec(layer_names=[f"layer.{i}" for i in range(num_layers)],
+                             kv_cache_spec=spec)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[group])
 
 
@@ -80,7 +88,8 @@ def make_block_pool(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, 
 
 def make_kv_cache_manager(kv_cache_config: KVCacheConfig | None = None, *,
                           max_model_len: int = MAX_MODEL_LEN) -> KVCacheManager:
-    """Return a real ``KVCacheManager`` over ``kv_cache_config`` (default: :func:`make_kv_cache_config`)."""
+    """Return a real ``KVCacheManager`` over ``kv_cache_config`` (default:
+    :func:`make_kv_cache_config`)."""
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheManager
 
     config = kv_cache_config or make_kv_cache_config()
@@ -136,7 +145,8 @@ def make_connector_pair(
     )
 
 
-def make_kv_caches(kv_cache_config: KVCacheConfig | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+def make_kv_caches(kv_cache_config: KVCacheConfig | None = None,
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
     """Allocate zeroed paged KV tensors in the engine's cross-layer layout.
 
     Per group one tensor ``(num_blocks, num_layers, 2, block_size, heads, head_size)``;
@@ -147,7 +157,8 @@ def make_kv_caches(kv_cache_config: KVCacheConfig | None = None, device: str = "
     config = kv_cache_config or make_kv_cache_config()
     caches: dict[str, torch.Tensor] = {}
     for group in config.kv_cache_groups:
-        spec = cast("AttentionSpec", group.kv_cache_spec)  # the worker allocates attention specs only
+        # the worker allocates attention specs only
+        spec = cast("AttentionSpec", group.kv_cache_spec)
         dtype = getattr(torch, spec.dtype)
         base = torch.zeros((config.num_blocks, len(group.layer_names), 2, spec.block_size,
                             spec.num_kv_heads, spec.head_size), dtype=dtype, device=device)

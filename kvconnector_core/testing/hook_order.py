@@ -55,7 +55,8 @@ def record_calls(conn: KVConnectorBase_V1, hooks: Sequence[str]) -> list[str]:
         original = getattr(conn, hook)
 
         @functools.wraps(original)
-        def recorded(*args: Any, _hook: str = hook, _original: Any = original, **kwargs: Any) -> Any:
+        def recorded(*args: Any, _hook: str = hook, _original: Any = original,
+                     **kwargs: Any) -> Any:
             if depth[0] == 0:
                 calls.append(_hook)
             depth[0] += 1

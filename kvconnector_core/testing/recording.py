@@ -84,7 +84,8 @@ class RecordingConnector(KVConnectorBase_V1):
         self._record("bind_gpu_block_pool", gpu_block_pool)
         self.block_pool = gpu_block_pool
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         """Return the scripted ``hit_tokens`` (and ``load_async`` when it is positive)."""
         self._record("get_num_new_matched_tokens", request.request_id, num_computed_tokens)
         hit = self._config.extra_config.get("hit_tokens", 0)
@@ -92,9 +93,11 @@ class RecordingConnector(KVConnectorBase_V1):
             return None, False
         return hit, bool(hit) and bool(self._config.extra_config.get("load_async", False))
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         """Plan a load of the request's blocks when ``num_external_tokens > 0``."""
-        self._record("update_state_after_alloc", request.request_id, blocks.get_block_ids(), num_external_tokens)
+        self._record("update_state_after_alloc", request.request_id, blocks.get_block_ids(),
+                     num_external_tokens)
         if num_external_tokens > 0:
             self._loads[request.request_id] = list(blocks.get_block_ids()[0])
             if self._config.extra_config.get("load_async", False):
@@ -113,7 +116,8 @@ class RecordingConnector(KVConnectorBase_V1):
         """Record the output."""
         self._record("update_connector_output", connector_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay the free when ``delay_free`` is set; return the scripted ``params``."""
         self._record("request_finished", request.request_id, list(block_ids))
         delay = bool(self._config.extra_config.get("delay_free", False))

@@ -255,7 +255,8 @@ class PagedIntModel:
         self.layer_names = config.layer_names()
         missing = [n for n in self.layer_names if n not in layer_to_group]
         if missing:
-            msg = f"no KV cache group holds layer {missing[0]!r}; groups hold {sorted(layer_to_group)}"
+            msg = (f"no KV cache group holds layer {missing[0]!r}; "
+                   f"groups hold {sorted(layer_to_group)}")
             raise ConfigError(msg)
         self.layer_to_group = layer_to_group
         # Weights come from a seeded CPU generator (the same on every machine) and are

@@ -96,7 +96,8 @@ class ModelRunner:
         self.connector_errors: dict[str, int] = {}
         #: The worker-side connector behind its guard, or None.
         self.connector: GuardedWorker | None = (
-            GuardedWorker(connector, errors=self.connector_errors) if connector is not None else None)
+            GuardedWorker(connector, errors=self.connector_errors) if connector is not None
+            else None)
         self._windows = [
             g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
             for g in kv_cache_config.kv_cache_groups
@@ -191,7 +192,8 @@ class ModelRunner:
             out.append((state, num_computed, num_scheduled))
         return out
 
-    def _build_batch(self, work: list[tuple[_RequestState, int, int]]) -> tuple[ForwardBatch, list[str]]:
+    def _build_batch(self, work: list[tuple[_RequestState, int, int]]
+                     ) -> tuple[ForwardBatch, list[str]]:
         builders = [_GroupBuilder(g, g_spec.kv_cache_spec.block_size, self._windows[g],
                                   self._chunks[g])
                     for g, g_spec in enumerate(self.kv_cache_config.kv_cache_groups)]

@@ -127,7 +127,8 @@ class DiskConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
         """Leading blocks on disk after the local hit; at most ``num_tokens - 1`` tokens."""
         bs, hashes = self.block_size, request.block_hashes
         start = num_computed_tokens // bs
@@ -139,7 +140,8 @@ class DiskConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = num_computed_tokens
         return tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         """Plan the loads: every block the claim touches (the one it ends in included)."""
         rid, bs = request.request_id, self.block_size
         ids = list(blocks.get_block_ids()[0])
@@ -240,7 +242,8 @@ class DiskConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finished in ``start_load_kv``."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any = None) -> None:
         """Blocks are saved whole in ``wait_for_save``."""
 
     def wait_for_save(self) -> None:

@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
 
-from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector import (
+    KVConnectorBase_V1,
+    KVConnectorConfig,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from kvconnector_core.connector.settings import ConnectorSettings
 from kvconnector_core.errors import ConfigError
 
@@ -79,7 +84,8 @@ def _check_budget(max_pinned_blocks: int, usable: int) -> None:
         raise ConfigError(msg)
 
 
-_COUNTERS = ("pins", "refreshes", "expiries", "pins_refused", "starvation_releases", "reset_releases")
+_COUNTERS = ("pins", "refreshes", "expiries", "pins_refused", "starvation_releases",
+             "reset_releases")
 
 
 @dataclass(slots=True)
@@ -160,12 +166,14 @@ class TTLPinConnector(KVConnectorBase_V1):
         except (AttributeError, IndexError):
             return 1
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         """Never loads: ``(0, False)``; remembers the local hit for ``update_state_after_alloc``."""
         self._lookups[request.request_id] = num_computed_tokens
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         """Count hits on the request's prefix blocks; pin hot ones and refresh pinned ones."""
         num_hit = self._lookups.pop(request.request_id, 0)
         if self._pool is None or num_hit <= 0:
@@ -233,13 +241,15 @@ class TTLPinConnector(KVConnectorBase_V1):
         return TTLMetadata()
 
     def reset_cache(self) -> bool:
-        """Release every pin and forget the hit counts, so the engine's prefix-cache reset can succeed."""
+        """Release every pin and forget the hit counts, so the engine's prefix-cache reset can
+        succeed."""
         self._stats["reset_releases"] += len(self._pins)
         self.shutdown()
         self._hits.clear()
         return True
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; never delays the free."""
         self._lookups.pop(request.request_id, None)
         return False, None
