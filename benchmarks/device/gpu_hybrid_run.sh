@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The hybrid path on a GPU (issue 12), in one device call: `kvconnector run --device cuda`
+# The hybrid path on a GPU, in one device call: `kvconnector run --device cuda`
 # with cpu_offload on the gpt-oss-20b (full + sliding-window groups) and Llama-3-8B presets,
 # each against its no-connector baseline, then the CUDA tests of the offload connector.
 #
@@ -21,5 +21,7 @@ for model in gpt-oss-20b llama-3-8b; do
     echo "exit status $?" >> "$OUT/run_$model.txt"
     cat "$OUT/run_$model.txt"
 done
-timeout 85 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_offload_transfer.py \
-    tests/test_offload_connector.py tests/test_model.py 2>&1 | tee "$OUT/pytest_cuda.txt"
+timeout 85 python3 -m pytest -q -p no:cacheprovider -m cuda \
+    tests/connectors/offload/test_offload_transfer.py \
+    tests/connectors/offload/test_offload_connector.py tests/core/test_model.py 2>&1 \
+    | tee "$OUT/pytest_cuda.txt"

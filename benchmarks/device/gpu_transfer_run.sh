@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 items 1-2 on a GPU, in one device call: this checkout's mover against main's,
+# The block mover on a GPU, in one device call: this checkout's mover against main's,
 # side by side in the same processes.
 #
 # Run from this checkout's root on the GPU machine, with main's checkout at $BASE
@@ -34,10 +34,12 @@ for stage in $STAGES; do
     echo "=== $stage $(date -u +%T)"
     case $stage in
     tests)
-        timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_offload_transfer.py \
-            tests/test_offload_staged.py tests/test_transfer_reuse.py tests/test_transfer_stats.py \
-            tests/test_offload_connector.py tests/test_transfer_failures.py \
-            tests/test_offload_store_fence.py tests/test_offload_hybrid.py tests/test_offload_recency.py \
+        T=tests/connectors/offload
+        timeout 240 python3 -m pytest -q -p no:cacheprovider -x $T/test_offload_transfer.py \
+            $T/test_offload_staged.py $T/test_transfer_reuse.py \
+            tests/connector_api/test_transfer_stats.py \
+            $T/test_offload_connector.py $T/test_transfer_failures.py \
+            $T/test_offload_store_fence.py $T/test_offload_hybrid.py $T/test_offload_recency.py \
             2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
     transfer|transfer2)
         timeout 300 python3 benchmarks/bench_transfer.py --reps "$REPS" --baseline-root "$BASE" \
@@ -49,18 +51,18 @@ for stage in $STAGES; do
         grep -v '^{' "$OUT/methods.log" | tail -16 ;;
     roundrobin)
         # shellcheck disable=SC2086 # RR_ARGS: extra options, split on purpose
-        timeout 420 python3 benchmarks/probe_roundrobin.py --kernels --baseline-root "$BASE" \
+        timeout 420 python3 benchmarks/probes/probe_roundrobin.py --kernels --baseline-root "$BASE" \
             --rounds "$ROUNDS" --variants "${RR_LIST[@]}" --timeline-variants "${TL_LIST[@]}" \
             ${RR_ARGS:-} > "$OUT/roundrobin.log" 2>&1
         grep -v '^{' "$OUT/roundrobin.log"; grep '"kernel"\|"timeline"' "$OUT/roundrobin.log" ;;
     issue)
-        timeout 200 python3 benchmarks/probe_issue_path.py > "$OUT/issue.log" 2>&1
+        timeout 200 python3 benchmarks/probes/probe_issue_path.py > "$OUT/issue.log" 2>&1
         tail -9 "$OUT/issue.log" ;;
     limits)
-        timeout 200 python3 benchmarks/probe_transfer_limits.py --bisect > "$OUT/limits.log" 2>&1
+        timeout 200 python3 benchmarks/probes/probe_transfer_limits.py --bisect > "$OUT/limits.log" 2>&1
         grep -v '^{' "$OUT/limits.log" | tail -20 ;;
     interference)
-        timeout 400 python3 benchmarks/probe_interference_ab.py --baseline-root "$BASE" \
+        timeout 400 python3 benchmarks/probes/probe_interference_ab.py --baseline-root "$BASE" \
             --variants "${VARIANTS_LIST[@]}" --steps "$STEPS" --trials "$TRIALS" > "$OUT/interference.log" 2>&1
         grep -v '^{' "$OUT/interference.log" | tail -12 ;;
     esac

@@ -6,7 +6,7 @@ times each of them alone in a loop on the machine at hand (median of ``--reps`` 
 microseconds, the GPU idle or nearly), so that the head's cost can be split into
 bookkeeping, runtime calls and kernel launches:
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/probe_head_calls.py      # CUDA only
+    PYTHONPATH=.:benchmarks python3 benchmarks/probes/probe_head_calls.py      # CUDA only
 
 Writes ``probe_head_calls.json`` to ``$OUT`` when set.
 """

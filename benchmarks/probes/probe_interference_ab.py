@@ -19,7 +19,7 @@ with the step alone), for the cross-layer and per-layer layouts:
 * ``baseline``: with ``--baseline-root``, the mover of another checkout (main), measured in
   the same round robin.
 
-    PYTHONPATH=. python3 benchmarks/probe_interference_ab.py      # CUDA only
+    PYTHONPATH=.:benchmarks python3 benchmarks/probes/probe_interference_ab.py      # CUDA only
 """
 
 from __future__ import annotations

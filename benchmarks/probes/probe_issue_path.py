@@ -8,7 +8,7 @@ scan, the index upload, the first gather kernel, the first DMA call, the end of 
 issue), median over ``--jobs`` jobs, for each layout, issued on the issue thread (the
 default) and inline.
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/probe_issue_path.py      # CUDA only
+    PYTHONPATH=.:benchmarks python3 benchmarks/probes/probe_issue_path.py      # CUDA only
 """
 
 from __future__ import annotations

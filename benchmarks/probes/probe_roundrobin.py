@@ -12,7 +12,7 @@ with itself (the method's own spread).
 Variants are ``_transfer_variants`` labels for this checkout's mover, plus ``main`` (the
 mover of ``--baseline-root``, default method).
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/probe_roundrobin.py --baseline-root ../base
+    PYTHONPATH=.:benchmarks python3 benchmarks/probes/probe_roundrobin.py --baseline-root ../base
 
 CUDA only. Writes ``probe_roundrobin.json`` to ``$OUT`` when set.
 """

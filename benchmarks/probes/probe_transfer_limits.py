@@ -17,7 +17,7 @@ and inter-quartile spread reported), so that a method is adopted on evidence:
 * a model step (bf16 MLP matmuls, 2048 tokens) with 64 blocks each way issued inline,
   alternating with the step alone: compute GPU time and wall time.
 
-    PYTHONPATH=. python3 benchmarks/probe_transfer_limits.py      # CUDA only
+    PYTHONPATH=.:benchmarks python3 benchmarks/probes/probe_transfer_limits.py      # CUDA only
 
 Writes ``probe_transfer_limits.json`` to ``$OUT`` when set.
 """

@@ -1,12 +1,12 @@
-"""Smoke tests for the benchmarks of issue 12 (hit rates, planning cost, admission,
-hybrid models): tiny sizes, no timing assertions."""
+"""Smoke tests for the offload hit-rate, planning-cost, admission and hybrid-model
+benchmarks: tiny sizes, no timing assertions."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
 
 import _drivers as d  # noqa: E402

@@ -14,7 +14,7 @@ from kvconnector_core.cli import main
 from kvconnector_core.engine.engine import RunMetrics, RunResult
 from kvconnector_core.engine.workloads import WORKLOADS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True, scope="module")

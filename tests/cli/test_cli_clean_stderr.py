@@ -1,9 +1,9 @@
-"""A normal ``kvconnector run`` writes no traceback and no warning to stderr (issue 9, item 8).
+"""A normal ``kvconnector run`` writes no traceback and no warning to stderr.
 
 Run in a fresh interpreter, so that everything the process writes is seen (logging's
-last-resort handler, ``warnings``, tracebacks). Regression: every ``cpu_offload`` run used
-to print an AttributeError traceback, because the engine asked the scheduler-side
-connector for stats that only the worker side kept.
+last-resort handler, ``warnings``, tracebacks): e.g. an AttributeError traceback on every
+``cpu_offload`` run if the engine asked the scheduler-side connector for stats that only
+the worker side keeps.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def test_run_writes_no_traceback_and_no_warning(tmp_path, connector):
 
 
 def test_runs_with_a_disk_tier_behind_a_tiny_cpu_tier_write_nothing_to_stderr(tmp_path):
-    """Regression (issue 13): with ``--tier`` and a CPU tier of a few chunks, promotions
-    of chunks whose CPU store was still in flight raised in admission (a contained
-    traceback). Two runs share the tier: the second one loads the first one's files."""
+    """With ``--tier`` and a CPU tier of a few chunks, promoting chunks whose CPU store is
+    still in flight must not raise in admission (a contained traceback). Two runs share
+    the tier: the second one loads the first one's files."""
     tier = f"disk:{tmp_path / 'kv'}"
     for cpu_blocks in ("6", "32"):
         proc = _run_cli("--workload", "documents", "--tier", tier, "--cpu-blocks", cpu_blocks)

@@ -117,7 +117,7 @@ def test_cpu_offload_scheduler_side_stats_do_not_raise() -> None:
     assert connector.get_kv_connector_stats() is None
 
 
-# -- issue 11, second stage: hybrid models, workload names, faults, report wording ------------
+# -- hybrid models, workload names, faults, report wording ------------------------------------
 
 
 def test_hybrid_workload_catches_a_one_group_connector_that_claims_hybrid_support() -> None:

@@ -18,8 +18,9 @@ from kvconnector_core.connector.guard import GuardedScheduler, GuardedWorker
 from kvconnector_core.connector.metadata import KVConnectorOutput
 from kvconnector_core.errors import ConfigError
 from tests._flaky import FlakyHook
-from tests.test_guard import Probe, output, request
-from tests.test_guard_faults import MULTI, OFFLOAD, baseline, check_clean, engine, trace
+from tests.connector_api.test_guard import Probe, output, request
+from tests.connector_api.test_guard_faults import (MULTI, OFFLOAD, baseline, check_clean, engine,
+                                                   trace)
 
 
 @pytest.fixture(autouse=True)

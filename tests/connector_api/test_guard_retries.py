@@ -1,6 +1,6 @@
 """The guard retries a report the connector raised on once per step, never in a loop: a
-connector that keeps raising must not hold the engine inside one call. The mutation
-``break`` -> ``continue`` in the redelivery loop survived every other test."""
+connector that keeps raising must not hold the engine inside one call (a ``continue`` for the
+``break`` in the redelivery loop would)."""
 
 from __future__ import annotations
 

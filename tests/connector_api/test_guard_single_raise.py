@@ -1,8 +1,5 @@
-"""Regression tests for the defects of issue 9 "Why": one hook raising once, at the step
-where it does damage, with the CPU offload connector (alone or inside a MultiConnector).
-
-Each scenario but the start_load_kv one failed on main (e17f5c6): wrong tokens, a deadlock,
-or state left behind. (start_load_kv was handled by a patch in Engine.step, now the guard's.)
+"""One hook raising once, at the step where it does damage, with the CPU offload connector
+(alone or inside a MultiConnector): no wrong tokens, no deadlock, no state left behind.
 """
 
 from __future__ import annotations
@@ -84,7 +81,7 @@ def check_clean(eng: Engine) -> None:
     side = scheduler_side(eng)
     assert not side._jobs and not side._reqs
     assert all(entry.ref_cnt == 0 for _, entry in side.manager.policy)
-    if eng.scheduler_connector.name == "MultiConnector":  # no per-request state left (issue 9)
+    if eng.scheduler_connector.name == "MultiConnector":  # no per-request state left
         assert eng.scheduler_connector.num_request_states() == 0
         assert eng.worker_connector.num_request_states() == 0
 

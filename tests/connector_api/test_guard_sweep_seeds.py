@@ -1,5 +1,4 @@
-"""Regression tests for the damage the fault sweep still found on main a85b2b6
-(benchmarks/RESULTS.md, "After: main 4adaeda"): each failed there and passes now.
+"""Fault-sweep runs that once did damage are clean, and the damage each did cannot recur:
 
 - wrong output: a step whose plan was lost (``build_connector_meta`` raised) ran its
   forward over sync-loaded blocks that were never loaded, and sampled from them;
@@ -22,9 +21,9 @@ import pytest
 
 from kvconnector_core.connector import KVConnectorConfig
 from tests._flaky import FlakyHook
-from tests.test_guard_regressions import engine, trace
+from tests.connector_api.test_guard_single_raise import engine, trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import _fault_runs as fr  # noqa: E402  (puts tests/ on the path for module_path="_memory_connector")
 from _memory_connector import InMemoryConnector  # noqa: E402  (the module the engine loads)
@@ -59,8 +58,8 @@ def test_forget_after_raising_hooks_leaves_no_request_state_in_the_offload_conne
     assert not side._gpu_hit_tokens and not side._reqs
 
 
-# Runs of the sweep that failed on main a85b2b6, with the check they failed.
-FAILED_ON_MAIN = [
+# Runs of the sweep that once did damage, with the check they failed.
+ONCE_DAMAGED = [
     ("memory", "raise_10pct", 49),      # wrong_output (a lost plan over a sync load)
     ("memory", "raise_10pct", 0),       # req_state (InMemoryConnector._reqs)
     ("memory", "raise_10pct", 40),      # req_state (saves still pending when the engine went idle)
@@ -72,8 +71,8 @@ FAILED_ON_MAIN = [
 ]
 
 
-@pytest.mark.parametrize(("connector", "fault", "seed"), FAILED_ON_MAIN,
-                         ids=[f"{c}-{f}-{s}" for c, f, s in FAILED_ON_MAIN])
-def test_sweep_runs_that_failed_on_main_are_clean(connector, fault, seed):
+@pytest.mark.parametrize(("connector", "fault", "seed"), ONCE_DAMAGED,
+                         ids=[f"{c}-{f}-{s}" for c, f, s in ONCE_DAMAGED])
+def test_sweep_runs_that_once_did_damage_are_clean(connector, fault, seed):
     outcome = fr.run_cell(connector, fault, seed)
     assert not outcome.failed, outcome.detail

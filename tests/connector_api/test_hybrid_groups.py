@@ -1,7 +1,7 @@
-"""A connector that handles one KV cache group is refused on a hybrid model (issue 11, gap 12).
+"""A connector that handles one KV cache group is refused on a hybrid model.
 
-Before the check, such a connector was created on ``tiny-hybrid`` and loaded group 0 only:
-the other groups' blocks kept stale data and outputs differed silently.
+Created on ``tiny-hybrid``, such a connector would load group 0 only: the other groups'
+blocks would keep stale data and outputs would differ silently.
 """
 
 from __future__ import annotations

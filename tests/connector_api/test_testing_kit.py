@@ -1,5 +1,5 @@
 """The connector test kit checks what it claims: hook order, idempotent shutdown, fixture teardown,
-and its five pytest fixtures work (issue 9 item 9)."""
+and its five pytest fixtures work."""
 
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def test_to_external_hash_fits_uint64(digest):
     assert h == to_external_hash(b"\x00" * 24 + digest[-8:])
 
 
-# -- AllBlocksCleared.medium (issue 9 item 6) ------------------------------------------------------
+# -- AllBlocksCleared.medium ------------------------------------------------------------------------
 
 
 def test_cleared_medium_is_a_trailing_optional_field():

@@ -37,7 +37,7 @@ def test_token_counts_add_up_to_prompt_tokens(workload, extra):
 @pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
 def test_partial_failure_subtracts_only_the_failed_block(load_async):
     """Every load's last block fails: the blocks before it still count as served by the
-    connector (regression: the whole hit used to be dropped), exactly one block less per
+    connector (the whole hit is not dropped), exactly one block less per
     failed load than without failures."""
     workload = WORKLOADS["block_aligned"]
     ok = run_data_check(KVConnectorConfig.from_dict(reference(load_async=load_async)), workload)

@@ -1,5 +1,5 @@
-"""Scheduler behaviour that one-line mutations of kvconnector_core/scheduler/ changed without
-any test failing (found by a mutation sweep; each test here fails on its mutant).
+"""A request's life in the scheduler at its edges: unplanned and failed loads, aborts while
+loading, preemption, rejection, reused request ids and parked sliding-window requests.
 
 Each asserts what a caller or the connector can see: the step's output, block accounting,
 request status and the load-failure stats."""
@@ -242,7 +242,7 @@ def test_a_reused_request_id_counts_its_prompt_again():
 def test_a_waiting_request_with_nothing_to_compute_is_an_invariant_error():
     """Unreachable through the public API (hits and loads always leave a token to
     compute); a state that breaks it raises, naming the request, instead of parking the
-    request as if the pool were full (a mutation there survived every test)."""
+    request as if the pool were full."""
     s = make_scheduler(budget=64)
     s.add_request(req("a", n=8))
     s.requests["a"].num_computed_tokens = 8  # as if everything were computed already

@@ -24,7 +24,7 @@ from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KV
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.testing import ConnectorContract, DataCheck, data_check_workloads, run_data_check
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "writing-a-connector.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-connector.md"
 _MARKER = re.compile(r"^<!-- docs-test: ([\w-]+) -->$")
 HANDLED = {"sync-connector", "async-connector", "settings", "plugin", "pyproject", "multi-config",
            "kit", "scheduler-signatures", "worker-signatures", "block-bytes"}
@@ -314,9 +314,9 @@ def test_readme_lists_every_doc_page_and_both_examples():
 @pytest.mark.parametrize(("module", "name"), [("sync_memory", "SyncMemoryConnector"),
                                               ("async_memory", "AsyncMemoryConnector")])
 def test_examples_never_serve_saves_of_a_step_whose_load_failed(package, module: str, name: str):
-    """Issue 11 (gap 15): with ``start_load_kv`` raising, the step's forward runs on bad
-    blocks; the sync example served that step's saves later (rows and outputs differed)
-    until it un-marked them after a failed load."""
+    """With ``start_load_kv`` raising, the step's forward runs on bad blocks; the examples
+    un-mark that step's saves after a failed load instead of serving them later (rows and
+    outputs would differ)."""
     from kvconnector_core.testing import FaultSettings, HookFault, fault_injection_config
 
     faults = FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),))

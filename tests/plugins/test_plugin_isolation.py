@@ -1,4 +1,4 @@
-"""Plugins and isolation (issue 9 item 7): module_path vs allow/deny, contained import-time exits,
+"""Plugins and isolation: module_path vs allow/deny, contained import-time exits,
 names claimed twice."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 
 import kvconnector_core
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 KVCONNECTOR_CORE = [
     "MEDIUM_CPU",

@@ -8,7 +8,7 @@ from pathlib import Path
 import connectors
 import kvconnector_core
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_py_typed_markers_exist_and_are_packaged():

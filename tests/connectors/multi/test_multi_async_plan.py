@@ -1,8 +1,8 @@
 """Under async scheduling a MultiConnector child's failure reaches its own step's plan.
 
-Regression: the child got its plan of the last step built, i.e. of step N+1 when step
-N's report came back after N+1's plan (vLLM's async scheduling). For cpu_offload that
-unpinned step N+1's loads while the worker still ran them, and never released step N's.
+Not the plan of the last step built, i.e. of step N+1 when step N's report comes back
+after N+1's plan (vLLM's async scheduling): for cpu_offload that would unpin step N+1's
+loads while the worker still ran them, and never release step N's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from connectors.multi_records import MultiKVConnectorWorkerMetadata
 from kvconnector_core.connector import KVConnectorOutput
 from kvconnector_core.testing import empty_scheduler_output
 
-from tests.test_multi_connector import child, multi
+from tests.connectors.multi.test_multi_connector import child, multi
 
 
 def test_childs_failure_reaches_its_own_steps_plan() -> None:

@@ -530,7 +530,7 @@ def test_guide_multiconnector_example_builds_in_both_roles():
 
     from kvconnector_core.connector import create_connector
 
-    guide = (pathlib.Path(__file__).parents[1] / "docs" / "writing-a-connector.md").read_text()
+    guide = (pathlib.Path(__file__).parents[3] / "docs" / "writing-a-connector.md").read_text()
     # Found by its heading, not its number: the guide's sections get renumbered.
     section = guide.split(". Composing: MultiConnector")[1].split("\n## ")[0]
     (block,) = re.findall(r"```json\n(.*?)```", section, flags=re.S)

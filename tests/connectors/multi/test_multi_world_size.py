@@ -1,8 +1,8 @@
-"""MultiConnector children inherit world_size (regression: they got 1).
+"""MultiConnector children inherit world_size.
 
-With world_size 1 a cpu_offload child completed a store after one worker's report,
+With world_size 1 a cpu_offload child would complete a store after one worker's report,
 before the other TP/PP ranks had copied theirs. (Children inherit the rank too: see
-tests/test_tiers_tp.py.)
+tests/connectors/tiers/test_tiers_tp.py.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Offload wire events after lost takes: snapshot_events resyncs a replica exactly (issue 9 item 6)."""
+"""Offload wire events after lost takes: snapshot_events resyncs a replica exactly."""
 
 from __future__ import annotations
 

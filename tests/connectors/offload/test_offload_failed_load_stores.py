@@ -1,8 +1,8 @@
 """A failed sync load fails the outstanding stores of the requests holding its blocks.
 
-Regression: only the last plan's stores were failed. Under vLLM's async scheduling the
-next step's plan is built before a step's report arrives, so the failed step's stores of
-a request whose forward ran on never-loaded blocks completed and became visible.
+Not only the last plan's stores: under vLLM's async scheduling the next step's plan is
+built before a step's report arrives, so the failed step's stores of a request whose
+forward ran on never-loaded blocks would otherwise complete and become visible.
 """
 
 from __future__ import annotations

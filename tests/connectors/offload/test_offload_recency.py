@@ -19,7 +19,7 @@ from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import hash_request_tokens
 from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import _drivers as d  # noqa: E402
 import bench_offload_hits  # noqa: E402

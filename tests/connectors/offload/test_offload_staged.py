@@ -199,8 +199,8 @@ def test_batched_job_split_over_lanes_is_byte_exact() -> None:
     mover = KVBlockMover(views, num_cpu_blocks=10, method="batched")
     if not mover.batched_available:
         pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
-    # 9 copies on 4 lanes: parts of 3, 3 and 3, and no empty fourth part (regression: an
-    # empty batch call failed the job with "invalid argument")
+    # 9 copies on 4 lanes: parts of 3, 3 and 3, and no empty fourth part (an empty
+    # batch call would fail the job with "invalid argument")
     store_then_load(mover, views, [11, 0, 9, 2, 7, 4, 5, 1, 3], [9, 7, 5, 3, 1, 0, 2, 4, 6],
                     [0, 2, 4, 6, 8, 10, 1, 3, 5])
 

@@ -1,5 +1,5 @@
 """A sliding-window block that leaves the window while its store is in flight is not
-rewritten before the store has read it (issue 12).
+rewritten before the store has read it.
 
 On CUDA a store is an asynchronous DMA: the engine may free a sliding-window block that
 left the window, hand it to another request and write into it while the copy still

@@ -137,11 +137,11 @@ def test_redis_tier_gets_the_connector_layout_unless_given(tmp_path):
 
 
 def test_a_chunk_being_written_to_the_cpu_tier_is_no_tier_hit(tmp_path):
-    """Regression (issue 13): a chunk on disk whose CPU-tier store (or promotion) was in
-    flight counted as a tier hit; promoting it needs a fresh CPU slot, which
-    ``prepare_store`` cannot give a key it holds, so admission raised (a contained
-    traceback in ``kvconnector run --tier disk:... --cpu-blocks 6``). The hit now stops
-    at that chunk, and the promotion of the chunks before it succeeds."""
+    """A chunk on disk whose CPU-tier store (or promotion) is in flight is no tier hit:
+    promoting it would need a fresh CPU slot, which ``prepare_store`` cannot give a key it
+    holds, so admission would raise (a contained traceback in ``kvconnector run --tier
+    disk:... --cpu-blocks 6``). The hit stops at that chunk, and the promotion of the
+    chunks before it succeeds."""
     from connectors.offload.manager import CPUOffloadingManager
     from connectors.offload.tiering import SchedulerTiers
 
@@ -159,7 +159,7 @@ def test_a_chunk_being_written_to_the_cpu_tier_is_no_tier_hit(tmp_path):
 
 
 def test_tier_events_are_reference_counted_so_a_replica_equals_the_tier(tmp_path):
-    """Item 4 of issue 13: one stored event per key the tier holds (storing it again
+    """One stored event per key the tier holds (storing it again
     announces nothing), one removal when it really goes (evicted, or damaged and
     deleted), GPU block hashes shared by two chunks counted. Replaying the DISK events
     as a set gives exactly the blocks of the chunks whose files are on disk."""

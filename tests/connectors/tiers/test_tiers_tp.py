@@ -27,7 +27,7 @@ from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.engine import EngineConfig
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash
-from test_offload_tiering import _poll
+from tests.connectors.offload.test_offload_tiering import _poll
 from test_tiers_engine import ENGINE, doc_trace, offload
 
 HASH = BlockHash(bytes(range(32)))

@@ -97,7 +97,7 @@ def test_hma_load_errors_reported_before_the_receive_finishes_fail_that_receive(
 
 # The example disk connector, loaded by module path (its package is not installed in
 # .vllm-venv): synchronous loads, stores written in the step that planned them.
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "disk_connector"))
+sys.path.insert(0, str(Path(__file__).parents[3] / "examples" / "disk_connector"))
 
 
 def _disk(path: Path) -> dict:

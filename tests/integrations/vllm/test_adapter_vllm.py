@@ -387,7 +387,7 @@ def test_benchmark_runs_and_checks_both_sides_did_the_same_work():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vllm_adapter.py"), "--repeats", "1",
                           "--requests", "40"], capture_output=True, text=True, timeout=600, cwd=root, check=False)
     assert run.returncode == 0, run.stdout + run.stderr

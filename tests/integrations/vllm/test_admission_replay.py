@@ -1,4 +1,4 @@
-"""Admission parity with vLLM 0.33's KVCacheManager, step by step (issue 12).
+"""Admission parity with vLLM 0.33's KVCacheManager, step by step.
 
 ``benchmarks/replay_admission_vllm.py`` drives vLLM's manager and ours with the same
 seeded request streams (full attention, sliding window, chunked local, hybrid; several
@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 from replay_admission_vllm import KINDS, replay  # noqa: E402
 

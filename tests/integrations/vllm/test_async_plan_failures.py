@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)"
 
 from _harness import VllmRig, assert_no_leak, offload, prompt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "disk_connector"))
+sys.path.insert(0, str(Path(__file__).parents[3] / "examples" / "disk_connector"))
 
 
 def _scheduler_connector(rig: VllmRig):

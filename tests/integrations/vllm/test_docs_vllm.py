@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "vllm.md"
 
 
 def _block(name: str) -> str:

@@ -1,4 +1,4 @@
-"""cpu_offload under vLLM 0.33's hybrid KV cache manager (HMA), issue 12.
+"""cpu_offload under vLLM 0.33's hybrid KV cache manager (HMA).
 
 The offload connector declares several KV cache groups
 (``supports_multiple_kv_cache_groups``), so ``KVConnectorAdapterHMA`` runs it with HMA on:
