@@ -169,8 +169,8 @@ def test_huge_max_new_tokens_is_a_bound_error(tmp_path, capsys):
 
 @pytest.mark.parametrize("blocks", ["0", "-3", str(2**40)])
 def test_out_of_range_cpu_blocks_is_a_bound_error(capsys, blocks):
-    """--cpu-blocks 0 used to run silently with the default size (0 is falsy) and a huge
-    value reached the allocator; both are now a bound error naming the option."""
+    """--cpu-blocks 0 (falsy, so easily taken for the default size) and a huge value (which
+    would reach the allocator) are both a bound error naming the option."""
     code, err = run_cli(capsys, "--cpu-blocks", blocks, "--no-baseline")
     assert code == 2
     assert f"--cpu-blocks {blocks} is out of range; valid: 1 to 67108864" in err

@@ -67,8 +67,8 @@ def test_run_with_a_wrapping_port_fails_before_running(capsys):
 
 
 def test_last_port_has_no_replay_port(capsys):
-    """The replay endpoint is the next port: 65535 has none (it used to fail at bind as
-    'tcp://...:65536 ... is the port taken?')."""
+    """The replay endpoint is the next port: 65535 has none, a config error (not a bind
+    failure as 'tcp://...:65536 ... is the port taken?')."""
     with pytest.raises(ConfigError, match="none after 65535; use a port below 65535"):
         default_replay_endpoint("tcp://127.0.0.1:65535")
     assert default_replay_endpoint("tcp://127.0.0.1:65534") == "tcp://127.0.0.1:65535"
@@ -93,7 +93,7 @@ def test_subscriber_to_a_wildcard_port_is_a_config_error(capsys):
     (["--timeout", "nan"], "--timeout nan is out of range"),
 ])
 def test_events_refuses_counts_and_timeouts_that_never_print_or_never_end(capsys, argv, needle):
-    """--count -1 used to exit 0 at once; --timeout -1 waited forever."""
+    """--count -1 (would exit 0 at once) and --timeout -1 (would wait forever) are refused."""
     code, _out, err = run_cli(capsys, "events", "--endpoint", "tcp://127.0.0.1:5", *argv)
     assert code == 2
     assert needle in err
@@ -111,7 +111,7 @@ def test_bind_failure_hints_at_a_taken_port_only_when_it_is(capsys):
 
 
 def test_tier_accepts_a_bare_redis_url():
-    """`--tier redis://h:p` used to become url='//h:p' and an error about the scheme."""
+    """`--tier redis://h:p` keeps its URL (not url='//h:p' and an error about the scheme)."""
     for url in ("redis://127.0.0.1:6379/0", "rediss://h:1"):
         assert _run_tier_settings(url)["url"] == url
         assert _run_tier_settings(f"redis:{url}")["url"] == url
@@ -120,7 +120,7 @@ def test_tier_accepts_a_bare_redis_url():
 
 
 def test_multiconnector_names_a_misspelt_key(tmp_path, capsys):
-    """extra_config 'connectorz' used to read as "needs extra_config['connectors'] ... got None"."""
+    """extra_config 'connectorz' is named as an unknown key with the nearest valid one."""
     config = tmp_path / "multi.json"
     config.write_text(json.dumps({"name": "MultiConnector", "extra_config": {
         "connectorz": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 8}}]}}))
@@ -156,7 +156,7 @@ def test_one_child_multiconnector_under_a_preemption_storm(tmp_path, capsys):
 
 
 def test_trace_with_a_utf8_bom_loads(tmp_path):
-    """Some editors start a UTF-8 file with a BOM; it used to be 'invalid character (byte 0)'."""
+    """Some editors start a UTF-8 file with a BOM; it loads (no 'invalid character (byte 0)')."""
     path = tmp_path / "bom.jsonl"
     line = json.dumps({"arrival": 0, "prompt_token_ids": [1, 2, 3], "max_new_tokens": 2})
     path.write_bytes(b"\xef\xbb\xbf" + line.encode() + b"\n" + line.encode() + b"\n")

@@ -105,9 +105,9 @@ class TestMultiConnectorData(DataCheck):
 
 
 def test_cpu_offload_scheduler_side_stats_do_not_raise() -> None:
-    """Regression: the scheduler-side CPU offload connector raised AttributeError in
-    ``get_kv_connector_stats`` (its stats live on the worker side), which the engine logged
-    with a traceback at the end of every run."""
+    """The scheduler-side CPU offload connector's ``get_kv_connector_stats`` does not raise
+    (its stats live on the worker side); an AttributeError there would be logged with a
+    traceback at the end of every run."""
     from kvconnector_core.connector.base import KVConnectorRole
     from kvconnector_core.connector.registry import create_connector
     from kvconnector_core.testing import make_kv_cache_config
@@ -141,7 +141,7 @@ def test_layer_types_runs_any_workload_on_a_hybrid_model() -> None:
 
 
 def test_run_data_check_takes_a_workload_name() -> None:
-    """Regression: a name failed with AttributeError ('str' object has no attribute 'name')."""
+    """A workload given by name runs; a misspelt name is a ConfigError naming the valid one."""
     report = run_data_check(reference(), "eviction")
     assert report.ok and report.workload == "eviction"
     with pytest.raises(ConfigError, match="'evict'.*eviction"):
@@ -157,9 +157,9 @@ _OFFLOAD = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks":
     FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)),
 ], ids=["stores", "loads_and_stores", "start_load_kv_raises"])
 def test_injected_faults_are_not_the_connectors_errors(faults: FaultSettings) -> None:
-    """Regression: every injected failed store (a raise from wait_for_save) was reported as
-    'the connector raised'; now only raises beyond the injected ones are problems, and the
-    row and output checks still run."""
+    """An injected failed store (a raise from wait_for_save) is not reported as 'the connector
+    raised': only raises beyond the injected ones are problems, and the row and output checks
+    still run."""
     report = run_data_check(fault_injection_config(_OFFLOAD, faults), "repeated_prefixes")
     assert report.ok, str(report)
     assert report.injected_raises > 0
@@ -185,8 +185,8 @@ def test_fault_injection_still_catches_wrong_data() -> None:
 
 
 def test_partly_written_block_is_named_as_such() -> None:
-    """Regression (gap 18): a block with 3 rows still poisoned and 1 rewritten was reported as
-    'holds other values'; now the report says how many rows were never written."""
+    """A block with 3 rows still poisoned and 1 rewritten is not reported as 'holds other
+    values': the report says how many rows were never written."""
     cfg = reference(bug="partial_last_block", claim_whole_prompt=False)
     report = run_data_check(cfg, "full_prompt_hit")
     assert not report.ok
@@ -195,8 +195,8 @@ def test_partly_written_block_is_named_as_such() -> None:
 
 
 def test_kit_asks_lookups_twice_and_catches_an_answer_that_changes_on_hits() -> None:
-    """Regression (gaps 6 and 13): the contract asked twice on a fresh miss only, so a lookup
-    with side effects on hits passed. DataCheck now repeats every lookup, hits included."""
+    """DataCheck repeats every lookup, hits included, so a lookup with side effects on hits
+    fails (asking twice on a fresh miss only would let it pass)."""
     cfg = KVConnectorConfig(name="OneShotLookupReferenceConnector", module_path="_reference_connector")
     report = run_data_check(cfg, "block_aligned")
     assert any("when asked again at once" in p for p in report.problems), str(report)
@@ -210,8 +210,8 @@ def test_kit_reports_an_async_answer_without_the_declaration() -> None:
 
 
 def test_kit_catches_a_lookup_that_counts_hits() -> None:
-    """Regression (gap 13): a lookup that counted hits in its stats (answers unchanged) passed
-    every check; the kit now compares runs with lookups asked once and twice."""
+    """A lookup that counts hits in its stats (answers unchanged) fails: the kit compares runs
+    with lookups asked once and twice."""
 
     class Probe(DataCheck):
         connector_config = KVConnectorConfig(name="HitCountingReferenceConnector",
@@ -228,9 +228,9 @@ def test_kit_catches_a_lookup_that_counts_hits() -> None:
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_cpu_offload_serves_hits_on_the_hybrid_workload(blocks_per_chunk: int) -> None:
-    """Regression: the ``hybrid`` workload's 8-token window groups stored only the chunks
-    still in the window after each prefill step, so only r4 (which extends r0 past its
-    end) hit: 24 tokens. Every repeat now hits up to one block before its last token:
+    """The ``hybrid`` workload's 8-token window groups store every chunk a prefill step
+    computed, not only those still in the window (then only r4, which extends r0 past its
+    end, would hit: 24 tokens). Every repeat hits up to one block before its last token:
     r2 (r0's 24 tokens again) 20, r3 (r1's 19 tokens + 9) 16, r4 24, r5 (r1 again) 16."""
     cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64,
                                                               "blocks_per_chunk": blocks_per_chunk})
@@ -242,9 +242,9 @@ def test_cpu_offload_serves_hits_on_the_hybrid_workload(blocks_per_chunk: int) -
 @pytest.mark.parametrize("connector", [_OFFLOAD, KVConnectorConfig(name="MultiConnector", extra_config={
     "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]})], ids=["offload", "multi"])
 def test_quarantine_caused_by_injected_raises_is_not_the_connectors_error(connector: KVConnectorConfig) -> None:
-    """Regression: with start_load_kv raising on every call the guard quarantines the
-    connector, and its 'quarantined' counter was counted as one raise more than injected,
-    so a correct connector failed ("only N of these raises were injected faults")."""
+    """With start_load_kv raising on every call the guard quarantines the connector; its
+    'quarantined' counter is not counted as one raise more than injected, so a correct
+    connector passes (no "only N of these raises were injected faults")."""
     cfg = fault_injection_config(connector, FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=1.0),)))
     report = run_data_check(cfg, "repeated_prefixes")
     assert report.checked is not None
@@ -254,10 +254,10 @@ def test_quarantine_caused_by_injected_raises_is_not_the_connectors_error(connec
 
 
 def test_failed_load_check_catches_serving_the_stores_of_a_failed_load_step() -> None:
-    """Regression: a connector that kept the stores of a step whose sync load failed passed
-    DataCheck, and under random start_load_kv raises it was caught for some fault seeds only
-    (4 of 10 on repeated_prefixes). run_failed_load_check fails one step with sync loads at
-    a time on chained_prefixes, where the next request loads what that step stored."""
+    """A connector that keeps the stores of a step whose sync load failed is caught every
+    time (random start_load_kv raises catch it for some fault seeds only, 4 of 10 on
+    repeated_prefixes): run_failed_load_check fails one step with sync loads at a time on
+    chained_prefixes, where the next request loads what that step stored."""
     report = run_failed_load_check(reference(bug="serve_failed_load_stores"))
     assert not report.ok
     assert report.injected_raises == 1

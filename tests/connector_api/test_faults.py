@@ -222,8 +222,8 @@ def test_a_good_step_counts_every_full_block_of_its_requests_as_stored():
 
 
 def test_injected_fault_stats_are_deltas_so_the_engine_total_is_right():
-    """Regression: the wrapper reported running totals each step and the engine summed them
-    (a run with 18 injected raises reported 233)."""
+    """The wrapper reports per-step deltas, not running totals the engine would sum (a run
+    with 18 injected raises would report 233)."""
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.engine.engine import Engine
     from kvconnector_core.testing import FaultSettings, data_check_workloads, fault_injection_config

@@ -148,8 +148,8 @@ def test_failed_admission_forgets_the_request_and_detaches_it():
 
 
 def test_failed_plan_forgets_the_steps_requests():
-    """Regression (offload stored wrong blocks under a hash after one failed plan): the
-    requests of a failed plan are forgotten and hidden from later plans."""
+    """The requests of a failed plan are forgotten and hidden from later plans (otherwise
+    offload would store wrong blocks under a hash after one failed plan)."""
     probe = Probe()
     guard = GuardedScheduler(probe)
     probe.fail["build_connector_meta"] = 1
@@ -174,7 +174,7 @@ def test_a_request_is_forgotten_once_however_often_it_fails():
 
 
 def test_a_report_the_connector_raised_on_is_delivered_again_first():
-    """Regression (CPU slots stuck after update_connector_output raised): nothing is lost."""
+    """Nothing is lost when update_connector_output raises (no CPU slots stuck)."""
     probe = Probe()
     guard = GuardedScheduler(probe)
     first, second = KVConnectorOutput(finished_sending={"x"}), KVConnectorOutput(finished_sending={"y"})
@@ -241,7 +241,7 @@ def replay(events: list[Any], state: set[int]) -> set[int]:
 
 
 def test_events_lost_in_a_raising_take_events_are_replaced_by_a_snapshot():
-    """Regression: take_events drained, then raised; a replica applying the stream stays exact."""
+    """take_events drained, then raised: a replica applying the stream stays exact."""
     conn = Events()
     guard = GuardedScheduler(conn)
     replica: set[int] = set()
@@ -259,7 +259,7 @@ def test_events_lost_in_a_raising_take_events_are_replaced_by_a_snapshot():
 
 
 def test_a_failed_snapshot_is_retried_in_the_same_call_without_draining():
-    """Regression (replica short for steps): a failed snapshot was retried only next step."""
+    """A failed snapshot is retried in the same call, so the replica is never short for steps."""
     conn = Events()
     guard = GuardedScheduler(conn)
     conn.store(1)
@@ -318,7 +318,7 @@ def test_bind_gpu_block_pool_is_not_contained():
 
 
 def test_failed_bind_fails_the_steps_loads_and_stores_and_skips_its_plan_hooks():
-    """Regression (a raise in bind deadlocked the engine): the step is reported failed."""
+    """A raise in bind does not deadlock the engine: the step is reported failed."""
     probe = Probe(KVConnectorRole.WORKER)
     guard = GuardedWorker(probe)
     guard.begin_step()
@@ -372,8 +372,8 @@ def test_unknown_load_errors_fail_the_steps_loads():
 
 
 def test_a_repair_that_raises_is_retried_in_order_before_the_next_report():
-    """plan_failed / forget_requests raising used to leave what the plan held (CPU slots)
-    held for good; they are retried, in order, before the next report."""
+    """plan_failed / forget_requests raising must not leave what the plan held (CPU slots)
+    held for good: they are retried, in order, before the next report."""
     probe = Probe()
     guard = GuardedScheduler(probe)
     probe.fail["plan_failed"] = 1
@@ -392,7 +392,7 @@ def test_a_repair_that_raises_is_retried_in_order_before_the_next_report():
 
 
 def test_finished_ids_a_raising_get_transfer_results_missed_are_passed_again():
-    """Regression (sweep, memory connector: a delayed free was never reported, deadlock)."""
+    """Finished ids are passed again, so a delayed free is reported (no deadlock)."""
     seen: list[set[str]] = []
     probe = Probe(KVConnectorRole.WORKER)
 

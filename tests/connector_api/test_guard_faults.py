@@ -132,7 +132,7 @@ def test_without_faults_the_tier_serves_hits():
 
 @pytest.mark.parametrize("drain_first", [False, True], ids=["raises-before", "raises-after-draining"])
 def test_a_cpu_replica_stays_exact_when_take_events_raises(monkeypatch, caplog, drain_first):
-    """Regression (events were lost silently): after every step, a consumer applying the
+    """No event is lost silently: after every step, a consumer applying the
     engine's event stream holds exactly the GPU block hashes the CPU tier can serve, while
     take_events raises in every other call that has events, before or after draining them."""
     from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, to_external_hash

@@ -114,8 +114,8 @@ def test_a_failed_bind_or_load_start_when_a_load_is_planned_does_not_deadlock(mo
 @pytest.mark.parametrize("hook", ["wait_for_save", "update_connector_output", "request_finished"])
 def test_a_raise_around_a_store_leaks_nothing(monkeypatch, connector, hook):
     """A raise in wait_for_save (a step with stores), update_connector_output (a report of
-    finished stores) or request_finished used to leave CPU slots stuck half-stored, job
-    records or the connector's request state behind."""
+    finished stores) or request_finished leaves no CPU slot stuck half-stored, no job
+    record and no request state of the connector behind."""
     when = {
         # the first step with stores
         "wait_for_save": lambda conn: bool(bound_plan(conn).stores),

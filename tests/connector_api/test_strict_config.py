@@ -98,9 +98,9 @@ def test_config_file_typos_exit_2_naming_the_key(tmp_path, capsys, config, needl
 
 @pytest.mark.parametrize("extra", [{"num_cpu_blocks": 2**40}, {"cpu_bytes": 2**62}], ids=["blocks", "bytes"])
 def test_a_cpu_tier_larger_than_host_memory_is_a_bound_error(tmp_path, capsys, extra):
-    """Regression: a huge CPU tier in a config file reached the allocator, whose message
-    names no setting; it is refused before anything is allocated, naming the key, the bytes
-    it needs and the largest valid size."""
+    """A huge CPU tier in a config file does not reach the allocator (whose message names no
+    setting): it is refused before anything is allocated, naming the key, the bytes it needs
+    and the largest valid size."""
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"name": "cpu_offload", "extra_config": extra}))
     assert main(["run", "--config", str(path), "--no-baseline", "--workload", "chat"]) == 2

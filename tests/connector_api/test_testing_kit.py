@@ -176,7 +176,7 @@ def test_connector_pair_fixture(connector_pair):
 
 
 def test_connector_pair_fixture_reports_a_failing_shutdown(tmp_path):
-    """A shutdown() that raises fails the test at teardown (it used to be swallowed), after the
+    """A shutdown() that raises fails the test at teardown (it is not swallowed), after the
     other connectors were shut down."""
     test = tmp_path / "test_failing_shutdown.py"
     test.write_text(textwrap.dedent("""

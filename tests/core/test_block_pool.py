@@ -230,7 +230,7 @@ def test_free_skips_null_block():
 
 
 def test_free_skips_a_touched_null_block():
-    """Regression: touch counts the null block too; freeing it once must not queue it."""
+    """touch counts the null block too; freeing it once must not queue it."""
     pool = make_pool(4)
     (a,) = pool.get_new_blocks(1)
     pool.touch([pool.null_block])  # ref count 1, like a sliding-window table entry

@@ -151,7 +151,7 @@ def test_hash_block_size_changes_chunking(bs):
 
 
 def test_cache_salt_and_lora_name_hash_in_separate_domains():
-    """cache_salt="x" and LoRA "x" used to give the same first-block hash (both keyed ("x",))."""
+    """cache_salt="x" and LoRA "x" give different first-block hashes (not both keyed ("x",))."""
     toks = list(range(8))
     salted = hash_request_tokens(toks, 4, cache_salt="x")
     lora = hash_request_tokens(toks, 4, lora_name="x")

@@ -558,7 +558,7 @@ def test_request_released_after_its_load_is_new_to_the_worker():
     # release-after-load path is still reached.
     eng = Engine(EngineConfig(model=model, **case["cfg"], connector=case["connector"],
                               reserve_full_output=True))
-    result = eng.run(trace)  # used to raise: "cached request ... was never sent as a new request"
+    result = eng.run(trace)  # no "cached request ... was never sent as a new request"
     assert result.outputs == baseline.outputs
     assert eng.scheduler.stats.num_preemptions > 0
 
@@ -579,7 +579,7 @@ class AskAgainOnce(ScriptedConnector):
 
 
 def test_finished_load_is_not_blocked_behind_a_request_that_cannot_fit():
-    """Regression: B asks again once, so A is admitted (async load) behind it. Once A's load
+    """B asks again once, so A is admitted (async load) behind it. Once A's load
     finished, B (first in line) cannot fit until A frees its blocks; A must still run."""
     c = AskAgainOnce(KVConnectorConfig(name="Scripted"), KVConnectorRole.SCHEDULER,
                      KVCacheConfig(11, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BS, 1, 1))]))

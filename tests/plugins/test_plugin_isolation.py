@@ -195,8 +195,8 @@ def test_claiming_a_taken_alias_is_an_error_naming_both_plugins(impostor_registr
 
 
 def test_default_run_with_a_claimed_default_name_fails_naming_both(impostor_registry, capsys):
-    """`kvconnector run` with no --connector used to run silently with no connector when the
-    default name was claimed twice; it is now a usage error naming both plugins."""
+    """`kvconnector run` with no --connector, when the default name is claimed twice, is a
+    usage error naming both plugins (not a silent run with no connector)."""
     assert cli_main(["run", "--workload", "chat", "--no-baseline"]) == 2
     err = capsys.readouterr().err
     assert "'cpu_offload' is claimed by two classes" in err

@@ -92,10 +92,10 @@ def _prefill_once(layer_types: tuple[str, ...], prompt: list[int]) -> Engine:
 
 @pytest.mark.parametrize("window", [3, 8, 16, 48])
 def test_windowed_groups_serve_a_hit_at_every_chunk_boundary(window):
-    """Regression: a windowed group stored only the chunks still in its window after the
-    prefill step, so only a hit ending where that step ended was served. A repeated prompt
-    (whose hit ends one block short) and a shared prefix got no hit with windows of 8 or
-    16 tokens (hybrid DataCheck: 0 hit tokens). Every chunk the step computed is stored."""
+    """A windowed group stores every chunk the prefill step computed, not only those still
+    in its window (then only a hit ending where that step ended would be served, and a
+    repeated prompt, whose hit ends one block short, or a shared prefix would get no hit
+    with windows of 8 or 16 tokens)."""
     from kvconnector_core.request import Request
 
     prompt = [(7 * i) % 997 + 1 for i in range(96)]
@@ -187,9 +187,9 @@ def test_a_resent_prompt_hits_its_sliding_window_after_a_one_step_prefill():
 
 
 def test_a_chunk_with_a_block_freed_before_the_step_is_never_stored():
-    """Regression: with a window smaller than a chunk, a chunk that completes after its
-    first block left the window was stored from that block's old id (freed by this step's
-    allocation, possibly rewritten by another request). Window 4, 4-token blocks, 8-token
+    """With a window smaller than a chunk, a chunk that completes after its first block left
+    the window is not stored from that block's old id (freed by this step's allocation,
+    possibly rewritten by another request). Window 4, 4-token blocks, 8-token
     chunks: decoding token 15 frees blocks 0-2 (window of token 15: tokens 12-15), so
     chunk 1 (blocks 2-3) of the sliding group is skipped; the full group stores it."""
     from connectors.offload.connector import OffloadingConnector

@@ -283,8 +283,8 @@ def test_prepare_store_reports_keys_already_held_and_ready(policy: str) -> None:
 
 def test_lru_finish_request_commits_stores_too_head_most_recent() -> None:
     """As vLLM 0.33: at finish every key a request loaded, stored or found held gets
-    recency, tail first (the head of its prefix is evicted last); our connector used to
-    touch only the keys a request hit, so its own stores aged from their insertion."""
+    recency, tail first (the head of its prefix is evicted last), so a request's own stores
+    do not age from their insertion."""
     m = CPUOffloadingManager(4, cache_policy="lru")
     m.complete_store(m.prepare_store(ks(1, 2)).keys_to_store)  # request A stores 1, 2
     m.complete_store(m.prepare_store(ks(3, 4)).keys_to_store)  # request B stores 3, 4

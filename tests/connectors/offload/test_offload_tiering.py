@@ -207,8 +207,9 @@ def test_tier_events_are_reference_counted_so_a_replica_equals_the_tier(tmp_path
 
 
 def test_a_write_without_chunk_info_describes_the_chunk_by_its_block_hash():
-    """Regression: with no ChunkInfo for a chunk (events off), its tier write described it by
-    the whole offload key (hash + 4 group bytes), so a tier event would carry a wrong wire hash."""
+    """With no ChunkInfo for a chunk (events off), its tier write describes it by its block
+    hash, not the whole offload key (hash + 4 group bytes), so tier events carry the right
+    wire hash."""
     manager = CPUOffloadingManager(2)
     key = _keys(1, group=1)[0]
     manager.prepare_store([key])

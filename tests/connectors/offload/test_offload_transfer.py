@@ -349,7 +349,7 @@ def test_issue_thread_round_trip_is_byte_exact(method: str) -> None:
 
 
 def test_get_finished_waits_until_the_issue_thread_has_issued(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression: a job still queued on the issue thread is neither lost nor left behind.
+    """A job still queued on the issue thread is neither lost nor left behind.
 
     get_finished waits for the thread (releasing the GIL), so a caller polling in a tight
     loop cannot starve it: on an H100 an engine spun 10,000 empty steps waiting for loads.
@@ -447,7 +447,7 @@ def test_pitched_copies_are_byte_exact_on_cuda(method: str) -> None:
 
 
 def test_no_pitch_for_equally_spaced_planes_in_separate_allocations() -> None:
-    """Regression: a 2D copy may not span allocations, even evenly spaced ones (H100: error 1)."""
+    """A 2D copy never spans allocations, even evenly spaced ones (H100: error 1)."""
     row, blocks = 64, NUM_BLOCKS
     memory = bytearray(3 * blocks * row)  # three back-to-back tensors with their own storage
     planes = [torch.frombuffer(memory, dtype=torch.uint8, offset=i * blocks * row,
@@ -462,7 +462,7 @@ def test_no_pitch_for_equally_spaced_planes_in_separate_allocations() -> None:
 
 @CUDA_ONLY
 def test_failed_runtime_copy_fails_the_job_and_leaves_torch_usable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression: a failed ctypes copy must not surface later as an error in torch's kernels."""
+    """A failed ctypes copy fails its job and does not surface later in torch's kernels."""
     whole, layers = spaced_layers("cuda")
     mover = KVBlockMover(layers, num_cpu_blocks=6, method="pitched", issue_thread=False)
     real = mover._plan.pitched_copies

@@ -177,9 +177,9 @@ def test_unwritable_path_is_a_config_error(tmp_path):
 
 
 def test_a_tier_starting_on_a_directory_leaves_live_writers_temp_files(tmp_path):
-    """Regression: every DiskTier deleted every temp file it found at start, so a TP rank (or
-    an engine) starting while another wrote on the same directory failed that one's store
-    (its rename found no file). Only a crashed writer's stale temp files go."""
+    """A DiskTier starting on a directory deletes only a crashed writer's stale temp files,
+    not every temp file: a TP rank (or an engine) starting while another writes on the same
+    directory must not fail that one's store (its rename would find no file)."""
     with DiskTier({"path": str(tmp_path), "capacity_bytes": 1 << 20}) as first:
         sub = first.root / "ab"
         sub.mkdir()
@@ -195,10 +195,10 @@ def test_a_tier_starting_on_a_directory_leaves_live_writers_temp_files(tmp_path)
 
 
 def test_a_tier_starting_while_others_rename_and_evict_files_indexes_the_rest(tmp_path, monkeypatch):
-    """Regression: a file listed by the start-up scan but renamed (a live writer's temp file)
-    or evicted (another engine's budget) before it was stat'ed raised FileNotFoundError out
-    of DiskTier() and left the directory iterator open. Seen with 4 TP ranks starting
-    together on one directory; here the other writers act between the listing and the stat."""
+    """A file listed by the start-up scan but renamed (a live writer's temp file) or evicted
+    (another engine's budget) before it is stat'ed raises no FileNotFoundError out of
+    DiskTier() and leaves no directory iterator open, as with 4 TP ranks starting together
+    on one directory; here the other writers act between the listing and the stat."""
     import connectors.tiers.disk as disk
 
     with DiskTier({"path": str(tmp_path), "capacity_bytes": 1 << 20}) as first:

@@ -74,7 +74,7 @@ def test_disk_tier_serves_what_the_cpu_tier_evicted(tmp_path, baseline):
 
 
 def test_second_engine_process_serves_the_first_ones_files(tmp_path, baseline):
-    """Item 4 via the disk tier, across a restart: engine A (another process) stores,
+    """Through the disk tier, across a restart: engine A (another process) stores,
     engine B, started afterwards, loads A's prefixes from the files."""
     script = (
         "import json, sys\n"

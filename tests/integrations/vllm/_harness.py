@@ -327,8 +327,8 @@ class VllmRig:
             # vLLM's executor aggregates outputs that came through IPC, fresh objects. Here a
             # worker with nothing to report returns vLLM's EMPTY_MODEL_RUNNER_OUTPUT itself,
             # and the aggregator writes the folded report onto rank 0's output: onto that
-            # shared constant, so every later empty output repeated it (a receive reported
-            # twice). Regression: rank 1's tier reads lagging behind rank 0's.
+            # shared constant, so every later empty output would repeat it (a receive reported
+            # twice), e.g. when rank 1's tier reads lag behind rank 0's.
             outputs = [copy.copy(o) for o in outputs]
         out = self.aggregator.aggregate(outputs) if self.aggregator else outputs[0]
         self._async_ids |= {r.request_id for r in sched.requests.values()

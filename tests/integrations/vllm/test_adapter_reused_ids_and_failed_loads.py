@@ -1,4 +1,5 @@
-"""Regression tests for adapter defects found in review, under vLLM 0.33's own Scheduler."""
+"""The adapter under vLLM 0.33's own Scheduler: reused request ids and failed loads are
+reported in the right step, and stores built on a failed load are never served."""
 
 from __future__ import annotations
 
