@@ -1,6 +1,7 @@
 """Engine semantics shared with vLLM: empty steps, delayed frees, LoRA names, worker metadata folds.
 
-The vLLM adapter suite (tests/vllm_adapter) checks the same behaviour under vLLM's own scheduler.
+The vLLM adapter suite (tests/integrations/vllm) checks the same behaviour under vLLM's own
+scheduler.
 """
 
 from __future__ import annotations
