@@ -78,7 +78,7 @@ def test_second_engine_process_serves_the_first_ones_files(tmp_path, baseline):
     engine B, started afterwards, loads A's prefixes from the files."""
     script = (
         "import json, sys\n"
-        "sys.path.insert(0, 'tests')\n"
+        "sys.path[:0] = ['tests', 'tests/connectors/tiers']\n"
         "from test_tiers_engine import doc_trace, offload, disk, run\n"
         f"r = run(offload(disk({str(tmp_path)!r})), doc_trace(rounds=1))\n"
         "print(json.dumps(r.metrics.connector_stats))\n"
