@@ -82,7 +82,7 @@ compare-vllm: $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "import vllm, kvconnector_core.integrations.vllm" 2>/dev/null \
 		|| { echo "vLLM 0.33 or the adapter does not import in $(VLLM_VENV)"; exit 1; }
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_adapter $(ARGS); \
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/integrations/vllm $(ARGS); \
 		rc=$$?; if [ $$rc -eq 5 ]; then echo "test-vllm collected no tests"; exit 1; fi; exit $$rc
 
 bench-vllm: $(VLLM_STAMP)
