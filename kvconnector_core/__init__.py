@@ -1,7 +1,7 @@
 """kvconnector: a KV-cache connector plugin framework for LLM serving.
 
 This namespace is the curated public API: what a connector author or a user of the
-engine needs, re-exported from the modules that define it (tests/test_public_api.py pins
+engine needs, re-exported from the modules that define it (tests/plugins/test_public_api.py pins
 the set). The engine's internals (block pool, coordinators, per-type managers, the
 scheduler) stay importable from their modules but are not part of it.
 

@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 METHODS = ("auto", "pitched", "batched", "coalesced", "per_block", "gather")
 
 # The issue thread's start delay on CUDA (see .issue_thread): measured with
-# benchmarks/probe_interference_ab.py (RESULTS.md, "Issue 14, third stage").
+# benchmarks/probes/probe_interference_ab.py.
 # H100, 64 blocks each way per 5.5 ms step, in one process: step slowdown +3.0% -> +2.2%
 # (cross-layer) and +3.7% -> +3.2% (per-layer) at 0.1 ms; 0.3 and 1 ms no better.
 _ISSUE_DELAY_S = 0.0001

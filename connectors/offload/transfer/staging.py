@@ -9,8 +9,8 @@ so the copy engines stay busy. Loads run the other way: DMA group ``k`` into sta
 scatter it, while the DMA of group ``k + 1`` proceeds.
 
 What makes it fast (measured on an H100, 256 scattered blocks of 2 MiB): the mechanism alone
-reaches 0.96-0.98x of the contiguous copy each way (``benchmarks/probe_transfer_limits.py``),
-the mover's default 0.94-0.97x (``benchmarks/probe_roundrobin.py``), where the first version
+reaches 0.96-0.98x of the contiguous copy each way (``benchmarks/probes/probe_transfer_limits.py``),
+the mover's default 0.94-0.97x (``benchmarks/probes/probe_roundrobin.py``), where the first version
 of this module reached 0.85x:
 
 * the kernels move wide words, not bytes (``index_select`` on complex128 or int64 views):
