@@ -232,19 +232,7 @@ class Engine:
         """
         name = trace.name if isinstance(trace, Trace) else "trace"
         given = trace.requests if isinstance(trace, Trace) else trace
-        first_at: dict[str, int] = {}
-        for i, r in enumerate(given):
-            if r.request_id is None:
-                continue
-            if r.request_id in first_at:
-                msg = (f"duplicate request_id {r.request_id!r}: trace requests #{first_at[r.request_id]} "
-                       f"and #{i} (0-based)")
-                raise ConfigError(msg)
-            if r.request_id in self._used_ids:
-                msg = f"request_id {r.request_id!r} was already used by this engine"
-                raise ConfigError(msg)
-            first_at[r.request_id] = i
-        self._reserved_ids = set(first_at)
+        self._reserved_ids = self._check_request_ids(given)
         requests = sorted(given, key=lambda r: r.arrival)
         start = time.perf_counter()
         start_steps = self.num_steps
@@ -253,14 +241,7 @@ class Engine:
         results: dict[str, RequestOutput] = {}
         next_req, idle = 0, 0
         while next_req < len(requests) or self.has_unfinished_requests():
-            if not self.has_unfinished_requests() and next_req < len(requests):
-                # Nothing to do until the next arrival: skip the idle gap.
-                self.num_steps = max(self.num_steps, math.ceil(requests[next_req].arrival))
-            while next_req < len(requests) and requests[next_req].arrival <= self.num_steps:
-                r = requests[next_req]
-                ids.append(self.add_request(r.prompt_token_ids, r.max_new_tokens,
-                                            request_id=r.request_id, cache_salt=r.cache_salt))
-                next_req += 1
+            next_req = self._admit_arrivals(requests, next_req, ids)
             finished = self.step()
             for out in finished:
                 results[out.request_id] = out
@@ -270,19 +251,50 @@ class Engine:
             if idle:
                 time.sleep(_IDLE_SLEEP_S)
             if idle > _MAX_IDLE_STEPS:
-                sched = self.scheduler
-                msg = (f"no progress in {_MAX_IDLE_STEPS} steps with "
-                       f"{sched.get_num_unfinished_requests()} unfinished requests "
-                       f"(waiting: {[r.request_id for r in sched.waiting][:8]}, "
-                       f"blocks held for the connector: {sorted(sched.delayed_free)[:8]}); "
-                       f"free blocks: {sched.kv_cache_manager.block_pool.get_num_free_blocks()}")
-                raise InvariantError(msg)
+                raise InvariantError(self._deadlock_message())
             if progress is not None:
                 progress(len(finished))
         wall = time.perf_counter() - start
         result = self._result(name, requests, ids, results, self.num_steps - start_steps, wall)
         result.timeline = self.timeline.records[start_records:]
         return result
+
+    def _check_request_ids(self, given: list[TraceRequest]) -> set[str]:
+        """The trace's request ids, checked: none twice, none this engine used before."""
+        first_at: dict[str, int] = {}
+        for i, r in enumerate(given):
+            if r.request_id is None:
+                continue
+            if r.request_id in first_at:
+                msg = (f"duplicate request_id {r.request_id!r}: trace requests "
+                       f"#{first_at[r.request_id]} and #{i} (0-based)")
+                raise ConfigError(msg)
+            if r.request_id in self._used_ids:
+                msg = f"request_id {r.request_id!r} was already used by this engine"
+                raise ConfigError(msg)
+            first_at[r.request_id] = i
+        return set(first_at)
+
+    def _admit_arrivals(self, requests: list[TraceRequest], next_req: int,
+                        ids: list[str]) -> int:
+        """Add the requests that arrived by now (skipping an idle gap to the next
+        arrival); returns the index of the first request not added yet."""
+        if not self.has_unfinished_requests() and next_req < len(requests):
+            self.num_steps = max(self.num_steps, math.ceil(requests[next_req].arrival))
+        while next_req < len(requests) and requests[next_req].arrival <= self.num_steps:
+            r = requests[next_req]
+            ids.append(self.add_request(r.prompt_token_ids, r.max_new_tokens,
+                                        request_id=r.request_id, cache_salt=r.cache_salt))
+            next_req += 1
+        return next_req
+
+    def _deadlock_message(self) -> str:
+        sched = self.scheduler
+        return (f"no progress in {_MAX_IDLE_STEPS} steps with "
+                f"{sched.get_num_unfinished_requests()} unfinished requests "
+                f"(waiting: {[r.request_id for r in sched.waiting][:8]}, "
+                f"blocks held for the connector: {sorted(sched.delayed_free)[:8]}); "
+                f"free blocks: {sched.kv_cache_manager.block_pool.get_num_free_blocks()}")
 
     def _scheduler_connector_stats(self) -> dict[str, Any]:
         connector = self.scheduler.connector
@@ -312,12 +324,13 @@ class Engine:
             # A wrapper's contained errors (MultiConnector: "<child>.<hook>") are errors.
             hook = key.split(_HOOK_ERRORS, 1)[1]
             errors[hook] = errors.get(hook, 0) + int(cstats.pop(key))
+        outputs = list(results.values())
         metrics = RunMetrics(
             num_requests=len(requests),
-            num_finished=sum(1 for o in results.values() if o.status in finished_ok),
-            num_failed=sum(1 for o in results.values() if o.status not in finished_ok),
+            num_finished=_count(outputs, finished_ok),
+            num_failed=len(outputs) - _count(outputs, finished_ok),
             num_prompt_tokens=num_prompt,
-            num_output_tokens=sum(len(o.output_token_ids) for o in results.values()),
+            num_output_tokens=sum(len(o.output_token_ids) for o in outputs),
             prefill_tokens_computed=stats.num_prefill_tokens_computed,
             gpu_prefix_hit_tokens=stats.num_gpu_cache_hit_tokens,
             connector_hit_tokens=stats.num_connector_hit_tokens,
@@ -328,14 +341,16 @@ class Engine:
             num_failed_loads_recovered=stats.num_failed_loads_recovered,
             bytes_loaded=int(std["bytes_loaded"]), bytes_stored=int(std["bytes_stored"]),
             load_seconds=float(std["load_seconds"]), store_seconds=float(std["store_seconds"]),
-            load_gbps=_timed_gbps("load", std, cstats), store_gbps=_timed_gbps("store", std, cstats),
+            load_gbps=_timed_gbps("load", std, cstats),
+            store_gbps=_timed_gbps("store", std, cstats),
             connector_stats=cstats,
             connector_errors=dict(sorted(errors.items())),
             events=dict(sorted(self.event_counts.items())), steps=steps, wall_seconds=wall,
         )
+        connector = self.config.connector
         return RunResult(
             workload=name,
-            connector=self.config.connector.name if self.config.connector is not None else None,
+            connector=connector.name if connector is not None else None,
             device=self.config.device,
             outputs={rid: results[rid].output_token_ids if rid in results else [] for rid in ids},
             statuses={rid: results[rid].status if rid in results else "UNFINISHED" for rid in ids},
@@ -380,3 +395,8 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _count(outputs: list[RequestOutput], statuses: set[str]) -> int:
+    """How many of ``outputs`` ended in one of ``statuses``."""
+    return sum(1 for o in outputs if o.status in statuses)
