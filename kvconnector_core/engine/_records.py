@@ -152,9 +152,12 @@ def _timed_gbps(direction: str, std: dict[str, Any], stats: dict[str, Any]) -> f
     would count an untimed child's bytes as moved in no time."""
     bytes_key = "bytes_loaded" if direction == "load" else "bytes_stored"
     seconds_key = f"{direction}_seconds"
-    prefixes = [k[:-len(bytes_key)] for k in stats if k.endswith("." + bytes_key) and ".children." in "." + k]
-    leaves = [p for p in prefixes if not any(q != p and q.startswith(p + "children.") for q in prefixes)]
+    prefixes = [k[:-len(bytes_key)] for k in stats
+                if k.endswith("." + bytes_key) and ".children." in "." + k]
+    leaves = [p for p in prefixes
+              if not any(q != p and q.startswith(p + "children.") for q in prefixes)]
     if not leaves:
         return _gbps(std[bytes_key], std[seconds_key])
     timed = [p for p in leaves if stats.get(p + seconds_key, 0) > 0]
-    return _gbps(sum(stats[p + bytes_key] for p in timed), sum(stats[p + seconds_key] for p in timed))
+    return _gbps(sum(stats[p + bytes_key] for p in timed),
+                 sum(stats[p + seconds_key] for p in timed))

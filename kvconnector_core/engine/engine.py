@@ -78,7 +78,8 @@ class Engine:
         from kvconnector_core.worker.model_runner import ModelRunner
 
         if config.device == "cuda" and not torch.cuda.is_available():
-            msg = "device 'cuda' was requested but torch.cuda.is_available() is False; use device 'cpu'"
+            msg = ("device 'cuda' was requested but torch.cuda.is_available() is False; "
+                   "use device 'cpu'")
             raise ConfigError(msg)
         self.config = config
         self.kv_cache_config = config.kv_cache_config()
@@ -155,14 +156,16 @@ class Engine:
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            msg = f"request {request_id!r}: token id {bad} is outside the model vocabulary [0, {vocab})"
+            msg = (f"request {request_id!r}: token id {bad} is outside the model vocabulary "
+                   f"[0, {vocab})")
             raise ConfigError(msg)
         if len(prompt_token_ids) >= self.config.max_model_len:
-            msg = (f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens does not fit "
-                   f"max_model_len={self.config.max_model_len}")
+            msg = (f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens does not "
+                   f"fit max_model_len={self.config.max_model_len}")
             raise ConfigError(msg)
         request = Request(request_id, prompt_token_ids, max_new_tokens, cache_salt=cache_salt,
-                          hash_block_size=self.config.block_size, arrival_time=float(self.num_steps))
+                          hash_block_size=self.config.block_size,
+                          arrival_time=float(self.num_steps))
         self.scheduler.add_request(request)
         self._used_ids.add(request_id)
         return request_id
@@ -195,7 +198,12 @@ class Engine:
         _fold_stats(self.scheduler_connector_stats, self._scheduler_connector_stats())
         events = self.scheduler.take_events()
         if self.event_publisher is not None and events:
-            from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+            from kvconnector_core.kv_events import (
+                AllBlocksCleared,
+                BlockRemoved,
+                BlockStored,
+                KVEventBatch,
+            )
 
             # Every KVCacheEvent is one of the three concrete types the wire union names.
             wire = cast("list[BlockStored | BlockRemoved | AllBlocksCleared]", list(events))
@@ -302,7 +310,8 @@ class Engine:
         return dict(_numeric_leaves(stats))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the GPU prefix cache (the connector releases its pins first); False while requests run."""
+        """Forget the GPU prefix cache (the connector releases its pins first); False while
+        requests run."""
         return self.scheduler.reset_prefix_cache()
 
     def _result(self, name: str, requests: list[TraceRequest], ids: list[str],

@@ -123,8 +123,10 @@ def _rows(result: RunResult) -> list[tuple[str, str]]:
         rows.append(("failed loads recovered", f"{m.num_failed_loads_recovered}"))
     if result.connector is not None:
         rows += [
-            ("loaded (connector -> GPU)", f"{_fmt_bytes(m.bytes_loaded)} at {m.load_gbps:.2f} GB/s"),
-            ("stored (GPU -> connector)", f"{_fmt_bytes(m.bytes_stored)} at {m.store_gbps:.2f} GB/s"),
+            ("loaded (connector -> GPU)",
+             f"{_fmt_bytes(m.bytes_loaded)} at {m.load_gbps:.2f} GB/s"),
+            ("stored (GPU -> connector)",
+             f"{_fmt_bytes(m.bytes_stored)} at {m.store_gbps:.2f} GB/s"),
         ]
         rows += [(f"connector: {k}", _fmt_stat(v)) for k, v in sorted(m.connector_stats.items())]
         if m.connector_errors:
@@ -168,6 +170,7 @@ def format_report(result: RunResult, baseline: RunResult | None = None) -> str:
             else:
                 first = (f"{cmp.first_differing_request!r} at token {cmp.first_differing_token}: "
                          f"expected {cmp.expected}, got {cmp.got}")
-            lines.append(f"outputs identical to baseline: NO ({cmp.num_differing} of {cmp.num_requests} "
+            lines.append("outputs identical to baseline: NO "
+                         f"({cmp.num_differing} of {cmp.num_requests} "
                          f"requests differ; first: {first})")
     return "\n".join(lines)

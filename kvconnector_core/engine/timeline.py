@@ -74,7 +74,8 @@ class Timeline:
         self.records: list[StepRecord] = []
         self._seen = (0, 0, 0)
 
-    def record(self, step: int, stats: SchedulerStats, step_connector_stats: Mapping[str, float]) -> None:
+    def record(self, step: int, stats: SchedulerStats,
+               step_connector_stats: Mapping[str, float]) -> None:
         """Append the step: token counters are the deltas of the scheduler's cumulative stats."""
         now = (stats.num_prefill_tokens_computed, stats.num_gpu_cache_hit_tokens,
                stats.num_connector_hit_tokens)
