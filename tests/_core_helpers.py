@@ -40,14 +40,22 @@ def full_spec(block_size: int) -> FullAttentionSpec:
 def swa_spec(block_size: int, sliding_window: int) -> SlidingWindowSpec:
     """A small sliding-window spec."""
     return SlidingWindowSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=sliding_window
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=8,
+        dtype="float16",
+        sliding_window=sliding_window,
     )
 
 
 def chunked_spec(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
     """A small chunked-local-attention spec."""
     return ChunkedLocalAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8, dtype="float16", attention_chunk_size=chunk
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=8,
+        dtype="float16",
+        attention_chunk_size=chunk,
     )
 
 
@@ -89,8 +97,12 @@ def make_request(
 ) -> Request:
     """A Request whose block hashes use ``hash_block_size``."""
     return Request(
-        request_id, list(token_ids), max_tokens, hash_block_size=hash_block_size,
-        cache_salt=cache_salt, lora_name=lora_name,
+        request_id,
+        list(token_ids),
+        max_tokens,
+        hash_block_size=hash_block_size,
+        cache_salt=cache_salt,
+        lora_name=lora_name,
     )
 
 
@@ -114,8 +126,13 @@ class FakeRequest:
         )
 
 
-def cache_at_positions(pool: BlockPool, request: FakeRequest, positions: Iterable[int], block_size: int,
-                       group_id: int = 0) -> dict[int, KVCacheBlock]:
+def cache_at_positions(
+    pool: BlockPool,
+    request: FakeRequest,
+    positions: Iterable[int],
+    block_size: int,
+    group_id: int = 0,
+) -> dict[int, KVCacheBlock]:
     """Cache fresh blocks holding the request's blocks at ``positions`` (others stay uncached).
 
     The blocks are freed again, so they are cached but evictable. Returns position -> block.

@@ -14,8 +14,17 @@ class FlakyHook:
     ``rate``, exactly at call number ``at`` (0-based), or at the first call for which
     ``when(connector, *args)`` is true; counts the raises."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, cls: type, hook: str, *, rate: float = 0.0,
-                 at: int | None = None, when: Callable[..., bool] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        cls: type,
+        hook: str,
+        *,
+        rate: float = 0.0,
+        at: int | None = None,
+        when: Callable[..., bool] | None = None,
+        seed: int = 0,
+    ) -> None:
         self.raised = 0
         self.calls = 0
         rng = random.Random(seed)

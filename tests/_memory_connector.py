@@ -41,7 +41,8 @@ class InMemoryMetadata(KVConnectorMetadata, kw_only=True):
     stores: list[tuple[str, bytes, list[int]]] = msgspec.field(default_factory=list)
     async_load_reqs: list[str] = msgspec.field(default_factory=list)
     preempted: list[str] = msgspec.field(default_factory=list)
-    cancelled: list[str] = msgspec.field(default_factory=list)  # forgotten: drop their pending saves
+    # forgotten: drop their pending saves
+    cancelled: list[str] = msgspec.field(default_factory=list)
 
 
 class InMemoryConnector(KVConnectorBase_V1):
@@ -56,7 +57,9 @@ class InMemoryConnector(KVConnectorBase_V1):
         super().__init__(*args, **kwargs)
         self.load_async = bool(self.config.get_from_extra_config("load_async", False))
         self.save_delay = int(self.config.get_from_extra_config("save_delay", 0))
-        self.has_sync_kv_loads = bool(self.config.get_from_extra_config("sync_flag", not self.load_async))
+        self.has_sync_kv_loads = bool(
+            self.config.get_from_extra_config("sync_flag", not self.load_async)
+        )
         self.fail_start_load = int(self.config.get_from_extra_config("fail_start_load", 0))
         cfg = self.kv_cache_config
         self.block_size = cfg.kv_cache_groups[0].kv_cache_spec.block_size
@@ -95,8 +98,12 @@ class InMemoryConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
-        self._reqs[rid] = {"request": request, "blocks": [list(g) for g in blocks.get_block_ids()],
-                           "next_store": 0, "last_store": -1}
+        self._reqs[rid] = {
+            "request": request,
+            "blocks": [list(g) for g in blocks.get_block_ids()],
+            "next_store": 0,
+            "last_store": -1,
+        }
         if num_external_tokens <= 0:
             return
         local = self._matched[rid] // self.block_size
@@ -109,8 +116,13 @@ class InMemoryConnector(KVConnectorBase_V1):
             self._async_reqs.append(rid)
 
     def build_connector_meta(self, scheduler_output):
-        meta = InMemoryMetadata(step=self._step, loads=self._loads, async_load_reqs=self._async_reqs,
-                                preempted=sorted(scheduler_output.preempted_req_ids), cancelled=self._cancelled)
+        meta = InMemoryMetadata(
+            step=self._step,
+            loads=self._loads,
+            async_load_reqs=self._async_reqs,
+            preempted=sorted(scheduler_output.preempted_req_ids),
+            cancelled=self._cancelled,
+        )
         new_ids_of = {n.req_id for n in scheduler_output.scheduled_new_reqs}
         computed = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -192,8 +204,12 @@ class InMemoryConnector(KVConnectorBase_V1):
         state = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         # Saves planned in the last save_delay steps still read this request's blocks.
-        busy = state is not None and state["last_store"] >= 0 and \
-            state["last_store"] + self.save_delay >= self._step - 1 and self.save_delay > 0
+        busy = (
+            state is not None
+            and state["last_store"] >= 0
+            and state["last_store"] + self.save_delay >= self._step - 1
+            and self.save_delay > 0
+        )
         return busy, None
 
     # --------------------------------------------------------------- worker side

@@ -148,14 +148,51 @@ def make_tls_files(directory: Path) -> dict[str, Path]:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
     for ca in ("ca", "other-ca"):
-        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN=test-{ca}",
-            "-keyout", str(files[f"{ca}.key"]), "-out", str(files[f"{ca}.crt"]))
+        run(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            f"/CN=test-{ca}",
+            "-keyout",
+            str(files[f"{ca}.key"]),
+            "-out",
+            str(files[f"{ca}.crt"]),
+        )
     for leaf in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=127.0.0.1-{leaf}",
-            "-keyout", str(files[f"{leaf}.key"]), "-out", str(files[f"{leaf}.csr"]))
-        run("x509", "-req", "-in", str(files[f"{leaf}.csr"]), "-CA", str(files["ca.crt"]),
-            "-CAkey", str(files["ca.key"]), "-CAcreateserial", "-days", "1",
-            "-extfile", str(files["ext.cnf"]), "-out", str(files[f"{leaf}.crt"]))
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN=127.0.0.1-{leaf}",
+            "-keyout",
+            str(files[f"{leaf}.key"]),
+            "-out",
+            str(files[f"{leaf}.csr"]),
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            str(files[f"{leaf}.csr"]),
+            "-CA",
+            str(files["ca.crt"]),
+            "-CAkey",
+            str(files["ca.key"]),
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            str(files["ext.cnf"]),
+            "-out",
+            str(files[f"{leaf}.crt"]),
+        )
     return files
 
 

@@ -247,7 +247,9 @@ class OneShotLookupReferenceConnector(ReferenceConnector):
         n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if n and request.request_id in getattr(self, "_handed_out", set()):
             return 0, False
-        self._handed_out = getattr(self, "_handed_out", set()) | ({request.request_id} if n else set())
+        self._handed_out = getattr(self, "_handed_out", set()) | (
+            {request.request_id} if n else set()
+        )
         return n, load_async
 
 

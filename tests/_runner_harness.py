@@ -25,8 +25,13 @@ from kvconnector_core.worker.model_runner import ModelRunner
 __all__ = ["HarnessRequest", "make_kv_cache_config", "run_requests"]
 
 
-def make_kv_cache_config(model_config: ModelConfig, block_size: int = 4, num_blocks: int = 400,
-                         max_model_len: int = 256, max_num_batched_tokens: int = 64) -> KVCacheConfig:
+def make_kv_cache_config(
+    model_config: ModelConfig,
+    block_size: int = 4,
+    num_blocks: int = 400,
+    max_model_len: int = 256,
+    max_num_batched_tokens: int = 64,
+) -> KVCacheConfig:
     """KV cache config for ``model_config`` with ``num_blocks`` blocks."""
     specs = model_config.kv_cache_specs(block_size)
     budget = num_blocks * sum(s.page_size_bytes for s in specs.values())
@@ -79,8 +84,10 @@ def run_requests(
     num_groups = len(cfg.kv_cache_groups)
     free = list(range(1, cfg.num_blocks))
     random.Random(block_seed).shuffle(free)
-    reqs = {f"r{i}": HarnessRequest(f"r{i}", list(p), len(p), [[] for _ in range(num_groups)])
-            for i, p in enumerate(prompts)}
+    reqs = {
+        f"r{i}": HarnessRequest(f"r{i}", list(p), len(p), [[] for _ in range(num_groups)])
+        for i, p in enumerate(prompts)
+    }
     step = 0
     while any(len(r.output) < max_new_tokens for r in reqs.values()):
         if before_step is not None:
@@ -103,8 +110,14 @@ def run_requests(
             scheduled[r.req_id] = n
             if not r.sent:
                 r.sent = True
-                new.append(NewRequestData(r.req_id, r.tokens[:r.num_prompt],
-                                          tuple(list(b) for b in r.block_ids), r.num_computed))
+                new.append(
+                    NewRequestData(
+                        r.req_id,
+                        r.tokens[: r.num_prompt],
+                        tuple(list(b) for b in r.block_ids),
+                        r.num_computed,
+                    )
+                )
             else:
                 cached.req_ids.append(r.req_id)
                 cached.new_token_ids.append([])

@@ -37,7 +37,8 @@ class TPRunners:
 
     def __init__(self, runners: list[ModelRunner], connectors: list[Any]) -> None:
         self.runners = runners
-        self.connectors = connectors  # worker-role connectors of ranks 1.. (rank 0's is the engine's)
+        # worker-role connectors of ranks 1.. (rank 0's is the engine's)
+        self.connectors = connectors
         self.samples: list[dict[str, list[int]]] = [{} for _ in runners]
         self._sending: dict[str, int] = {}
         self._recving: dict[str, int] = {}
@@ -68,7 +69,9 @@ class TPRunners:
         kvs = [o.kv_connector_output for o in outs]
         if all(kv is None for kv in kvs):
             return outs[0]
-        return msgspec.structs.replace(outs[0], kv_connector_output=self._fold([kv for kv in kvs if kv]))
+        return msgspec.structs.replace(
+            outs[0], kv_connector_output=self._fold([kv for kv in kvs if kv])
+        )
 
     def _finished(self, counts: dict[str, int], reported: list[set[str]]) -> set[str]:
         done = set()
@@ -88,15 +91,22 @@ class TPRunners:
         meta = None
         for kv in kvs:
             if kv.kv_connector_worker_meta is not None:
-                meta = kv.kv_connector_worker_meta if meta is None else meta.aggregate(kv.kv_connector_worker_meta)
+                meta = (
+                    kv.kv_connector_worker_meta
+                    if meta is None
+                    else meta.aggregate(kv.kv_connector_worker_meta)
+                )
         return KVConnectorOutput(
             finished_sending=self._finished(self._sending, [kv.finished_sending for kv in kvs]),
-            finished_recving=recving, failed_recving=failed,
+            finished_recving=recving,
+            failed_recving=failed,
             invalid_block_ids=set().union(*(kv.invalid_block_ids for kv in kvs)),
             kv_connector_stats=_sum_stats([kv.kv_connector_stats for kv in kvs]),
             kv_cache_events=kvs[0].kv_cache_events,
             kv_connector_worker_meta=meta,
-            loads_failed=any(kv.loads_failed for kv in kvs), stores_failed=any(kv.stores_failed for kv in kvs))
+            loads_failed=any(kv.loads_failed for kv in kvs),
+            stores_failed=any(kv.stores_failed for kv in kvs),
+        )
 
     def shutdown(self) -> None:
         """Shut down the connectors of ranks 1.. (the engine shuts rank 0's down)."""
@@ -121,8 +131,9 @@ class _AnyPending:
         return any(g is not None and g.has_pending_work() for g in self._guards)
 
 
-def tp_engine(config: EngineConfig, world_size: int, pipeline_parallel_size: int = 1
-              ) -> tuple[Engine, TPRunners]:
+def tp_engine(
+    config: EngineConfig, world_size: int, pipeline_parallel_size: int = 1
+) -> tuple[Engine, TPRunners]:
     """An engine of ``world_size`` simulated workers (see the module docstring).
 
     ``config.connector`` (None: no connector, the baseline) gets ``world_size`` and
@@ -130,15 +141,17 @@ def tp_engine(config: EngineConfig, world_size: int, pipeline_parallel_size: int
     """
     connector = config.connector
     if connector is not None:
-        connector = msgspec.structs.replace(connector, world_size=world_size,
-                                            pipeline_parallel_size=pipeline_parallel_size)
+        connector = msgspec.structs.replace(
+            connector, world_size=world_size, pipeline_parallel_size=pipeline_parallel_size
+        )
     engine = Engine(dataclasses.replace(config, connector=connector))
     runners, extra = [engine.model_runner], []
     for rank in range(1, world_size):
         conn = None
         if connector is not None:
-            worker_config = msgspec.structs.replace(connector, rank=rank,
-                                                    enable_kv_cache_events=config.kv_events_enabled)
+            worker_config = msgspec.structs.replace(
+                connector, rank=rank, enable_kv_cache_events=config.kv_events_enabled
+            )
             conn = create_connector(worker_config, KVConnectorRole.WORKER, engine.kv_cache_config)
             extra.append(conn)
         model = dataclasses.replace(config.model, seed=config.model.seed + rank)

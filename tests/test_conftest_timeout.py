@@ -38,8 +38,15 @@ def _run(tmp_path: Path, body: str, *, env_timeout: str | None = "1", marker: st
     env = {"PATH": "/usr/bin:/bin"}
     if env_timeout is not None:
         env["KVCONNECTOR_TEST_TIMEOUT"] = env_timeout
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("blocker", sorted(BLOCKERS))
@@ -58,8 +65,10 @@ def test_the_marker_overrides_the_environment(tmp_path):
 def test_a_swallowed_timeout_ends_the_process_with_every_threads_stack(tmp_path):
     # The test catches the handler's Failed every time: the alarm repeats, then
     # faulthandler dumps the stacks and exits (after a grace shortened to 1 s here).
-    body = "while True:\n                try:\n                    time.sleep(60)\n" \
-           "                except BaseException:\n                    pass"
+    body = (
+        "while True:\n                try:\n                    time.sleep(60)\n"
+        "                except BaseException:\n                    pass"
+    )
     run = _run(tmp_path, body, grace_s=1.0)
     assert run.returncode != 0
     assert "Timeout" in run.stderr and "test_blocked.py" in run.stderr, run.stderr

@@ -19,10 +19,14 @@ import bench_offload_planning  # noqa: E402
 def test_hit_rate_table_has_every_policy_and_size():
     chains = d.offload_key_chains(d.chat_trace("tiny"))
     for gpu_blocks in (0, 8):
-        rates = bench_offload_hits.hit_rates(chains, [8, 64], with_vllm=False, gpu_blocks=gpu_blocks)
+        rates = bench_offload_hits.hit_rates(
+            chains, [8, 64], with_vllm=False, gpu_blocks=gpu_blocks
+        )
         assert len(rates) == 5
-        assert all(set(by) == {8, 64} and all(0.0 <= v <= 1.0 for v in by.values())
-                   for by in rates.values())
+        assert all(
+            set(by) == {8, 64} and all(0.0 <= v <= 1.0 for v in by.values())
+            for by in rates.values()
+        )
     # A tier that holds everything serves every repeated prefix, whatever the policy.
     big = bench_offload_hits.hit_rates(chains, [4096], with_vllm=False)
     assert len({by[4096] for by in big.values()}) == 1 and next(iter(big.values()))[4096] > 0
@@ -30,8 +34,9 @@ def test_hit_rate_table_has_every_policy_and_size():
 
 def test_gpu_cache_model_serves_repeats_before_the_tier():
     chains = d.offload_key_chains(d.chat_trace("tiny"))
-    st = d.run_offload_trace(d.KvconnectorSide(), chains, policy="arc", num_blocks=64,
-                             gpu_blocks=4096)
+    st = d.run_offload_trace(
+        d.KvconnectorSide(), chains, policy="arc", num_blocks=64, gpu_blocks=4096
+    )
     assert st.gpu_hit_keys > 0 and st.hit_keys == 0  # the GPU holds every repeat
 
 

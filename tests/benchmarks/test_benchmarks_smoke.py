@@ -157,11 +157,16 @@ def test_bench_core_main_writes_json(tmp_path: Path) -> None:
     assert len(data["results"]) == 8 + 6
 
 
-OWN_CODE = tuple(str(BENCH_DIR.parent / part) for part in ("kvconnector_core", "connectors", "benchmarks"))
+OWN_CODE = tuple(
+    str(BENCH_DIR.parent / part) for part in ("kvconnector_core", "connectors", "benchmarks")
+)
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM 0.33, installed only in its own venv "
-                                          "(make vllm-venv; then .vllm-venv/bin/python -m pytest)")
+@pytest.mark.skipif(
+    not HAVE_VLLM,
+    reason="needs vLLM 0.33, installed only in its own venv "
+    "(make vllm-venv; then .vllm-venv/bin/python -m pytest)",
+)
 def test_compare_vllm_tiny_run_has_matching_semantics() -> None:
     """With vLLM installed, a tiny comparison runs and both managers agree on every counter.
 
@@ -175,19 +180,29 @@ def test_compare_vllm_tiny_run_has_matching_semantics() -> None:
         warnings.simplefilter("always")
         import compare_vllm
 
-        rows, checks = compare_vllm.compare(repeats=1, trace_size="tiny", pool_blocks=33,
-                                            log=lambda _m: None)
-    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.filename.startswith(OWN_CODE)]
+        rows, checks = compare_vllm.compare(
+            repeats=1, trace_size="tiny", pool_blocks=33, log=lambda _m: None
+        )
+    ours = [
+        f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.filename.startswith(OWN_CODE)
+    ]
     assert ours == []
     assert rows
     assert checks["manager events off"]["same_semantics"]
     assert checks["manager events on"]["same_semantics"]
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM 0.33, installed only in its own venv "
-                                          "(make vllm-venv; then .vllm-venv/bin/python -m pytest)")
-@pytest.mark.parametrize(("block_size", "spec", "blocks"), [(32, "hybrid", 300), (64, "sliding", 60)])
-def test_compare_vllm_other_shapes_do_the_same_work(block_size: int, spec: str, blocks: int) -> None:
+@pytest.mark.skipif(
+    not HAVE_VLLM,
+    reason="needs vLLM 0.33, installed only in its own venv "
+    "(make vllm-venv; then .vllm-venv/bin/python -m pytest)",
+)
+@pytest.mark.parametrize(
+    ("block_size", "spec", "blocks"), [(32, "hybrid", 300), (64, "sliding", 60)]
+)
+def test_compare_vllm_other_shapes_do_the_same_work(
+    block_size: int, spec: str, blocks: int
+) -> None:
     """Other block sizes and attention layouts, a tight pool: both managers agree on every
     counter and both offload managers hit the same keys, request by request."""
     import warnings
@@ -198,9 +213,17 @@ def test_compare_vllm_other_shapes_do_the_same_work(block_size: int, spec: str, 
 
         try:
             rows, checks = compare_vllm.compare(
-                repeats=1, trace_size="medium", seed=5, block_size=block_size, spec=spec,
-                window=128, manager_blocks=blocks, offload_blocks=64,
-                only=("manager", "offload"), log=lambda _m: None)
+                repeats=1,
+                trace_size="medium",
+                seed=5,
+                block_size=block_size,
+                spec=spec,
+                window=128,
+                manager_blocks=blocks,
+                offload_blocks=64,
+                only=("manager", "offload"),
+                log=lambda _m: None,
+            )
         finally:
             d.configure()
     assert not [r for r in rows if r.failure]
@@ -222,8 +245,12 @@ def test_unseen_trace_shapes_are_seeded_and_sized_as_documented(name: str) -> No
     assert [r.prompt_token_ids for r in a.requests] == [r.prompt_token_ids for r in b.requests]
     assert [r.prompt_token_ids for r in a.requests] != [r.prompt_token_ids for r in c.requests]
     lengths = [len(r.prompt_token_ids) for r in a.requests]
-    lo, hi, count = {"long": (8193, 32001, 48), "short": (25, 137, 4000),
-                     "shared": (2049, 2049, 960), "noshare": (201, 1201, 1500)}[name]
+    lo, hi, count = {
+        "long": (8193, 32001, 48),
+        "short": (25, 137, 4000),
+        "shared": (2049, 2049, 960),
+        "noshare": (201, 1201, 1500),
+    }[name]
     assert len(lengths) == count and lo <= min(lengths) and max(lengths) <= hi
     assert len({r.request_id for r in a.requests}) == count
 
@@ -235,11 +262,15 @@ def test_block_size_and_spec_shape_every_input_of_our_side() -> None:
     trace = d.chat_trace("tiny")
     d.configure(block_size=32, spec="hybrid", window=64)
     assert [len(c) for c in d.offload_key_chains(trace)] == [
-        len(r.prompt_token_ids) // 32 for r in trace.requests]
+        len(r.prompt_token_ids) // 32 for r in trace.requests
+    ]
     assert {len(b) for blocks in d.hashing_inputs(trace) for b in blocks} == {32}
     side = d.KvconnectorSide()
     groups = side.new_manager(64).kv_cache_config.kv_cache_groups
-    assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec", "SlidingWindowSpec"]
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == [
+        "FullAttentionSpec",
+        "SlidingWindowSpec",
+    ]
     assert {g.kv_cache_spec.block_size for g in groups} == {32}
     st = d.run_manager_trace(side, d.build_manager_requests(side, trace), num_blocks=64)
     assert st.requests == len(trace)
@@ -254,8 +285,22 @@ def test_bench_tiers_disk_rows_run_and_check_the_read_back(tmp_path, capsys) -> 
     import bench_tiers
 
     out = tmp_path / "tiers.json"
-    assert bench_tiers.main(["--count", "4", "--value-kib", "4", "--repeats", "2", "--skip-redis",
-                             "--json", str(out)]) == 0
+    assert (
+        bench_tiers.main(
+            [
+                "--count",
+                "4",
+                "--value-kib",
+                "4",
+                "--repeats",
+                "2",
+                "--skip-redis",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["tier"] == "disk" and row["bytes"] == 4 * 4096
     assert row["store_ratio"] > 0 and row["load_ratio"] > 0
@@ -281,17 +326,48 @@ def test_transfer_benchmarks_run_every_variant_on_cpu(tmp_path: Path) -> None:
     import bench_interference
     import bench_transfer
 
-    kv = ["--device", "cpu", "--layers", "2", "--kv-heads", "1", "--head-size", "8",
-          "--block-size", "4", "--num-gpu-blocks", "16"]
+    kv = [
+        "--device",
+        "cpu",
+        "--layers",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-size",
+        "8",
+        "--block-size",
+        "4",
+        "--num-gpu-blocks",
+        "16",
+    ]
     out = tmp_path / "t.json"
     assert bench_transfer.main([*kv, "--batch", "4", "--reps", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 3 * 8 * 2  # layouts x default variants x id patterns
     assert all(r["ok"] for r in rows)
     out = tmp_path / "i.json"
-    assert bench_interference.main([*kv, "--blocks", "2", "--steps", "1", "--warmup", "0",
-                                    "--tokens", "4", "--hidden", "8", "--ffn", "8",
-                                    "--json", str(out)]) == 0
+    assert (
+        bench_interference.main(
+            [
+                *kv,
+                "--blocks",
+                "2",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--tokens",
+                "4",
+                "--hidden",
+                "8",
+                "--ffn",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 3 * 7 and all(r["ok"] for r in rows)
 

@@ -46,15 +46,24 @@ def test_runs_are_reproducible(baselines):
 
 
 def _stored(h: int, medium: str) -> BlockStored:
-    return BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[], block_size=4, lora_id=None,
-                       medium=medium, lora_name=None, group_idx=0)
+    return BlockStored(
+        block_hashes=[h],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=4,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=0,
+    )
 
 
 def test_replica_follows_events_and_clears_per_medium():
     replica = sc.EventReplica()
     replica.apply([_stored(1, "GPU"), _stored(1, "GPU"), _stored(7, "CPU"), _stored(8, "CPU")])
     assert replica.diff(Counter({(0, 1): 2}), {(0, 7), (0, 8)}) is None
-    assert "GPU" in replica.diff(Counter({(0, 1): 1}), {(0, 7), (0, 8)})  # a multiset: two blocks hold 1
+    # a multiset: two blocks hold 1
+    assert "GPU" in replica.diff(Counter({(0, 1): 1}), {(0, 7), (0, 8)})
     replica.apply([BlockRemoved(block_hashes=[8], medium="CPU"), AllBlocksCleared()])
     assert replica.diff(Counter(), set()) is None
     replica.apply([BlockRemoved(block_hashes=[5], medium="GPU")])
@@ -73,9 +82,15 @@ def _engine_after_a_run(connector: str = "cpu_offload") -> tuple[Engine, list]:
 def test_end_checks_are_clean_after_a_good_run_and_catch_planted_leaks():
     eng, trace = _engine_after_a_run()
     ids = {r.request_id for r in trace}
-    assert (sc.leaked_gpu_refs(eng), sc.held_cpu_slots(eng), sc.leftover_request_state(eng, ids)) == (0, 0, [])
+    assert (
+        sc.leaked_gpu_refs(eng),
+        sc.held_cpu_slots(eng),
+        sc.leftover_request_state(eng, ids),
+    ) == (0, 0, [])
     assert sc.real_media(eng)[1], "the CPU tier stored nothing: the checks below would be vacuous"
-    manager = next(o for o in sc.walk([eng.scheduler_connector]) if isinstance(o, CPUOffloadingManager))
+    manager = next(
+        o for o in sc.walk([eng.scheduler_connector]) if isinstance(o, CPUOffloadingManager)
+    )
     key, entry = next(iter(manager.policy))
     entry.ref_cnt += 1  # a load that never completed
     assert sc.held_cpu_slots(eng) == 1
@@ -89,8 +104,10 @@ def test_end_checks_are_clean_after_a_good_run_and_catch_planted_leaks():
 
 def test_summary_names_the_smallest_failing_seed():
     ok = fr.RunOutcome("memory", "raise_once", 4, dict.fromkeys(fr.CHECKS, 0), {})
-    bad = [fr.RunOutcome("memory", "raise_once", s, {**dict.fromkeys(fr.CHECKS, 0), "deadlock": 1}, {})
-           for s in (9, 5)]
+    bad = [
+        fr.RunOutcome("memory", "raise_once", s, {**dict.fromkeys(fr.CHECKS, 0), "deadlock": 1}, {})
+        for s in (9, 5)
+    ]
     table = summarize([ok, *bad])
     assert "| memory | raise_once | 3 | 0 | 0 | 2 |" in table
     assert "| 5 (deadlock) |" in table

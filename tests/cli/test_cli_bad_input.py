@@ -41,12 +41,18 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
 def test_no_numpy_warning_on_any_command(tmp_path):
     """torch's 'Failed to initialize NumPy' warning is not printed by `kvconnector` commands."""
     trace = tmp_path / "t.jsonl"
-    trace.write_text(json.dumps({"arrival": 0, "prompt_token_ids": [1, 2, 3], "max_new_tokens": 2}) + "\n")
-    code = ("import sys; from kvconnector_core.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
+    trace.write_text(
+        json.dumps({"arrival": 0, "prompt_token_ids": [1, 2, 3], "max_new_tokens": 2}) + "\n"
+    )
+    code = "import sys; from kvconnector_core.cli import main; sys.exit(main(sys.argv[1:]))"
     for argv in (["list"], ["run", "--trace", str(trace), "--connector", "none"]):
-        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                              timeout=300, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr
         assert "NumPy" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
 
@@ -54,7 +60,7 @@ def test_no_numpy_warning_on_any_command(tmp_path):
 def test_readme_says_make_run_uses_cpu_offload():
     """The README's quick start says which connector `make run` uses."""
     readme = (ROOT / "README.md").read_text()
-    quick_start = readme[readme.index("make run"):readme.index("make test")]
+    quick_start = readme[readme.index("make run") : readme.index("make test")]
     assert "cpu_offload" in quick_start
 
 
@@ -78,13 +84,19 @@ def test_trace_format_docs_give_arrival_unit_and_token_range():
 def test_num_gpu_blocks_error_gives_the_true_reason(tmp_path, capsys, no_engine_runs):
     """A 68-token trace needs room for 68 + 16 tokens, not 512: the message says so."""
     trace = tmp_path / "t.jsonl"
-    trace.write_text(json.dumps({"arrival": 0, "prompt_token_ids": list(range(60)),
-                                 "max_new_tokens": 8}) + "\n")
-    code, err = run_cli(capsys, "--trace", str(trace), "--connector", "none", "--num-gpu-blocks", "3")
+    trace.write_text(
+        json.dumps({"arrival": 0, "prompt_token_ids": list(range(60)), "max_new_tokens": 8}) + "\n"
+    )
+    code, err = run_cli(
+        capsys, "--trace", str(trace), "--connector", "none", "--num-gpu-blocks", "3"
+    )
     assert code == 2
     assert "has 68 tokens" in err and "84 tokens" in err and "--num-gpu-blocks 7 or more" in err
     assert "512" not in err
-    assert run_cli(capsys, "--trace", str(trace), "--connector", "none", "--num-gpu-blocks", "7")[0] == 0
+    assert (
+        run_cli(capsys, "--trace", str(trace), "--connector", "none", "--num-gpu-blocks", "7")[0]
+        == 0
+    )
 
 
 def test_unknown_connector_same_message_in_cli_and_multiconnector_child(tmp_path, capsys):
@@ -92,8 +104,11 @@ def test_unknown_connector_same_message_in_cli_and_multiconnector_child(tmp_path
     code, cli_err = run_cli(capsys, "--connector", "cpu_ofload", "--no-baseline")
     assert code == 2
     config = tmp_path / "multi.json"
-    config.write_text(json.dumps({"name": "MultiConnector",
-                                  "extra_config": {"connectors": [{"name": "cpu_ofload"}]}}))
+    config.write_text(
+        json.dumps(
+            {"name": "MultiConnector", "extra_config": {"connectors": [{"name": "cpu_ofload"}]}}
+        )
+    )
     code, multi_err = run_cli(capsys, "--config", str(config), "--no-baseline")
     assert code == 2
     core = "unknown connector 'cpu_ofload' (did you mean 'cpu_offload'?); available connectors:"
@@ -102,10 +117,13 @@ def test_unknown_connector_same_message_in_cli_and_multiconnector_child(tmp_path
     assert "MultiConnector extra_config['connectors'][0]:" in multi_err
 
 
-@pytest.mark.parametrize(("kind", "needle"), [
-    ("missing", "--trace {path}: no such file"),
-    ("directory", "--trace {path} is not a file"),
-])
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [
+        ("missing", "--trace {path}: no such file"),
+        ("directory", "--trace {path} is not a file"),
+    ],
+)
 def test_bad_trace_path_names_the_option(tmp_path, capsys, kind, needle):
     """A missing --trace file or a directory: a message naming --trace, exit 2, no traceback."""
     path = tmp_path / "nope.jsonl" if kind == "missing" else tmp_path
@@ -143,7 +161,9 @@ def test_unallocatable_pool_is_a_config_error():
     from kvconnector_core.worker.kv_cache import allocate_kv_caches
 
     config = make_kv_cache_config(num_blocks=2**50)
-    with pytest.raises(ConfigError, match=r"cannot allocate the KV cache of group 0 on cpu: .* GiB"):
+    with pytest.raises(
+        ConfigError, match=r"cannot allocate the KV cache of group 0 on cpu: .* GiB"
+    ):
         allocate_kv_caches(config)
 
 
@@ -151,20 +171,29 @@ def test_duplicate_multiconnector_children_are_rejected(tmp_path, capsys):
     """Two identical children would store everything twice: a config error naming both."""
     child = {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}
     config = tmp_path / "multi.json"
-    config.write_text(json.dumps({"name": "MultiConnector",
-                                  "extra_config": {"connectors": [child, dict(child)]}}))
+    config.write_text(
+        json.dumps({"name": "MultiConnector", "extra_config": {"connectors": [child, dict(child)]}})
+    )
     code, err = run_cli(capsys, "--config", str(config), "--no-baseline")
     assert code == 2
-    assert "extra_config['connectors'][1] repeats child 0 ('cpu_offload' with the same settings)" in err
+    assert (
+        "extra_config['connectors'][1] repeats child 0 ('cpu_offload' with the same settings)"
+        in err
+    )
 
 
 def test_huge_max_new_tokens_is_a_bound_error(tmp_path, capsys):
     """A trace request longer than the engine supports: a bound error naming the request size."""
     trace = tmp_path / "t.jsonl"
-    trace.write_text(json.dumps({"arrival": 0, "prompt_token_ids": [1, 2], "max_new_tokens": 10**9}) + "\n")
+    trace.write_text(
+        json.dumps({"arrival": 0, "prompt_token_ids": [1, 2], "max_new_tokens": 10**9}) + "\n"
+    )
     code, err = run_cli(capsys, "--trace", str(trace), "--connector", "none")
     assert code == 2
-    assert "has 1000000002 tokens (prompt + max_new_tokens); the engine supports at most 1048560" in err
+    assert (
+        "has 1000000002 tokens (prompt + max_new_tokens); the engine supports at most 1048560"
+        in err
+    )
 
 
 @pytest.mark.parametrize("blocks", ["0", "-3", str(2**40)])
@@ -191,6 +220,8 @@ def test_an_option_the_connector_cannot_honour_is_refused_by_the_connector(capsy
     (ttl: the base class's demo_extra_config; disk: its own)."""
     code, err = run_cli(capsys, "--cpu-blocks", "4", "--tier", "disk:/tmp/x", "--connector", name)
     assert code == 2
-    assert (f"--cpu-blocks and --tier do not apply to the {name!r} connector; options valid "
-            "for it: none") in err
+    assert (
+        f"--cpu-blocks and --tier do not apply to the {name!r} connector; options valid "
+        "for it: none"
+    ) in err
     assert "Traceback" not in err

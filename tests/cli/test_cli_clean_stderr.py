@@ -20,8 +20,18 @@ MULTI = {"name": "MultiConnector", "extra_config": {"connectors": [
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from kvconnector_core.cli import main; sys.exit(main())",
-         "run", *args], capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvconnector_core.cli import main; sys.exit(main())",
+            "run",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 def _assert_clean(proc: subprocess.CompletedProcess) -> None:

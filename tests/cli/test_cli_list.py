@@ -35,10 +35,17 @@ class FakeEntryPoint:
 
 def registry_with_failure() -> ConnectorRegistry:
     reg = ConnectorRegistry()
-    reg.load_plugins([
-        FakeEntryPoint("rec", "x:RecordingConnector", RecordingConnector, FakeDist("kv-rec", "2.0")),
-        FakeEntryPoint("broken", "broken_mod", ImportError("missing dep zzz"), FakeDist("kv-broken", "0.3")),
-    ], builtin_fallback=False)
+    reg.load_plugins(
+        [
+            FakeEntryPoint(
+                "rec", "x:RecordingConnector", RecordingConnector, FakeDist("kv-rec", "2.0")
+            ),
+            FakeEntryPoint(
+                "broken", "broken_mod", ImportError("missing dep zzz"), FakeDist("kv-broken", "0.3")
+            ),
+        ],
+        builtin_fallback=False,
+    )
     return reg
 
 
@@ -55,8 +62,14 @@ def test_table_lists_connectors_and_failures(capsys):
     assert code == 2
     header, row = out.splitlines()[:2]
     assert header.split() == ["NAME", "ALIASES", "CLASS", "DISTRIBUTION", "VERSION", "STATUS"]
-    assert row.split() == ["RecordingConnector", "-", "kvconnector_core.testing.recording.RecordingConnector",
-                           "kv-rec", "2.0", "ok"]
+    assert row.split() == [
+        "RecordingConnector",
+        "-",
+        "kvconnector_core.testing.recording.RecordingConnector",
+        "kv-rec",
+        "2.0",
+        "ok",
+    ]
     failed = out.split("failed to load:")[1]
     assert "broken (kv-broken)" in failed and "zzz" in failed
 
@@ -81,14 +94,16 @@ def test_json_output(capsys):
     data = json.loads(out)
     assert code == 2
     assert data["connectors"][0]["distribution"] == "kv-rec"
-    assert data["errors"][0]["entry_point"] == "broken" and data["errors"][0]["distribution"] == "kv-broken"
+    assert (
+        data["errors"][0]["entry_point"] == "broken"
+        and data["errors"][0]["distribution"] == "kv-broken"
+    )
 
 
 def test_installed_console_script_lists_builtins_and_ttl():
     """The real command finds the built-in connectors and the installed example plugin."""
     code = "import sys; from kvconnector_core.cli import main; sys.exit(main(['list', '--json']))"
-    proc = subprocess.run([sys.executable, "-c", code],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     names = {c["name"]: c for c in json.loads(proc.stdout)["connectors"]}
     assert names["MultiConnector"]["distribution"] == "kvconnector"
     assert names["TTLPinConnector"]["distribution"] == "kvconnector-ttl"
@@ -101,10 +116,15 @@ class ClashingRecording(RecordingConnector):
 
 def registry_with_conflict() -> ConnectorRegistry:
     reg = ConnectorRegistry()
-    reg.load_plugins([
-        FakeEntryPoint("legit", "x:RecordingConnector", RecordingConnector, FakeDist("kv-legit", "1.0")),
-        FakeEntryPoint("squatter", "y:Clash", ClashingRecording, FakeDist("kv-squat", "0.1")),
-    ], builtin_fallback=False)
+    reg.load_plugins(
+        [
+            FakeEntryPoint(
+                "legit", "x:RecordingConnector", RecordingConnector, FakeDist("kv-legit", "1.0")
+            ),
+            FakeEntryPoint("squatter", "y:Clash", ClashingRecording, FakeDist("kv-squat", "0.1")),
+        ],
+        builtin_fallback=False,
+    )
     return reg
 
 

@@ -71,7 +71,9 @@ def test_comparison_reports_first_difference():
     base = result({"a": [1, 2, 3], "b": [4, 5]})
     bad = result({"a": [1, 2, 3], "b": [4, 6]})
     cmp = compare_outputs(bad, base)
-    assert not cmp.identical and cmp.first_differing_request == "b" and cmp.first_differing_token == 1
+    assert (
+        not cmp.identical and cmp.first_differing_request == "b" and cmp.first_differing_token == 1
+    )
     assert "outputs identical to baseline: NO" in format_report(bad, base)
     assert compare_outputs(base, base).identical
 
@@ -88,8 +90,10 @@ def test_empty_trace_is_a_usage_error(tmp_path, capsys, content):
 
 def test_out_of_vocab_token_names_file_line_and_range(tmp_path, capsys):
     path = tmp_path / "vocab.jsonl"
-    path.write_text('{"arrival": 0, "prompt_token_ids": [1, 2], "max_new_tokens": 1}\n'
-                    '{"arrival": 0, "prompt_token_ids": [3, 99999], "max_new_tokens": 1}\n')
+    path.write_text(
+        '{"arrival": 0, "prompt_token_ids": [1, 2], "max_new_tokens": 1}\n'
+        '{"arrival": 0, "prompt_token_ids": [3, 99999], "max_new_tokens": 1}\n'
+    )
     assert main(["run", "--trace", str(path), "--connector", "none"]) == 2
     err = capsys.readouterr().err
     assert f"{path}:2:" in err and "99999" in err and "0..31999" in err
@@ -124,8 +128,10 @@ def test_gpu_pool_is_sized_for_the_longest_request(monkeypatch, capsys):
     assert config.num_gpu_blocks > 64
     config.kv_cache_config()  # does not raise: one longest request fits
     capsys.readouterr()
-    assert main(["run", "--workload", "chat_large", "--connector", "none",
-                 "--num-gpu-blocks", "64"]) == 2
+    assert (
+        main(["run", "--workload", "chat_large", "--connector", "none", "--num-gpu-blocks", "64"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"--num-gpu-blocks {config.min_num_gpu_blocks} or more" in err
     assert main(["run", "--workload", "mixed", "--connector", "none"]) == 0
@@ -154,14 +160,19 @@ def test_demo_options_reach_a_connector_in_either_form():
             return {"size": num_gpu_blocks, "tiers": list(tiers)}
 
     assert demo_extra_config(Typed, DemoOptions(connector="t", num_gpu_blocks=8)) == {"size": 16}
-    assert demo_extra_config(Typed, DemoOptions(connector="t", num_gpu_blocks=8,
-                                                cpu_blocks=3)) == {"size": 3}
-    with pytest.raises(ConfigError, match="--tier does not apply to the 't' connector; options "
-                                          "valid for it: --cpu-blocks"):
+    assert demo_extra_config(Typed, DemoOptions(connector="t", num_gpu_blocks=8, cpu_blocks=3)) == {
+        "size": 3
+    }
+    with pytest.raises(
+        ConfigError,
+        match="--tier does not apply to the 't' connector; options valid for it: --cpu-blocks",
+    ):
         demo_extra_config(Typed, DemoOptions(connector="t", num_gpu_blocks=8, tiers=("disk:x",)))
     legacy = DemoOptions(connector="l", num_gpu_blocks=8, tiers=("disk:x",))
     assert demo_extra_config(Legacy, legacy) == {"size": 8, "tiers": ["disk:x"]}
-    with pytest.raises(ConfigError, match="--cpu-blocks does not apply to the 'l' connector; "
-                                          "options valid for it: --tier"):
+    with pytest.raises(
+        ConfigError,
+        match="--cpu-blocks does not apply to the 'l' connector; options valid for it: --tier",
+    ):
         demo_extra_config(Legacy, DemoOptions(connector="l", num_gpu_blocks=8, cpu_blocks=3))
     assert demo_extra_config(RecordingConnector, DemoOptions(connector="r", num_gpu_blocks=8)) == {}

@@ -155,8 +155,10 @@ class Plan(KVConnectorMetadata):
     flags: set[str] = msgspec.field(default_factory=set)
 
 
-@given(st.dictionaries(st.text(max_size=5), st.lists(st.integers(0, 2**31), max_size=5), max_size=5),
-       st.sets(st.text(max_size=3), max_size=4))
+@given(
+    st.dictionaries(st.text(max_size=5), st.lists(st.integers(0, 2**31), max_size=5), max_size=5),
+    st.sets(st.text(max_size=3), max_size=4),
+)
 def test_metadata_roundtrip_property(loads, flags):
     """Any Plan survives the msgpack round trip unchanged."""
     meta = Plan(loads=loads, flags=flags)
@@ -178,9 +180,15 @@ def test_metadata_roundtrip_rejects_bad_metadata():
 def test_connector_output_roundtrips_with_events():
     """KVConnectorOutput, events included, survives msgpack; is_empty reflects content."""
     out = KVConnectorOutput(
-        finished_sending={"a"}, finished_recving={"b", "c"}, failed_recving={"c"}, invalid_block_ids={3, 4},
+        finished_sending={"a"},
+        finished_recving={"b", "c"},
+        failed_recving={"c"},
+        invalid_block_ids={3, 4},
         kv_connector_stats={"bytes_loaded": 10},
-        kv_cache_events=[BlockStored([1], None, [1, 2], 2, None, "CPU", None), BlockRemoved([1], "CPU")],
+        kv_cache_events=[
+            BlockStored([1], None, [1, 2], 2, None, "CPU", None),
+            BlockRemoved([1], "CPU"),
+        ],
     )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=KVConnectorOutput)
     assert back == out and isinstance(back.kv_cache_events[1], BlockRemoved)
@@ -194,18 +202,29 @@ def _admit(sched, manager, request, ext_expected):
     _, local = manager.get_computed_blocks(request)
     n, _ = sched.get_num_new_matched_tokens(request, local)
     assert n == ext_expected
-    assert manager.allocate_slots(request, request.num_tokens - n, num_external_computed_tokens=n) is not None
+    assert (
+        manager.allocate_slots(request, request.num_tokens - n, num_external_computed_tokens=n)
+        is not None
+    )
     sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), n)
 
 
 @pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
 def test_fault_injection_fails_loads(load_async):
-    """With rate 1 every planned load is reported failed: blocks invalid, async ones as failed receives."""
+    """With rate 1 every planned load is reported failed: blocks invalid, async ones as failed
+    receives."""
     kvc = make_kv_cache_config()
-    cfg = KVConnectorConfig(name="RecordingConnector", module_path=REC.module_path,
-                            extra_config={"hit_tokens": 8, "load_async": load_async})
-    sched = FaultInjectingConnector(RecordingConnector(cfg, KVConnectorRole.SCHEDULER, kvc), load_failure_rate=1.0)
-    worker = FaultInjectingConnector(RecordingConnector(cfg, KVConnectorRole.WORKER, kvc), load_failure_rate=1.0)
+    cfg = KVConnectorConfig(
+        name="RecordingConnector",
+        module_path=REC.module_path,
+        extra_config={"hit_tokens": 8, "load_async": load_async},
+    )
+    sched = FaultInjectingConnector(
+        RecordingConnector(cfg, KVConnectorRole.SCHEDULER, kvc), load_failure_rate=1.0
+    )
+    worker = FaultInjectingConnector(
+        RecordingConnector(cfg, KVConnectorRole.WORKER, kvc), load_failure_rate=1.0
+    )
     manager = make_kv_cache_manager(kvc)
     request = make_request(13)
     _admit(sched, manager, request, 8)
@@ -226,14 +245,20 @@ def test_fault_injection_fails_loads(load_async):
 
 def test_fault_injection_rate_zero_passes_through_and_is_seeded():
     """Rate 0 injects nothing; the same seed gives the same fault pattern."""
+
     def pattern(seed, rate=0.5):
         kvc = make_kv_cache_config(num_blocks=64)
         cfg = KVConnectorConfig(name="RecordingConnector", extra_config={"hit_tokens": 4})
-        sched = FaultInjectingConnector(RecordingConnector(cfg, KVConnectorRole.SCHEDULER, kvc),
-                                        load_failure_rate=rate, seed=seed)
+        sched = FaultInjectingConnector(
+            RecordingConnector(cfg, KVConnectorRole.SCHEDULER, kvc),
+            load_failure_rate=rate,
+            seed=seed,
+        )
         manager = make_kv_cache_manager(kvc)
         for i in range(10):
-            request = make_request(prompt_token_ids=[1000 * i + t for t in range(9)], request_id=f"r{i}")
+            request = make_request(
+                prompt_token_ids=[1000 * i + t for t in range(9)], request_id=f"r{i}"
+            )
             _admit(sched, manager, request, 4)
         return sorted(sched.build_connector_meta(empty_scheduler_output()).failed_loads)
 
@@ -244,10 +269,14 @@ def test_fault_injection_rate_zero_passes_through_and_is_seeded():
 
 
 def test_fault_injection_raises_and_fails_stores():
-    """raise_in hooks raise InjectedFault; a store failure raises from wait_for_save after the inner ran."""
+    """raise_in hooks raise InjectedFault; a store failure raises from wait_for_save after the inner
+    ran."""
     cfg = KVConnectorConfig(name="RecordingConnector")
-    sched = FaultInjectingConnector(RecordingConnector(cfg, KVConnectorRole.SCHEDULER),
-                                    raise_in={"get_num_new_matched_tokens"}, store_failure_rate=1.0)
+    sched = FaultInjectingConnector(
+        RecordingConnector(cfg, KVConnectorRole.SCHEDULER),
+        raise_in={"get_num_new_matched_tokens"},
+        store_failure_rate=1.0,
+    )
     with pytest.raises(InjectedFault):
         sched.get_num_new_matched_tokens(make_request(), 0)
     inner_worker = RecordingConnector(cfg, KVConnectorRole.WORKER)

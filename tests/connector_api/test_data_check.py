@@ -123,7 +123,9 @@ def test_cpu_offload_scheduler_side_stats_do_not_raise() -> None:
 def test_hybrid_workload_catches_a_one_group_connector_that_claims_hybrid_support() -> None:
     """A connector that declares ``supports_multiple_kv_cache_groups`` but moves group 0 only
     passes every one-group workload; the ``hybrid`` workload names the unloaded group."""
-    cfg = KVConnectorConfig(name="FalseHybridReferenceConnector", module_path="_reference_connector")
+    cfg = KVConnectorConfig(
+        name="FalseHybridReferenceConnector", module_path="_reference_connector"
+    )
     assert run_data_check(cfg, "block_aligned").ok
     report = run_data_check(cfg, "hybrid")
     assert not report.ok
@@ -132,8 +134,11 @@ def test_hybrid_workload_catches_a_one_group_connector_that_claims_hybrid_suppor
 
 
 def test_layer_types_runs_any_workload_on_a_hybrid_model() -> None:
-    report = run_data_check(KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64}),
-                            "block_aligned", layer_types=("full", "sliding:8"))
+    report = run_data_check(
+        KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64}),
+        "block_aligned",
+        layer_types=("full", "sliding:8"),
+    )
     assert report.ok, str(report)
     assert report.checked is not None and report.checked.metrics.bytes_stored > 0
     with pytest.raises(ConfigError, match="one KV cache group"):
@@ -151,11 +156,15 @@ def test_run_data_check_takes_a_workload_name() -> None:
 _OFFLOAD = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64})
 
 
-@pytest.mark.parametrize("faults", [
-    FaultSettings(store_failure_rate=0.3),
-    FaultSettings(load_failure_rate=0.3, store_failure_rate=0.2),
-    FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)),
-], ids=["stores", "loads_and_stores", "start_load_kv_raises"])
+@pytest.mark.parametrize(
+    "faults",
+    [
+        FaultSettings(store_failure_rate=0.3),
+        FaultSettings(load_failure_rate=0.3, store_failure_rate=0.2),
+        FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)),
+    ],
+    ids=["stores", "loads_and_stores", "start_load_kv_raises"],
+)
 def test_injected_faults_are_not_the_connectors_errors(faults: FaultSettings) -> None:
     """An injected failed store (a raise from wait_for_save) is not reported as 'the connector
     raised': only raises beyond the injected ones are problems, and the row and output checks
@@ -168,17 +177,22 @@ def test_injected_faults_are_not_the_connectors_errors(faults: FaultSettings) ->
 
 
 def test_own_raises_still_count_under_fault_injection() -> None:
-    cfg = fault_injection_config(reference(raise_in_lookup=True), FaultSettings(store_failure_rate=0.3))
+    cfg = fault_injection_config(
+        reference(raise_in_lookup=True), FaultSettings(store_failure_rate=0.3)
+    )
     report = run_data_check(cfg, "repeated_prefixes")
-    assert any("the connector raised" in p and "get_num_new_matched_tokens" in p
-               for p in report.problems), str(report)
+    assert any(
+        "the connector raised" in p and "get_num_new_matched_tokens" in p for p in report.problems
+    ), str(report)
 
 
 def test_fault_injection_still_catches_wrong_data() -> None:
     """With the planted bug the reference connector serves saves computed in a step whose
     sync load failed: with start_load_kv raising, DataCheck under faults names the rows."""
-    cfg = fault_injection_config(reference(bug="serve_failed_load_stores"),
-                                 FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)))
+    cfg = fault_injection_config(
+        reference(bug="serve_failed_load_stores"),
+        FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),)),
+    )
     report = run_data_check(cfg, "repeated_prefixes")
     assert not report.ok
     assert "KV rows" in report.problems[0], str(report)
@@ -197,14 +211,19 @@ def test_partly_written_block_is_named_as_such() -> None:
 def test_kit_asks_lookups_twice_and_catches_an_answer_that_changes_on_hits() -> None:
     """DataCheck repeats every lookup, hits included, so a lookup with side effects on hits
     fails (asking twice on a fresh miss only would let it pass)."""
-    cfg = KVConnectorConfig(name="OneShotLookupReferenceConnector", module_path="_reference_connector")
+    cfg = KVConnectorConfig(
+        name="OneShotLookupReferenceConnector", module_path="_reference_connector"
+    )
     report = run_data_check(cfg, "block_aligned")
     assert any("when asked again at once" in p for p in report.problems), str(report)
 
 
 def test_kit_reports_an_async_answer_without_the_declaration() -> None:
-    cfg = KVConnectorConfig(name="UndeclaredAsyncReferenceConnector", module_path="_reference_connector",
-                            extra_config={"load_async": True})
+    cfg = KVConnectorConfig(
+        name="UndeclaredAsyncReferenceConnector",
+        module_path="_reference_connector",
+        extra_config={"load_async": True},
+    )
     report = run_data_check(cfg, "block_aligned")
     assert any("does not declare supports_async_load" in p for p in report.problems), str(report)
 
@@ -214,8 +233,9 @@ def test_kit_catches_a_lookup_that_counts_hits() -> None:
     with lookups asked once and twice."""
 
     class Probe(DataCheck):
-        connector_config = KVConnectorConfig(name="HitCountingReferenceConnector",
-                                             module_path="_reference_connector")
+        connector_config = KVConnectorConfig(
+            name="HitCountingReferenceConnector", module_path="_reference_connector"
+        )
 
     with pytest.raises(AssertionError, match="stats counters differ.*lookup_hits"):
         Probe().test_lookups_are_repeatable()
@@ -232,24 +252,43 @@ def test_cpu_offload_serves_hits_on_the_hybrid_workload(blocks_per_chunk: int) -
     computed, not only those still in the window (then only r4, which extends r0 past its
     end, would hit: 24 tokens). Every repeat hits up to one block before its last token:
     r2 (r0's 24 tokens again) 20, r3 (r1's 19 tokens + 9) 16, r4 24, r5 (r1 again) 16."""
-    cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64,
-                                                              "blocks_per_chunk": blocks_per_chunk})
+    cfg = KVConnectorConfig(
+        name="cpu_offload",
+        extra_config={"num_cpu_blocks": 64, "blocks_per_chunk": blocks_per_chunk},
+    )
     report = run_data_check(cfg, "hybrid")
     assert report.ok, str(report)
     assert report.checked is not None and report.checked.metrics.connector_hit_tokens == 76
 
 
-@pytest.mark.parametrize("connector", [_OFFLOAD, KVConnectorConfig(name="MultiConnector", extra_config={
-    "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]})], ids=["offload", "multi"])
-def test_quarantine_caused_by_injected_raises_is_not_the_connectors_error(connector: KVConnectorConfig) -> None:
+@pytest.mark.parametrize(
+    "connector",
+    [
+        _OFFLOAD,
+        KVConnectorConfig(
+            name="MultiConnector",
+            extra_config={
+                "connectors": [{"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]
+            },
+        ),
+    ],
+    ids=["offload", "multi"],
+)
+def test_quarantine_caused_by_injected_raises_is_not_the_connectors_error(
+    connector: KVConnectorConfig,
+) -> None:
     """With start_load_kv raising on every call the guard quarantines the connector; its
     'quarantined' counter is not counted as one raise more than injected, so a correct
     connector passes (no "only N of these raises were injected faults")."""
-    cfg = fault_injection_config(connector, FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=1.0),)))
+    cfg = fault_injection_config(
+        connector, FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=1.0),))
+    )
     report = run_data_check(cfg, "repeated_prefixes")
     assert report.checked is not None
     errors = report.checked.metrics.connector_errors
-    assert errors.get("quarantined") == 1 and errors["start_load_kv"] == report.injected_raises, errors
+    assert errors.get("quarantined") == 1 and errors["start_load_kv"] == report.injected_raises, (
+        errors
+    )
     assert report.ok, str(report)
 
 
@@ -265,7 +304,11 @@ def test_failed_load_check_catches_serving_the_stores_of_a_failed_load_step() ->
     assert "KV rows" in report.problems[0], str(report)
 
 
-@pytest.mark.parametrize("connector", [reference(), reference(load_async=True), _OFFLOAD], ids=["sync", "async", "offload"])
+@pytest.mark.parametrize(
+    "connector",
+    [reference(), reference(load_async=True), _OFFLOAD],
+    ids=["sync", "async", "offload"],
+)
 def test_failed_load_check_passes_correct_connectors(connector: KVConnectorConfig) -> None:
     """The correct reference connector forgets the failed step's stores; an async one has no
     step with sync loads (nothing to fail: no fault injected)."""

@@ -43,7 +43,8 @@ def _compute(sched, manager, request) -> None:
 
 
 def test_failed_store_claimed_by_a_lookup_is_recorded_and_fails_the_check():
-    """store_failure_rate=1: the blocks a step completes are failed stores; claiming them is caught."""
+    """store_failure_rate=1: the blocks a step completes are failed stores; claiming them is
+    caught."""
     sched, manager = _sched(1.0)
     first = make_request(13, request_id="a")
     assert sched.get_num_new_matched_tokens(first, 0) == (8, False)  # nothing failed yet
@@ -97,7 +98,9 @@ def _raises(wrapper: FaultInjectingConnector, calls: int) -> list[int]:
 def test_hook_raises_at_a_rate_reproducibly():
     def pattern(seed: int) -> list[int]:
         inner = RecordingConnector(REC, KVConnectorRole.SCHEDULER, make_kv_cache_config())
-        return _raises(FaultInjectingConnector(inner, raise_in={"take_events": 0.3}, seed=seed), 300)
+        return _raises(
+            FaultInjectingConnector(inner, raise_in={"take_events": 0.3}, seed=seed), 300
+        )
 
     raised = pattern(7)
     assert 45 < len(raised) < 135  # ~90 expected
@@ -125,14 +128,17 @@ def test_raising_hook_does_not_reach_the_inner_connector():
     assert "request_finished" not in inner.hooks_called()
 
 
-@pytest.mark.parametrize("bad", [
-    {"raise_in": [{"hook": "nope"}]},
-    {"raise_in": [{"hook": "take_events", "rate": 1.5}]},
-    {"raise_in": [{"hook": "take_events"}, {"hook": "take_events", "rate": 0.1}]},
-    {"completion_delay_steps": -1},
-    {"store_failure_rate": -0.1},
-    {"no_such_setting": 1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"raise_in": [{"hook": "nope"}]},
+        {"raise_in": [{"hook": "take_events", "rate": 1.5}]},
+        {"raise_in": [{"hook": "take_events"}, {"hook": "take_events", "rate": 0.1}]},
+        {"completion_delay_steps": -1},
+        {"store_failure_rate": -0.1},
+        {"no_such_setting": 1},
+    ],
+)
 def test_bad_settings_are_config_errors(bad):
     with pytest.raises(ConfigError):
         FaultSettings.from_dict(bad)
@@ -148,7 +154,9 @@ class _Finisher(RecordingConnector):
 def test_late_completions_arrive_later_and_out_of_order():
     kvc = make_kv_cache_config()
     sched = FaultInjectingConnector(RecordingConnector(REC, KVConnectorRole.SCHEDULER, kvc))
-    worker = FaultInjectingConnector(_Finisher(REC, KVConnectorRole.WORKER, kvc), completion_delay_steps=3, seed=1)
+    worker = FaultInjectingConnector(
+        _Finisher(REC, KVConnectorRole.WORKER, kvc), completion_delay_steps=3, seed=1
+    )
     arrivals: dict[str, int] = {}
     ids = [f"r{i}" for i in range(12)]
     for step in range(20):
@@ -165,12 +173,15 @@ def test_late_completions_arrive_later_and_out_of_order():
 
 def _trace() -> list[TraceRequest]:
     prompt = list(range(1, 30))
-    return [TraceRequest(arrival=0, prompt_token_ids=prompt, max_new_tokens=3, request_id="a"),
-            TraceRequest(arrival=15, prompt_token_ids=prompt, max_new_tokens=3, request_id="b")]
+    return [
+        TraceRequest(arrival=0, prompt_token_ids=prompt, max_new_tokens=3, request_id="a"),
+        TraceRequest(arrival=15, prompt_token_ids=prompt, max_new_tokens=3, request_id="b"),
+    ]
 
 
 def test_fault_injection_config_runs_in_the_engine():
-    """The config-built wrapper runs a connector in the engine; without faults outputs are unchanged."""
+    """The config-built wrapper runs a connector in the engine; without faults outputs are
+    unchanged."""
     memory = {"name": "InMemoryConnector", "module_path": "_memory_connector"}
     cfg = {"num_gpu_blocks": 64, "max_model_len": 128, "enable_prefix_caching": False}
     baseline = Engine(EngineConfig(**cfg)).run(_trace())
@@ -184,24 +195,32 @@ def test_fault_injection_config_runs_in_the_engine():
 
 def test_fault_injection_config_checks_its_settings():
     with pytest.raises(ConfigError, match="no_such"):
-        FaultInjector(KVConnectorConfig(name="FaultInjector", extra_config={
-            "inner": REC.to_dict(), "no_such": 1}), KVConnectorRole.SCHEDULER)
+        FaultInjector(
+            KVConnectorConfig(
+                name="FaultInjector", extra_config={"inner": REC.to_dict(), "no_such": 1}
+            ),
+            KVConnectorRole.SCHEDULER,
+        )
     with pytest.raises(ConfigError, match="inner"):
         FaultInjector(KVConnectorConfig(name="FaultInjector"), KVConnectorRole.SCHEDULER)
-    wrapped = fault_injection_config({**REC.to_dict(), "load_failure_policy": "fail"},
-                                     FaultSettings(store_failure_rate=0.5))
+    wrapped = fault_injection_config(
+        {**REC.to_dict(), "load_failure_policy": "fail"}, FaultSettings(store_failure_rate=0.5)
+    )
     assert wrapped.load_failure_policy == "fail"
     built = FaultInjector(wrapped, KVConnectorRole.SCHEDULER)
     assert built.store_failure_rate == 0.5 and isinstance(built.inner, RecordingConnector)
 
 
 def test_a_plan_reported_failed_makes_its_stores_failed_stores():
-    """plan_failed(stores_failed=True) from the guard: that step's new blocks must stay invisible."""
+    """plan_failed(stores_failed=True) from the guard: that step's new blocks must stay
+    invisible."""
     sched, manager = _sched(0.0)
     first = make_request(13, request_id="a")
     assert manager.allocate_slots(first, first.num_tokens) is not None
     sched.update_state_after_alloc(first, manager.get_blocks("a"), 0)
-    plan = sched.build_connector_meta(scheduler_output_for([(first, manager.get_block_ids("a"), 13)]))
+    plan = sched.build_connector_meta(
+        scheduler_output_for([(first, manager.get_block_ids("a"), 13)])
+    )
     sched.plan_failed(plan, loads_failed=False, stores_failed=True)
     sched.get_num_new_matched_tokens(make_request(13, request_id="b"), 0)
     assert [h.request_id for h in sched.failed_store_hits] == ["b"]
@@ -229,8 +248,10 @@ def test_injected_fault_stats_are_deltas_so_the_engine_total_is_right():
     from kvconnector_core.testing import FaultSettings, data_check_workloads, fault_injection_config
 
     work = data_check_workloads()["repeated_prefixes"]
-    config = fault_injection_config(KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64}),
-                                    FaultSettings(store_failure_rate=0.3, load_failure_rate=0.3))
+    config = fault_injection_config(
+        KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 64}),
+        FaultSettings(store_failure_rate=0.3, load_failure_rate=0.3),
+    )
     with Engine(work.engine_config(config)) as engine:
         result = engine.run(list(work.requests))
         worker, sched = engine.worker_connector, engine.scheduler_connector

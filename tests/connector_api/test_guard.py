@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 
-from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector import (
+    KVConnectorBase_V1,
+    KVConnectorConfig,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from kvconnector_core.connector.guard import (
     EVENT_SNAPSHOT_ATTEMPTS,
     MAX_PENDING_STEPS,
@@ -98,11 +103,14 @@ def request(rid: str = "a") -> Request:
     return Request(rid, list(range(8)), 2, hash_block_size=4)
 
 
-def output(new: tuple[str, ...] = (), cached: tuple[str, ...] = (), preempted: tuple[str, ...] = ()) -> SchedulerOutput:
+def output(
+    new: tuple[str, ...] = (), cached: tuple[str, ...] = (), preempted: tuple[str, ...] = ()
+) -> SchedulerOutput:
     so = SchedulerOutput.make_empty()
     so.scheduled_new_reqs = [NewRequestData(r, [1, 2], ([1],), 0) for r in new]
-    so.scheduled_cached_reqs = CachedRequestData(list(cached), set(), [[] for _ in cached],
-                                                 [None for _ in cached], [4 for _ in cached])
+    so.scheduled_cached_reqs = CachedRequestData(
+        list(cached), set(), [[] for _ in cached], [None for _ in cached], [4 for _ in cached]
+    )
     so.num_scheduled_tokens = {r: 2 for r in (*new, *cached)}
     so.total_num_scheduled_tokens = 2 * len(new + cached)
     so.preempted_req_ids = set(preempted)
@@ -124,8 +132,15 @@ def test_lookup_raise_or_malformed_answer_is_a_miss():
     assert guard.get_num_new_matched_tokens(request(), 0) == (None, False)  # ask again is kept
 
 
-@pytest.mark.parametrize(("answer", "safe"), [((-4, True), (0, False)), ((0, True), (0, False)),
-                                              ((4, 1), (4, True)), ((4, None), (4, False))])
+@pytest.mark.parametrize(
+    ("answer", "safe"),
+    [
+        ((-4, True), (0, False)),
+        ((0, True), (0, False)),
+        ((4, 1), (4, True)),
+        ((4, None), (4, False)),
+    ],
+)
 def test_lookup_answer_is_normalized(answer, safe):
     """A negative hit is no hit, and an async load of nothing is no async load."""
     probe = Probe()
@@ -144,7 +159,9 @@ def test_failed_admission_forgets_the_request_and_detaches_it():
     assert guard.get_num_new_matched_tokens(request(), 0) == (0, False)
     guard.build_connector_meta(output(new=("a", "b")))
     shown = probe.calls[-1][1]
-    assert [n.req_id for n in shown.scheduled_new_reqs] == ["b"] and shown.num_scheduled_tokens == {"b": 2}
+    assert [n.req_id for n in shown.scheduled_new_reqs] == ["b"] and shown.num_scheduled_tokens == {
+        "b": 2
+    }
     assert "get_num_new_matched_tokens" not in probe.hooks()
     # request_finished still reaches it, and ends the detachment.
     assert guard.request_finished(request(), [1]) == (True, {"k": 1})
@@ -181,7 +198,10 @@ def test_a_report_the_connector_raised_on_is_delivered_again_first():
     """Nothing is lost when update_connector_output raises (no CPU slots stuck)."""
     probe = Probe()
     guard = GuardedScheduler(probe)
-    first, second = KVConnectorOutput(finished_sending={"x"}), KVConnectorOutput(finished_sending={"y"})
+    first, second = (
+        KVConnectorOutput(finished_sending={"x"}),
+        KVConnectorOutput(finished_sending={"y"}),
+    )
     probe.fail["update_connector_output"] = 1
     guard.update_connector_output(first)
     guard.update_connector_output(second)
@@ -230,7 +250,10 @@ class Events(Probe):
 
     def get_event_snapshot(self):
         self._rec("get_event_snapshot")
-        return [AllBlocksCleared(), *(BlockStored([h], None, [], 4, None, "CPU", None) for h in sorted(self.held))]
+        return [
+            AllBlocksCleared(),
+            *(BlockStored([h], None, [], 4, None, "CPU", None) for h in sorted(self.held)),
+        ]
 
 
 def replay(events: list[Any], state: set[int]) -> set[int]:
@@ -291,7 +314,11 @@ def test_a_snapshot_that_keeps_failing_clears_the_media_once_and_is_retried_late
     conn.store(3)
     assert guard.take_events() == []  # still no snapshot: the gap marker is not repeated
     assert replay(guard.take_events(), replica) == {2, 3}
-    assert guard.errors == {"take_events": 1, "get_event_snapshot": 2 * EVENT_SNAPSHOT_ATTEMPTS + 1, "event_gap": 1}
+    assert guard.errors == {
+        "take_events": 1,
+        "get_event_snapshot": 2 * EVENT_SNAPSHOT_ATTEMPTS + 1,
+        "event_gap": 1,
+    }
     conn.store(4)
     assert replay(guard.take_events(), replica) == {2, 3, 4}
 
@@ -340,10 +367,16 @@ def test_failed_bind_fails_the_steps_loads_and_stores_and_skips_its_plan_hooks()
     assert not (guard.loads_failed or guard.stores_failed)
 
 
-@pytest.mark.parametrize(("hook", "loads", "stores"), [
-    ("handle_preemptions", False, True), ("start_load_kv", True, False),
-    ("wait_for_layer_load", True, False), ("save_kv_layer", False, True), ("wait_for_save", False, True),
-])
+@pytest.mark.parametrize(
+    ("hook", "loads", "stores"),
+    [
+        ("handle_preemptions", False, True),
+        ("start_load_kv", True, False),
+        ("wait_for_layer_load", True, False),
+        ("save_kv_layer", False, True),
+        ("wait_for_save", False, True),
+    ],
+)
 def test_worker_hook_raise_fails_the_right_transfers(hook, loads, stores):
     """In a step without synchronous loads (the forward reads no block being loaded)."""
     probe = Probe(KVConnectorRole.WORKER)
@@ -464,7 +497,8 @@ def test_a_failed_receive_is_reported_only_with_its_finish():
     without its finish is dropped (the scheduler would wait on it forever otherwise)."""
     probe = Probe(KVConnectorRole.WORKER)
     probe.get_transfer_results = lambda finished: KVConnectorTransferResults(  # type: ignore[method-assign]
-        finished_recving={"b"}, failed_recving={"a", "b"})
+        finished_recving={"b"}, failed_recving={"a", "b"}
+    )
     res = GuardedWorker(probe).get_transfer_results(set())
     assert res.finished_recving == {"b"} and res.failed_recving == {"b"}
 

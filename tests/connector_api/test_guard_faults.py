@@ -27,10 +27,19 @@ MULTI = {"name": "MultiConnector", "extra_config": {"connectors": [TTL, OFFLOAD]
 
 SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "update_connector_output", "request_finished", "take_events")
-WORKER_HOOKS = ("bind_connector_metadata", "handle_preemptions", "start_load_kv", "wait_for_layer_load",
-                "save_kv_layer", "wait_for_save", "get_transfer_results",
-                "get_block_ids_with_load_errors", "get_kv_connector_stats",
-                "build_connector_worker_meta", "clear_connector_metadata")
+WORKER_HOOKS = (
+    "bind_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -47,16 +56,30 @@ def trace(seed: int = 0) -> list[TraceRequest]:
     rng = random.Random(seed)
     docs = [[rng.randrange(1000) for _ in range(64)] for _ in range(3)]
     return [
-        TraceRequest(request_id=f"r{r}-{d}", arrival=r * 12 + d, max_new_tokens=6,
-                     prompt_token_ids=doc + [rng.randrange(1000) for _ in range(5)])
-        for r in range(3) for d, doc in enumerate(docs)
+        TraceRequest(
+            request_id=f"r{r}-{d}",
+            arrival=r * 12 + d,
+            max_new_tokens=6,
+            prompt_token_ids=doc + [rng.randrange(1000) for _ in range(5)],
+        )
+        for r in range(3)
+        for d, doc in enumerate(docs)
     ]
 
 
 def engine(connector: dict | None) -> Engine:
-    return Engine(EngineConfig(model=ModelConfig(vocab_size=1000, layer_types=("full", "full")),
-                               connector=connector, num_gpu_blocks=14, block_size=16, max_model_len=128,
-                               max_num_batched_tokens=64, max_num_seqs=3, enable_kv_cache_events=True))
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(vocab_size=1000, layer_types=("full", "full")),
+            connector=connector,
+            num_gpu_blocks=14,
+            block_size=16,
+            max_model_len=128,
+            max_num_batched_tokens=64,
+            max_num_seqs=3,
+            enable_kv_cache_events=True,
+        )
+    )
 
 
 _BASELINE: dict[int, dict[str, list[int]]] = {}
@@ -85,7 +108,8 @@ def check_clean(eng: Engine) -> None:
     assert not eng.scheduler.has_unfinished_requests()
     sched = offload_of(eng, "scheduler").scheduler_side
     assert not sched.state.jobs and not sched.state.reqs and not sched.state.pending_loads
-    assert all(entry.ref_cnt == 0 for _, entry in sched.manager.policy)  # nothing pinned or half-stored
+    # nothing pinned or half-stored
+    assert all(entry.ref_cnt == 0 for _, entry in sched.manager.policy)
     assert not eng.scheduler.connector.detached
     if eng.scheduler_connector.name == "MultiConnector":
         assert eng.scheduler_connector.num_request_states() == 0
@@ -105,7 +129,9 @@ def test_hook_raising_at_ten_percent_does_no_damage(monkeypatch, caplog, hook, c
     elif hook != "wait_for_layer_load":  # offload never loads synchronously: not called
         assert flaky.raised > 0
     assert result.outputs == baseline(1)
-    assert all(s in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED") for s in result.statuses.values())
+    assert all(
+        s in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED") for s in result.statuses.values()
+    )
     check_clean(eng)
 
 
@@ -121,7 +147,8 @@ def test_per_layer_hooks_reach_a_connector_only_if_it_uses_them(monkeypatch):
 
 
 def test_without_faults_the_tier_serves_hits():
-    """The workload above does reuse prefixes through the CPU tier (else the fault tests prove little)."""
+    """The workload above does reuse prefixes through the CPU tier (else the fault tests prove
+    little)."""
     eng = engine(OFFLOAD)
     result = eng.run(trace(1))
     assert result.outputs == baseline(1)
@@ -130,12 +157,19 @@ def test_without_faults_the_tier_serves_hits():
     check_clean(eng)
 
 
-@pytest.mark.parametrize("drain_first", [False, True], ids=["raises-before", "raises-after-draining"])
+@pytest.mark.parametrize(
+    "drain_first", [False, True], ids=["raises-before", "raises-after-draining"]
+)
 def test_a_cpu_replica_stays_exact_when_take_events_raises(monkeypatch, caplog, drain_first):
     """No event is lost silently: after every step, a consumer applying the
     engine's event stream holds exactly the GPU block hashes the CPU tier can serve, while
     take_events raises in every other call that has events, before or after draining them."""
-    from kvconnector_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, to_external_hash
+    from kvconnector_core.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        to_external_hash,
+    )
 
     caplog.set_level(logging.CRITICAL)
     original = OffloadingConnector.take_events
@@ -172,8 +206,11 @@ def test_a_cpu_replica_stays_exact_when_take_events_raises(monkeypatch, caplog, 
 
     def check(_: int) -> None:
         infos = side.state.events.tables[0]._info
-        assert replica == {to_external_hash(h) for key in side.manager.ready_keys()
-                           for h in infos[key].block_hashes}
+        assert replica == {
+            to_external_hash(h)
+            for key in side.manager.ready_keys()
+            for h in infos[key].block_hashes
+        }
 
     result = eng.run(trace(1), progress=check)
     assert result.outputs == baseline(1)

@@ -41,7 +41,8 @@ def test_a_hook_raising_n_times_in_a_row_quarantines_the_scheduler_side(caplog):
     conn.fail["get_num_new_matched_tokens"] = 2
     guard.get_num_new_matched_tokens(request("a"), 0)
     guard.get_num_new_matched_tokens(request("a"), 0)
-    assert guard.get_num_new_matched_tokens(request("a"), 0) == (4, True)  # a success resets the streak
+    # a success resets the streak
+    assert guard.get_num_new_matched_tokens(request("a"), 0) == (4, True)
     conn.fail["get_num_new_matched_tokens"] = 3
     for _ in range(3):
         guard.get_num_new_matched_tokens(request("a"), 0)
@@ -127,7 +128,9 @@ def test_a_quarantined_worker_side_fails_every_steps_loads_and_stores():
 
 
 def test_quarantine_after_raises_is_checked():
-    with pytest.raises(ConfigError, match="quarantine_after_raises must be a number of raises >= 1 or None"):
+    with pytest.raises(
+        ConfigError, match="quarantine_after_raises must be a number of raises >= 1 or None"
+    ):
         KVConnectorConfig(name="x", quarantine_after_raises=0)
     assert KVConnectorConfig(name="x").quarantine_after_raises == 8
 
@@ -144,7 +147,9 @@ def test_a_multi_child_whose_plans_always_fail_is_quarantined_and_the_run_stays_
     check_clean(eng)
 
 
-def test_an_offload_worker_whose_saves_always_fail_is_quarantined_and_the_run_stays_clean(monkeypatch):
+def test_an_offload_worker_whose_saves_always_fail_is_quarantined_and_the_run_stays_clean(
+    monkeypatch,
+):
     FlakyHook(monkeypatch, OffloadingConnector, "wait_for_save", rate=1.0)
     eng = engine(OFFLOAD)
     result = eng.run(trace(1))

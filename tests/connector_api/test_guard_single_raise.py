@@ -37,15 +37,26 @@ def _restore_threads():
 def engine(connector: dict | None) -> Engine:
     # No GPU prefix cache: the second request can only hit through the CPU tier. A 32-token
     # budget prefills the 97-token prompt over four steps, each adding two blocks.
-    return Engine(EngineConfig(model=ModelConfig(vocab_size=1000, layer_types=("full", "full")),
-                               connector=connector, num_gpu_blocks=24, block_size=16, max_model_len=128,
-                               max_num_batched_tokens=32, max_num_seqs=2, enable_prefix_caching=False))
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(vocab_size=1000, layer_types=("full", "full")),
+            connector=connector,
+            num_gpu_blocks=24,
+            block_size=16,
+            max_model_len=128,
+            max_num_batched_tokens=32,
+            max_num_seqs=2,
+            enable_prefix_caching=False,
+        )
+    )
 
 
 def trace() -> list[TraceRequest]:
     """The same prompt twice; the second arrives after the first finished."""
-    return [TraceRequest(request_id="first", arrival=0, prompt_token_ids=PROMPT, max_new_tokens=4),
-            TraceRequest(request_id="second", arrival=30, prompt_token_ids=PROMPT, max_new_tokens=4)]
+    return [
+        TraceRequest(request_id="first", arrival=0, prompt_token_ids=PROMPT, max_new_tokens=4),
+        TraceRequest(request_id="second", arrival=30, prompt_token_ids=PROMPT, max_new_tokens=4),
+    ]
 
 
 def scheduler_side(eng: Engine):
@@ -97,7 +108,9 @@ def test_one_failed_plan_during_a_chunked_prefill_stores_no_wrong_blocks(monkeyp
 
 @pytest.mark.parametrize("connector", [OFFLOAD, MULTI], ids=["offload", "ttl+offload"])
 @pytest.mark.parametrize("hook", ["bind_connector_metadata", "start_load_kv"])
-def test_a_failed_bind_or_load_start_when_a_load_is_planned_does_not_deadlock(monkeypatch, connector, hook):
+def test_a_failed_bind_or_load_start_when_a_load_is_planned_does_not_deadlock(
+    monkeypatch, connector, hook
+):
     """The second request's async load is planned in its admission step; a raise there used
     to leave it waiting forever (or its CPU chunks pinned)."""
     if hook == "bind_connector_metadata":
@@ -134,8 +147,12 @@ def test_a_failed_plan_in_the_step_a_load_is_planned_loads_nothing_stale(monkeyp
     """build_connector_meta raising in the step the second request's load was planned: alone,
     the load goes out with the next plan; inside a MultiConnector the load fails at once,
     so the child must drop it (a late load would write into blocks the request recomputes)."""
-    eng, baseline, outputs = run(monkeypatch, connector, "build_connector_meta",
-                                 when=lambda conn, so: bool(conn.scheduler_side.state.pending_loads))
+    eng, baseline, outputs = run(
+        monkeypatch,
+        connector,
+        "build_connector_meta",
+        when=lambda conn, so: bool(conn.scheduler_side.state.pending_loads),
+    )
     assert outputs == baseline
     check_clean(eng)
 
@@ -143,10 +160,15 @@ def test_a_failed_plan_in_the_step_a_load_is_planned_loads_nothing_stale(monkeyp
 def test_a_load_delayed_by_a_failed_plan_still_fails_cleanly_when_its_bind_fails(monkeypatch):
     """The load goes out one plan late; if that plan's bind then fails, the scheduler must
     still count the load as this plan's (else the request waits forever)."""
-    FlakyHook(monkeypatch, OffloadingConnector, "build_connector_meta",
-              when=lambda conn, so: bool(conn.scheduler_side.state.pending_loads))
-    eng, baseline, outputs = run(monkeypatch, OFFLOAD, "bind_connector_metadata",
-                                 when=lambda conn, plan: has_loads(plan))
+    FlakyHook(
+        monkeypatch,
+        OffloadingConnector,
+        "build_connector_meta",
+        when=lambda conn, so: bool(conn.scheduler_side.state.pending_loads),
+    )
+    eng, baseline, outputs = run(
+        monkeypatch, OFFLOAD, "bind_connector_metadata", when=lambda conn, plan: has_loads(plan)
+    )
     assert outputs == baseline
     assert eng.scheduler.stats.num_failed_loads_recovered == 1
     check_clean(eng)

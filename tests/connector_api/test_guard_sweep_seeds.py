@@ -50,7 +50,9 @@ def test_forget_after_raising_hooks_leaves_no_request_state_in_the_offload_conne
     request_finished; when both raise, forget_requests must drop it."""
     from connectors.offload.connector import OffloadingConnector
 
-    eng = engine({"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 16, "blocks_per_chunk": 2}})
+    eng = engine(
+        {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 16, "blocks_per_chunk": 2}}
+    )
     FlakyHook(monkeypatch, OffloadingConnector, "update_state_after_alloc", rate=1.0)
     FlakyHook(monkeypatch, OffloadingConnector, "request_finished", rate=1.0)
     eng.run(trace())
@@ -60,19 +62,20 @@ def test_forget_after_raising_hooks_leaves_no_request_state_in_the_offload_conne
 
 # Runs of the sweep that once did damage, with the check they failed.
 ONCE_DAMAGED = [
-    ("memory", "raise_10pct", 49),      # wrong_output (a lost plan over a sync load)
-    ("memory", "raise_10pct", 0),       # req_state (InMemoryConnector._reqs)
-    ("memory", "raise_10pct", 40),      # req_state (saves still pending when the engine went idle)
+    ("memory", "raise_10pct", 49),  # wrong_output (a lost plan over a sync load)
+    ("memory", "raise_10pct", 0),  # req_state (InMemoryConnector._reqs)
+    ("memory", "raise_10pct", 40),  # req_state (saves still pending when the engine went idle)
     ("cpu_offload", "raise_10pct", 1),  # replica, req_state (_gpu_hit_tokens)
     ("cpu_offload", "raise_10pct", 61),  # cpu_slots, req_state
-    ("multi", "raise_10pct", 16),       # cpu_slots, req_state (an undelivered report)
-    ("multi", "raise_10pct", 28),       # cpu_slots, req_state (GuardedWorker._unseen_finished)
-    ("multi", "raise_10pct", 3),        # replica
+    ("multi", "raise_10pct", 16),  # cpu_slots, req_state (an undelivered report)
+    ("multi", "raise_10pct", 28),  # cpu_slots, req_state (GuardedWorker._unseen_finished)
+    ("multi", "raise_10pct", 3),  # replica
 ]
 
 
-@pytest.mark.parametrize(("connector", "fault", "seed"), ONCE_DAMAGED,
-                         ids=[f"{c}-{f}-{s}" for c, f, s in ONCE_DAMAGED])
+@pytest.mark.parametrize(
+    ("connector", "fault", "seed"), ONCE_DAMAGED, ids=[f"{c}-{f}-{s}" for c, f, s in ONCE_DAMAGED]
+)
 def test_sweep_runs_that_once_did_damage_are_clean(connector, fault, seed):
     outcome = fr.run_cell(connector, fault, seed)
     assert not outcome.failed, outcome.detail

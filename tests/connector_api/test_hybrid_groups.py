@@ -28,12 +28,15 @@ OFFLOAD = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 
 
 
 def _kv_cache_config(model: str):
-    return EngineConfig(model=get_model(model), num_gpu_blocks=64, block_size=16, max_model_len=256).kv_cache_config()
+    return EngineConfig(
+        model=get_model(model), num_gpu_blocks=64, block_size=16, max_model_len=256
+    ).kv_cache_config()
 
 
 def _multi(*children: KVConnectorConfig) -> KVConnectorConfig:
-    return KVConnectorConfig(name="MultiConnector",
-                             extra_config={"connectors": [c.to_dict() for c in children]})
+    return KVConnectorConfig(
+        name="MultiConnector", extra_config={"connectors": [c.to_dict() for c in children]}
+    )
 
 
 @pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-chunked", "tiny-two-windows"])
@@ -53,8 +56,13 @@ def test_one_group_connector_still_runs_on_a_one_group_model() -> None:
 
 
 def test_engine_refuses_before_running() -> None:
-    config = EngineConfig(model=get_model("tiny-hybrid"), num_gpu_blocks=64, block_size=16, max_model_len=256,
-                          connector=REFERENCE)
+    config = EngineConfig(
+        model=get_model("tiny-hybrid"),
+        num_gpu_blocks=64,
+        block_size=16,
+        max_model_len=256,
+        connector=REFERENCE,
+    )
     with pytest.raises(ConfigError, match="handles one KV cache group only"):
         Engine(config)
 
@@ -77,8 +85,6 @@ def test_fault_injection_wrapper_follows_its_inner_connector() -> None:
         create_connector(fault_injection_config(REFERENCE), KVConnectorRole.WORKER, hybrid)
 
 
-
-
 class OneGroupFacade(RoleSplitConnector):
     """A role-split connector that does not declare hybrid support."""
 
@@ -93,8 +99,11 @@ class OneGroupFacade(RoleSplitConnector):
 
 def test_role_split_facade_is_refused_before_making_its_role_object() -> None:
     with pytest.raises(ConfigError, match="'OneGroupFacade'"):
-        OneGroupFacade(KVConnectorConfig(name="OneGroupFacade"), KVConnectorRole.SCHEDULER,
-                       _kv_cache_config("tiny-hybrid"))
+        OneGroupFacade(
+            KVConnectorConfig(name="OneGroupFacade"),
+            KVConnectorRole.SCHEDULER,
+            _kv_cache_config("tiny-hybrid"),
+        )
 
 
 def test_cli_refuses_a_one_group_connector_on_a_hybrid_model(tmp_path, capsys) -> None:
@@ -122,13 +131,21 @@ def test_request_finished_runs_for_a_request_aborted_before_admission() -> None:
     never left the waiting queue still gets request_finished once, with no block ids."""
     from kvconnector_core.request import RequestStatus
 
-    config = EngineConfig(model=get_model("tiny"), num_gpu_blocks=64, block_size=16, max_model_len=256,
-                          connector=KVConnectorConfig(name="RecordingConnector",
-                                                      module_path="kvconnector_core.testing.recording"))
+    config = EngineConfig(
+        model=get_model("tiny"),
+        num_gpu_blocks=64,
+        block_size=16,
+        max_model_len=256,
+        connector=KVConnectorConfig(
+            name="RecordingConnector", module_path="kvconnector_core.testing.recording"
+        ),
+    )
     with Engine(config) as engine:
         rid = engine.add_request(list(range(40)), 4)
         engine.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        finished = [args for hook, args in engine.scheduler_connector.calls if hook == "request_finished"]
+        finished = [
+            args for hook, args in engine.scheduler_connector.calls if hook == "request_finished"
+        ]
     assert len(finished) == 1
     recorded_id, block_ids = finished[0]  # RecordingConnector records the request's id
     assert recorded_id == rid and list(block_ids) == []

@@ -18,9 +18,14 @@ def cached_step(rid: str, computed: int, scheduled: int, new_blocks: list[int] |
     cached.num_computed_tokens.append(computed)
     if resumed:
         cached.resumed_req_ids.add(rid)
-    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={rid: scheduled}, total_num_scheduled_tokens=scheduled,
-                           finished_req_ids=set(), preempted_req_ids=set())
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={rid: scheduled},
+        total_num_scheduled_tokens=scheduled,
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+    )
 
 
 def test_blocks_are_reported_once_when_full_and_follow_a_resumed_table():
@@ -31,8 +36,9 @@ def test_blocks_are_reported_once_when_full_and_follow_a_resumed_table():
     step = scheduler_output_for([(request, ([7, 8],), 8)])
     assert [(i, b) for _, i, b in planner.newly_full(step)] == [(1, 8)]
     # Step 2: 8 more tokens with two new blocks -> blocks 2 and 3 (GPU 9, 10).
-    assert [(i, b) for _, i, b in planner.newly_full(cached_step(request.request_id, 8, 8, [9, 10]))] == [
-        (2, 9), (3, 10)]
+    assert [
+        (i, b) for _, i, b in planner.newly_full(cached_step(request.request_id, 8, 8, [9, 10]))
+    ] == [(2, 9), (3, 10)]
     # Nothing new is full: nothing is reported again.
     assert list(planner.newly_full(cached_step(request.request_id, 16, 1, None))) == []
     planner.forget(request.request_id)

@@ -33,14 +33,24 @@ def test_settings_convert_with_lax_numbers_and_booleans():
     assert settings == DemoSettings(path="/x", size=16, fsync=True)
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ({"path": "/x", "szie": 3}, "Demo: unknown extra_config key 'szie' (did you mean 'size'?); "
-                                "valid keys: path, size, mode, fsync"),
-    ({"size": 3}, "Demo: extra_config needs 'path'; valid keys: path, size, mode, fsync"),
-    ({"path": "/x", "size": 0}, "Demo: extra_config size=0 is not valid: Expected `int` >= 1"),
-    ({"path": "/x", "mode": "quick"}, "Demo: extra_config mode='quick' is not valid: Invalid enum value "
-                                      "'quick'; valid: fast, safe"),
-], ids=["typo", "missing", "bound", "literal"])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"path": "/x", "szie": 3},
+            "Demo: unknown extra_config key 'szie' (did you mean 'size'?); "
+            "valid keys: path, size, mode, fsync",
+        ),
+        ({"size": 3}, "Demo: extra_config needs 'path'; valid keys: path, size, mode, fsync"),
+        ({"path": "/x", "size": 0}, "Demo: extra_config size=0 is not valid: Expected `int` >= 1"),
+        (
+            {"path": "/x", "mode": "quick"},
+            "Demo: extra_config mode='quick' is not valid: Invalid enum value "
+            "'quick'; valid: fast, safe",
+        ),
+    ],
+    ids=["typo", "missing", "bound", "literal"],
+)
 def test_settings_errors_name_connector_and_key(extra, message):
     with pytest.raises(ConfigError) as info:
         convert_settings("Demo", DemoSettings, extra)
@@ -63,32 +73,84 @@ def test_connector_gets_its_settings_converted():
     registry = ConnectorRegistry()
     registry.add(DemoConnector)
     kvc = make_kv_cache_config()
-    conn = create_connector({"name": "DemoConnector", "extra_config": {"path": "/d", "size": "4"}},
-                            KVConnectorRole.SCHEDULER, kvc, registry=registry)
+    conn = create_connector(
+        {"name": "DemoConnector", "extra_config": {"path": "/d", "size": "4"}},
+        KVConnectorRole.SCHEDULER,
+        kvc,
+        registry=registry,
+    )
     assert conn.settings == DemoSettings(path="/d", size=4)
-    with pytest.raises(ConfigError, match="DemoConnector: unknown extra_config key 'fsnyc' "
-                                          r"\(did you mean 'fsync'\?\)"):
-        create_connector({"name": "DemoConnector", "extra_config": {"path": "/d", "fsnyc": True}},
-                         KVConnectorRole.SCHEDULER, kvc, registry=registry)
+    with pytest.raises(
+        ConfigError,
+        match="DemoConnector: unknown extra_config key 'fsnyc' "
+        r"\(did you mean 'fsync'\?\)",
+    ):
+        create_connector(
+            {"name": "DemoConnector", "extra_config": {"path": "/d", "fsnyc": True}},
+            KVConnectorRole.SCHEDULER,
+            kvc,
+            registry=registry,
+        )
 
 
-@pytest.mark.parametrize(("config", "needle"), [
-    ({"name": "cpu_offload", "rol": "kv_both"}, "unknown field 'rol' (did you mean 'role'?)"),
-    ({"name": "cpu_offload", "extra_confg": {"num_cpu_blocks": 8}},
-     "unknown field 'extra_confg' (did you mean 'extra_config'?)"),
-    ({"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 8, "cache_polcy": "arc"}},
-     "OffloadingConnector: unknown extra_config key 'cache_polcy' (did you mean 'cache_policy'?)"),
-    ({"name": "cpu_offload", "extra_config": {"num_cpu_blocks": -1}},
-     "OffloadingConnector: extra_config num_cpu_blocks=-1 is not valid: Expected `int` >= 1"),
-    ({"name": "MultiConnector", "extra_config": {"connectors": [{"name": "ttl", "extra_config": {"ttl_secnds": 5}}]}},
-     "MultiConnector extra_config['connectors'][0]: TTLPinConnector: unknown extra_config key 'ttl_secnds' "
-     "(did you mean 'ttl_seconds'?)"),
-    ({"name": "MultiConnector", "extra_config": {"connectors": [{"name": "ttl"}], "loader_polcy": "first"}},
-     "MultiConnector: unknown extra_config key 'loader_polcy' (did you mean 'loader_policy'?)"),
-    ({"name": "MultiConnector", "extra_config": {"connectors": [{"name": "ttl", "rol": "kv_both"}]}},
-     "MultiConnector extra_config['connectors'][0]: invalid connector config"),
-], ids=["top-level", "extra-config-field", "offload-key", "offload-bound", "multi-child-key", "multi-key",
-        "multi-child-field"])
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"name": "cpu_offload", "rol": "kv_both"}, "unknown field 'rol' (did you mean 'role'?)"),
+        (
+            {"name": "cpu_offload", "extra_confg": {"num_cpu_blocks": 8}},
+            "unknown field 'extra_confg' (did you mean 'extra_config'?)",
+        ),
+        (
+            {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 8, "cache_polcy": "arc"}},
+            (
+                "OffloadingConnector: unknown extra_config key 'cache_polcy' "
+                "(did you mean 'cache_policy'?)"
+            ),
+        ),
+        (
+            {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": -1}},
+            "OffloadingConnector: extra_config num_cpu_blocks=-1 is not valid: Expected `int` >= 1",
+        ),
+        (
+            {
+                "name": "MultiConnector",
+                "extra_config": {
+                    "connectors": [{"name": "ttl", "extra_config": {"ttl_secnds": 5}}]
+                },
+            },
+            "MultiConnector extra_config['connectors'][0]: TTLPinConnector: "
+            "unknown extra_config key 'ttl_secnds' "
+            "(did you mean 'ttl_seconds'?)",
+        ),
+        (
+            {
+                "name": "MultiConnector",
+                "extra_config": {"connectors": [{"name": "ttl"}], "loader_polcy": "first"},
+            },
+            (
+                "MultiConnector: unknown extra_config key 'loader_polcy' "
+                "(did you mean 'loader_policy'?)"
+            ),
+        ),
+        (
+            {
+                "name": "MultiConnector",
+                "extra_config": {"connectors": [{"name": "ttl", "rol": "kv_both"}]},
+            },
+            "MultiConnector extra_config['connectors'][0]: invalid connector config",
+        ),
+    ],
+    ids=[
+        "top-level",
+        "extra-config-field",
+        "offload-key",
+        "offload-bound",
+        "multi-child-key",
+        "multi-key",
+        "multi-child-field",
+    ],
+)
 def test_config_file_typos_exit_2_naming_the_key(tmp_path, capsys, config, needle):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(config))
@@ -97,7 +159,9 @@ def test_config_file_typos_exit_2_naming_the_key(tmp_path, capsys, config, needl
     assert needle in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("extra", [{"num_cpu_blocks": 2**40}, {"cpu_bytes": 2**62}], ids=["blocks", "bytes"])
+@pytest.mark.parametrize(
+    "extra", [{"num_cpu_blocks": 2**40}, {"cpu_bytes": 2**62}], ids=["blocks", "bytes"]
+)
 def test_a_cpu_tier_larger_than_host_memory_is_a_bound_error(tmp_path, capsys, extra):
     """A huge CPU tier in a config file does not reach the allocator (whose message names no
     setting): it is refused before anything is allocated, naming the key, the bytes it needs
@@ -107,14 +171,18 @@ def test_a_cpu_tier_larger_than_host_memory_is_a_bound_error(tmp_path, capsys, e
     assert main(["run", "--config", str(path), "--no-baseline", "--workload", "chat"]) == 2
     err = capsys.readouterr().err
     (key,) = extra
-    assert f"extra_config {key}=" in err and "more than this host's" in err and "valid: at most" in err
+    assert (
+        f"extra_config {key}=" in err and "more than this host's" in err and "valid: at most" in err
+    )
     assert "Traceback" not in err and "register_kv_caches" not in err
 
 
 def test_load_connector_config_rejects_unknown_fields(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"name": "x", "modul_path": "m"}')
-    with pytest.raises(ConfigError, match=r"unknown field 'modul_path' \(did you mean 'module_path'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown field 'modul_path' \(did you mean 'module_path'\?\)"
+    ):
         load_connector_config(path)
 
 
@@ -129,11 +197,27 @@ def test_cli_takes_demo_settings_from_the_connector(monkeypatch, capsys):
 
     seen = []
     monkeypatch.setattr(Engine, "__init__", lambda self, config: seen.append(config) or None)
-    monkeypatch.setattr(Engine, "run", lambda self, trace, progress=None:
-                        RunResult(trace.name, None, "cpu", {}, {}, RunMetrics()))
+    monkeypatch.setattr(
+        Engine,
+        "run",
+        lambda self, trace, progress=None: RunResult(trace.name, None, "cpu", {}, {}, RunMetrics()),
+    )
     monkeypatch.setattr(Engine, "shutdown", lambda self: None)
-    assert main(["run", "--connector", "DemoConnector", "--no-baseline", "--num-gpu-blocks", "80",
-                 "--workload", "chat"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--connector",
+                "DemoConnector",
+                "--no-baseline",
+                "--num-gpu-blocks",
+                "80",
+                "--workload",
+                "chat",
+            ]
+        )
+        == 0
+    )
     assert seen[0].connector.extra_config == {"path": "/tmp/demo", "size": 80}
 
 

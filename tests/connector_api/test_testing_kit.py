@@ -22,7 +22,7 @@ from kvconnector_core.testing import (
     check_hook_order,
 )
 
-# -- hook order -------------------------------------------------------------------------------------
+# -- hook order ------------------------------------------------------------------------------------
 
 
 def test_check_hook_order_names_the_first_hook_out_of_place():
@@ -30,7 +30,9 @@ def test_check_hook_order_names_the_first_hook_out_of_place():
     check_hook_order(list(WORKER_STEP_HOOKS), WORKER_STEP_HOOKS)
     swapped = list(WORKER_STEP_HOOKS)
     swapped[3], swapped[4] = swapped[4], swapped[3]
-    with pytest.raises(AssertionError, match="call 3: got 'get_transfer_results'.*wants 'wait_for_save'"):
+    with pytest.raises(
+        AssertionError, match="call 3: got 'get_transfer_results'.*wants 'wait_for_save'"
+    ):
         check_hook_order(swapped, WORKER_STEP_HOOKS)
     with pytest.raises(AssertionError, match="8 hook calls where the reference order has 9"):
         check_hook_order(WORKER_STEP_HOOKS[:-1], WORKER_STEP_HOOKS)
@@ -43,15 +45,24 @@ def test_reference_order_matches_the_documented_one():
     from kvconnector_core.connector.base import KVConnectorBase_V1
 
     doc = " ".join(KVConnectorBase_V1.__doc__.split())
-    documented = ["bind_connector_metadata", "start_load_kv", "wait_for_save", "get_transfer_results",
-                  "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta",
-                  "clear_connector_metadata"]
-    assert [doc.index(f"``{h}``") for h in documented] == sorted(doc.index(f"``{h}``") for h in documented)
+    documented = [
+        "bind_connector_metadata",
+        "start_load_kv",
+        "wait_for_save",
+        "get_transfer_results",
+        "get_block_ids_with_load_errors",
+        "get_kv_connector_stats",
+        "build_connector_worker_meta",
+        "clear_connector_metadata",
+    ]
+    assert [doc.index(f"``{h}``") for h in documented] == sorted(
+        doc.index(f"``{h}``") for h in documented
+    )
     assert [h for h in WORKER_STEP_HOOKS if h != "handle_preemptions"] == documented
     assert "``handle_preemptions`` runs right after ``bind_connector_metadata``" in doc
 
 
-# -- idempotent shutdown ----------------------------------------------------------------------------
+# -- idempotent shutdown ---------------------------------------------------------------------------
 
 
 class DoubleRelease(RecordingConnector):
@@ -77,7 +88,8 @@ class DoubleRelease(RecordingConnector):
 
 
 def test_idempotent_shutdown_check_catches_a_double_release():
-    """The kit's idempotent-shutdown test fails for a connector whose second shutdown releases again."""
+    """The kit's idempotent-shutdown test fails for a connector whose second shutdown releases
+    again."""
     registry = ConnectorRegistry()
     registry.add(DoubleRelease)
 
@@ -85,7 +97,9 @@ def test_idempotent_shutdown_check_catches_a_double_release():
         connector_config = KVConnectorConfig(name="DoubleRelease")
 
     Broken.registry = registry
-    with pytest.raises(AssertionError, match="the second shutdown raised InvariantError: freeing") as info:
+    with pytest.raises(
+        AssertionError, match="the second shutdown raised InvariantError: freeing"
+    ) as info:
         Broken().test_shutdown_is_idempotent()
     assert isinstance(info.value.__cause__, InvariantError)
 
@@ -99,20 +113,33 @@ class Snapshotting(RecordingConnector):
     name = "Snapshotting"
 
     def get_event_snapshot(self):
-        return [AllBlocksCleared(medium="CPU"), BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[],
-                                                            block_size=4, lora_id=None, medium="CPU", lora_name=None)]
+        return [
+            AllBlocksCleared(medium="CPU"),
+            BlockStored(
+                block_hashes=[1],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=4,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            ),
+        ]
 
 
 def test_fault_injection_forwards_and_raises_in_get_event_snapshot():
     """The wrapper forwards the inner snapshot, and raise_in={"get_event_snapshot"} raises there."""
     inner = Snapshotting(KVConnectorConfig(name="Snapshotting"), KVConnectorRole.SCHEDULER)
-    assert list(FaultInjectingConnector(inner).get_event_snapshot()) == list(inner.get_event_snapshot())
+    assert list(FaultInjectingConnector(inner).get_event_snapshot()) == list(
+        inner.get_event_snapshot()
+    )
     with pytest.raises(InjectedFault):
         FaultInjectingConnector(inner, raise_in={"get_event_snapshot"}).get_event_snapshot()
 
 
 def test_contract_checks_the_snapshot_shape():
-    """The kit's snapshot check fails for a snapshot whose blocks come before their medium's clear."""
+    """The kit's snapshot check fails for a snapshot whose blocks come before their medium's
+    clear."""
 
     class Unordered(Snapshotting):
         name = "Unordered"
@@ -132,11 +159,13 @@ def test_contract_checks_the_snapshot_shape():
 
     Good.registry = Bad.registry = registry
     Good().test_event_snapshot_is_well_formed()
-    with pytest.raises(AssertionError, match="BlockStored for medium 'CPU' before AllBlocksCleared"):
+    with pytest.raises(
+        AssertionError, match="BlockStored for medium 'CPU' before AllBlocksCleared"
+    ):
         Bad().test_event_snapshot_is_well_formed()
 
 
-# -- the pytest plugin's fixtures -------------------------------------------------------------------
+# -- the pytest plugin's fixtures ------------------------------------------------------------------
 
 
 def test_kv_cache_config_fixture(kv_cache_config):
@@ -179,7 +208,8 @@ def test_connector_pair_fixture_reports_a_failing_shutdown(tmp_path):
     """A shutdown() that raises fails the test at teardown (it is not swallowed), after the
     other connectors were shut down."""
     test = tmp_path / "test_failing_shutdown.py"
-    test.write_text(textwrap.dedent("""
+    test.write_text(
+        textwrap.dedent("""
         from kvconnector_core.connector import ConnectorRegistry, KVConnectorConfig
         from kvconnector_core.testing import RecordingConnector
 
@@ -200,9 +230,14 @@ def test_connector_pair_fixture_reports_a_failing_shutdown(tmp_path):
 
         def test_after():
             assert SHUT == ["SCHEDULER", "WORKER"]
-    """))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
-                          capture_output=True, text=True, cwd=tmp_path)
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     # The test body passes; its teardown errors (torch may add its NumPy notice as a warning).
@@ -217,12 +252,21 @@ def test_plugin_import_is_cheap_and_a_warnings_as_errors_session_runs_the_kit(tm
     ``filterwarnings = ["error"]``, torch's "Failed to initialize NumPy" notice then failed a
     connector author's session before any test ran. The package's names now load on first
     use and the plugin ignores that one notice."""
-    code = "import sys, kvconnector_core.testing.plugin; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, kvconnector_core.testing.plugin; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings =\n    error\n")
     (tmp_path / "test_author.py").write_text(
         "from kvconnector_core.testing import make_kv_cache_config\n\n\n"
-        "def test_kit_works():\n    assert make_kv_cache_config().kv_cache_groups\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                         cwd=tmp_path, capture_output=True, text=True, check=False)
+        "def test_kit_works():\n    assert make_kv_cache_config().kv_cache_groups\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr

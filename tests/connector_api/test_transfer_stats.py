@@ -12,8 +12,13 @@ def test_take_returns_the_counts_since_the_last_call_and_resets() -> None:
     stats.add_load(4096, 0.5)
     stats.add_store(1024, 0.25)
     stats.add_store(1024)
-    assert stats.take(blocks_loaded=2) == {"bytes_loaded": 4096, "load_seconds": 0.5,
-                                           "bytes_stored": 2048, "store_seconds": 0.25, "blocks_loaded": 2}
+    assert stats.take(blocks_loaded=2) == {
+        "bytes_loaded": 4096,
+        "load_seconds": 0.5,
+        "bytes_stored": 2048,
+        "store_seconds": 0.25,
+        "blocks_loaded": 2,
+    }
     assert stats.take() is None  # a second call in the same step reports nothing twice
 
 

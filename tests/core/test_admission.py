@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvconnector_core.kv_cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from kvconnector_core.request import Request
 from kvconnector_core.scheduler.scheduler import Scheduler
 
@@ -23,8 +27,9 @@ def test_default_admission_counts_the_current_tokens():
 
 
 def test_reserve_full_output_refuses_what_cannot_finish():
-    m = make_manager([full_spec(BS)], 10, max_model_len=256, max_num_batched_tokens=64,
-                     reserve_full_output=True)
+    m = make_manager(
+        [full_spec(BS)], 10, max_model_len=256, max_num_batched_tokens=64, reserve_full_output=True
+    )
     req = make_request("a", range(20), BS, max_tokens=40)
     assert m.admission_tokens(req) == 60
     assert m.allocate_slots(req, 20, full_sequence_must_fit=True) is None
@@ -50,8 +55,15 @@ def test_sliding_window_cap_still_applies_to_the_current_tokens():
 
 def _scheduler(reserve: bool) -> Scheduler:
     cfg = KVCacheConfig(17, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BS, 1, 1))])
-    return Scheduler(cfg, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
-                     scheduler_block_size=BS, hash_block_size=BS, reserve_full_output=reserve)
+    return Scheduler(
+        cfg,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=256,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        reserve_full_output=reserve,
+    )
 
 
 @pytest.mark.parametrize(("reserve", "admitted"), [(False, 4), (True, 2)])

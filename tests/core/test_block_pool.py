@@ -24,7 +24,9 @@ def free_ids(pool: BlockPool) -> list[int]:
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
 
 
-def make_pool(n: int = 11, *, events: bool = True, caching: bool = True, medium: str = "GPU") -> BlockPool:
+def make_pool(
+    n: int = 11, *, events: bool = True, caching: bool = True, medium: str = "GPU"
+) -> BlockPool:
     return BlockPool(n, caching, BS, enable_kv_cache_events=events, medium=medium)
 
 
@@ -85,7 +87,8 @@ def test_free_queue_remove_absent_block_raises():
 
 
 def test_free_queue_popleft_n_append_prepend():
-    """popleft_n takes the front, append adds at the back, prepend_n keeps its order at the front."""
+    """popleft_n takes the front, append adds at the back, prepend_n keeps its order at the
+    front."""
     blocks = [KVCacheBlock(i) for i in range(6)]
     q = FreeKVCacheBlockQueue(blocks)
     assert [b.block_id for b in q.popleft_n(2)] == [0, 1]
@@ -251,7 +254,8 @@ def test_free_links_cached_blocks_in_order_and_counts_them():
 
 
 def test_prefill_free_order_matches_vllm():
-    """Two requests sharing a 3-block prefix leave the free queue as [5,4,6..10,3,2,1] (vLLM test_prefill)."""
+    """Two requests sharing a 3-block prefix leave the free queue as [5,4,6..10,3,2,1] (vLLM
+    test_prefill)."""
     pool = make_pool(11)
     common = list(range(3 * BS))
     r0 = FakeRequest("r0", common + [100, 101, 102], BS)

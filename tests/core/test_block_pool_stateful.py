@@ -1,4 +1,5 @@
-"""Stateful property test of BlockPool: ref counts, the free queue, the prefix map and events agree."""
+"""Stateful property test of BlockPool: ref counts, the free queue, the prefix map and events
+agree."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free_some(self, data: st.DataObject) -> None:
         """Free a random subset of held references in a random order."""
-        idx = data.draw(st.lists(st.integers(0, len(self.held) - 1), unique=True, max_size=len(self.held)))
+        idx = data.draw(
+            st.lists(st.integers(0, len(self.held) - 1), unique=True, max_size=len(self.held))
+        )
         order = data.draw(st.permutations(idx))
         to_free = [self.held[i] for i in order]
         for i in sorted(idx, reverse=True):
@@ -90,8 +93,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), group=st.integers(0, 1))
     def cache_fresh(self, data: st.DataObject, group: int) -> None:
         """Cache a held, uncached block under a never-seen hash."""
-        blk = data.draw(st.sampled_from(sorted({b for b in self.held if b.block_hash is None},
-                                               key=lambda b: b.block_id)))
+        blk = data.draw(
+            st.sampled_from(
+                sorted({b for b in self.held if b.block_hash is None}, key=lambda b: b.block_id)
+            )
+        )
         n = next(self.fresh)
         req = FakeRequest(f"r{n}", [n, -n], BS)
         self.pool.cache_full_blocks(req, [blk], 0, 1, BS, group)
@@ -99,15 +105,22 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.get_cached_block(req.block_hashes[0], [group])[0] is blk
 
     @precondition(
-        lambda self: any(b.block_hash is None for b in self.held)
-        and any(True for _ in self.pool.iter_cached_blocks())
+        lambda self: (
+            any(b.block_hash is None for b in self.held)
+            and any(True for _ in self.pool.iter_cached_blocks())
+        )
     )
     @rule(data=st.data())
     def cache_duplicate(self, data: st.DataObject) -> None:
         """Cache a held, uncached block under a hash another block already holds."""
-        blk = data.draw(st.sampled_from(sorted({b for b in self.held if b.block_hash is None},
-                                               key=lambda b: b.block_id)))
-        other = data.draw(st.sampled_from(sorted(self.pool.iter_cached_blocks(), key=lambda b: b.block_id)))
+        blk = data.draw(
+            st.sampled_from(
+                sorted({b for b in self.held if b.block_hash is None}, key=lambda b: b.block_id)
+            )
+        )
+        other = data.draw(
+            st.sampled_from(sorted(self.pool.iter_cached_blocks(), key=lambda b: b.block_id))
+        )
         key = other.block_hash
 
         class _Req:
@@ -155,7 +168,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert pool.get_num_free_blocks() + used + 1 == NUM_BLOCKS
         queue = list(pool.free_block_queue)
         assert len(queue) == pool.get_num_free_blocks()
-        assert {b.block_id for b in queue} == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+        assert {b.block_id for b in queue} == {
+            b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0
+        }
         assert pool.null_block not in queue
 
     @invariant()
@@ -182,5 +197,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.replayed == cached_external_hashes(self.pool)
 
 
-BlockPoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None
+)
 TestBlockPoolStateful = BlockPoolMachine.TestCase

@@ -18,11 +18,18 @@ from _core_helpers import FakeRequest, cache_at_positions, full_spec, swa_spec
 
 
 def coordinator(specs, *, sched, hash_bs=2, num_blocks=64, caching=True, mml=1024, mnbt=16):
-    cfg = KVCacheConfig(num_blocks=num_blocks,
-                        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
+    )
     return get_kv_cache_coordinator(
-        cfg, mml, mnbt, scheduler_block_size=sched, hash_block_size=hash_bs,
-        enable_caching=caching, enable_kv_cache_events=False,
+        cfg,
+        mml,
+        mnbt,
+        scheduler_block_size=sched,
+        hash_block_size=hash_bs,
+        enable_caching=caching,
+        enable_kv_cache_events=False,
     )
 
 
@@ -31,10 +38,16 @@ def coordinator(specs, *, sched, hash_bs=2, num_blocks=64, caching=True, mml=102
 
 def test_scheduler_not_multiple_of_hash_block_size():
     """scheduler_block_size must be a multiple of hash_block_size; the error names the numbers."""
-    with pytest.raises(BlockSizeError, match=r"scheduler_block_size 6 .* hash_block_size 4") as info:
+    with pytest.raises(
+        BlockSizeError, match=r"scheduler_block_size 6 .* hash_block_size 4"
+    ) as info:
         check_block_sizes(6, 4, [2])
     assert isinstance(info.value, ValueError) and isinstance(info.value, ConfigError)
-    assert (info.value.scheduler_block_size, info.value.hash_block_size, info.value.group_block_sizes) == (6, 4, (2,))
+    assert (
+        info.value.scheduler_block_size,
+        info.value.hash_block_size,
+        info.value.group_block_sizes,
+    ) == (6, 4, (2,))
 
 
 def test_scheduler_not_multiple_of_group_block_size():
@@ -56,7 +69,9 @@ def test_non_positive_sizes_rejected(sched, hash_bs):
         check_block_sizes(sched, hash_bs, [])
 
 
-@pytest.mark.parametrize("sched,hash_bs,groups", [(4, 4, [4]), (16, 4, [4, 8, 16]), (12, 2, [4, 6])])
+@pytest.mark.parametrize(
+    "sched,hash_bs,groups", [(4, 4, [4]), (16, 4, [4, 8, 16]), (12, 2, [4, 6])]
+)
 def test_valid_block_sizes_accepted(sched, hash_bs, groups):
     """Consistent block sizes pass the check."""
     check_block_sizes(sched, hash_bs, groups)
@@ -194,7 +209,8 @@ def test_hybrid_later_window_shrink_rescans_earlier_windows():
 
 
 def test_hybrid_hit_aligned_to_scheduler_block_size():
-    """The hybrid hit is a multiple of scheduler_block_size, and lists are cut per group block size."""
+    """The hybrid hit is a multiple of scheduler_block_size, and lists are cut per group block
+    size."""
     c = coordinator([full_spec(4), swa_spec(2, 4)], sched=4, hash_bs=2)
     req = FakeRequest("r", range(20), 2)
     fb = cache_at_positions(c.block_pool, req, range(5), 4, group_id=0)
@@ -218,7 +234,8 @@ def test_hybrid_equal_specs_must_all_hit():
 
 
 def test_hybrid_aligned_swa_hit_keeps_window_after_eviction():
-    """With sched=4 and SWA bs=2, evicting SWA block 7 gives a 12-token hit whose window blocks are real."""
+    """With sched=4 and SWA bs=2, evicting SWA block 7 gives a 12-token hit whose window blocks are
+    real."""
     c = coordinator([full_spec(2), swa_spec(2, 4)], sched=4)
     req = FakeRequest("r", range(20), 2)
     cache_at_positions(c.block_pool, req, range(10), 2, group_id=0)

@@ -106,7 +106,9 @@ def test_delayed_free_holds_blocks_until_finished_sending():
 
 def test_metrics_events_and_json(trace):
     """Metrics add up, GPU events are counted (events on), and the result round-trips JSON."""
-    result = Engine(EngineConfig(**SMALL, connector=_memory(), enable_kv_cache_events=True)).run(trace)
+    result = Engine(
+        EngineConfig(**SMALL, connector=_memory(), enable_kv_cache_events=True)
+    ).run(trace)
     m = result.metrics
     assert m.num_prompt_tokens == trace.num_prompt_tokens
     assert m.num_output_tokens == trace.num_output_tokens
@@ -183,14 +185,21 @@ def test_prompt_token_accounting_adds_up_on_default_workload(connector):
     """computed + GPU hits + connector hits == prompt tokens; rates never exceed 100%."""
     conn = {None: None, "memory": _memory(), "memory-async": _memory(load_async=True)}[connector]
     # The `kvconnector run` defaults: a pool small enough to evict and preempt.
-    config = EngineConfig(num_gpu_blocks=40, max_num_batched_tokens=256, max_num_seqs=8,
-                          max_model_len=512, connector=conn)
+    config = EngineConfig(
+        num_gpu_blocks=40,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        max_model_len=512,
+        connector=conn,
+    )
     trace = get_workload("mixed")
     m = Engine(config).run(trace).metrics
     assert m.num_finished == len(trace)
     assert m.num_prompt_tokens == trace.num_prompt_tokens
-    assert (m.prefill_tokens_computed + m.gpu_prefix_hit_tokens + m.connector_hit_tokens
-            == m.num_prompt_tokens)
+    assert (
+        m.prefill_tokens_computed + m.gpu_prefix_hit_tokens + m.connector_hit_tokens
+        == m.num_prompt_tokens
+    )
     assert m.num_preemptions > 0 and m.recomputed_tokens > 0  # the case that overcounted
     assert 0.0 <= m.total_hit_rate <= 1.0
     assert m.total_hit_rate == pytest.approx(m.gpu_hit_rate + m.connector_hit_rate)
@@ -200,16 +209,18 @@ def test_auto_ids_never_collide_with_explicit_ids():
     """Requests without an id get ``req-<n>`` ids that skip every explicit id of the trace."""
     from kvconnector_core.engine.workloads import TraceRequest
 
-    trace = [TraceRequest(arrival=0, prompt_token_ids=[1, 2, 3], max_new_tokens=2),
-             TraceRequest(arrival=0, prompt_token_ids=[4, 5, 6], max_new_tokens=2,
-                          request_id="req-0"),
-             TraceRequest(arrival=50, prompt_token_ids=[7, 8, 9], max_new_tokens=2,
-                          request_id="req-1")]
+    trace = [
+        TraceRequest(arrival=0, prompt_token_ids=[1, 2, 3], max_new_tokens=2),
+        TraceRequest(arrival=0, prompt_token_ids=[4, 5, 6], max_new_tokens=2, request_id="req-0"),
+        TraceRequest(arrival=50, prompt_token_ids=[7, 8, 9], max_new_tokens=2, request_id="req-1"),
+    ]
     result = Engine(EngineConfig(**SMALL)).run(trace)
     assert len(result.outputs) == 3 and {"req-0", "req-1"} < set(result.outputs)
     assert all(len(out) == 2 for out in result.outputs.values())
-    dup = [*trace, TraceRequest(arrival=1, prompt_token_ids=[1], max_new_tokens=1,
-                                request_id="req-1")]
+    dup = [
+        *trace,
+        TraceRequest(arrival=1, prompt_token_ids=[1], max_new_tokens=1, request_id="req-1"),
+    ]
     with pytest.raises(ConfigError, match=r"duplicate request_id 'req-1'.*#2 and #3"):
         Engine(EngineConfig(**SMALL)).run(dup)
 

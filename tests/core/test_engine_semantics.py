@@ -16,11 +16,17 @@ from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.request import Request, lora_name_of
 
-SMALL = {"num_gpu_blocks": 64, "block_size": 16, "max_model_len": 256, "max_num_batched_tokens": 128}
+SMALL = {
+    "num_gpu_blocks": 64,
+    "block_size": 16,
+    "max_model_len": 256,
+    "max_num_batched_tokens": 128,
+}
 
 
 def test_engine_runs_one_empty_step_after_a_finish():
-    """As vLLM does: the step after a finish schedules nothing and tells the worker the finished ids."""
+    """As vLLM does: the step after a finish schedules nothing and tells the worker the finished
+    ids."""
     eng = Engine(EngineConfig(connector=None, **SMALL))
     eng.add_request(list(range(10, 40)), 2, request_id="a")
     finished = []
@@ -37,11 +43,20 @@ def test_engine_runs_one_empty_step_after_a_finish():
 def test_each_delayed_free_is_reported_once_and_its_blocks_return_that_step():
     rng = random.Random(3)
     shared = [rng.randrange(10, 1000) for _ in range(64)]
-    trace = [TraceRequest(request_id=f"r{i}", arrival=i, max_new_tokens=rng.randrange(1, 5),
-                          prompt_token_ids=shared + [rng.randrange(10, 1000) for _ in range(40)])
-             for i in range(8)]
-    eng = Engine(EngineConfig(connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}},
-                              **SMALL))
+    trace = [
+        TraceRequest(
+            request_id=f"r{i}",
+            arrival=i,
+            max_new_tokens=rng.randrange(1, 5),
+            prompt_token_ids=shared + [rng.randrange(10, 1000) for _ in range(40)],
+        )
+        for i in range(8)
+    ]
+    eng = Engine(
+        EngineConfig(
+            connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}, **SMALL
+        )
+    )
     sched = eng.scheduler
     reported: Counter[str] = Counter()
     delayed: set[str] = set()
@@ -73,15 +88,23 @@ def test_lora_name_is_read_the_way_both_engines_expose_it():
 
 
 def test_offload_events_carry_the_lora_name_without_request_lora_name():
-    """The offload connector reads the LoRA name through lora_name_of (vLLM's Request has no lora_name)."""
+    """The offload connector reads the LoRA name through lora_name_of (vLLM's Request has no
+    lora_name)."""
     from connectors.offload.connector import OffloadingConnector
     from kvconnector_core.connector import KVConnectorConfig, KVConnectorRole
     from kvconnector_core.testing import make_kv_cache_config
 
-    conn = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8}),
-                               KVConnectorRole.SCHEDULER, make_kv_cache_config())
-    vllm_like = SimpleNamespace(request_id="v", block_hashes=[b"h0", b"h1"], all_token_ids=list(range(8)),
-                                lora_request=SimpleNamespace(lora_name="ad"))
+    conn = OffloadingConnector(
+        KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8}),
+        KVConnectorRole.SCHEDULER,
+        make_kv_cache_config(),
+    )
+    vllm_like = SimpleNamespace(
+        request_id="v",
+        block_hashes=[b"h0", b"h1"],
+        all_token_ids=list(range(8)),
+        lora_request=SimpleNamespace(lora_name="ad"),
+    )
     assert conn.scheduler_side.keys.describe(vllm_like, 0, 1).lora_name == "ad"  # noqa: SLF001
 
 
@@ -89,19 +112,24 @@ def test_worker_metadata_folds_across_workers():
     a = OffloadWorkerMetadata(done_job_ids=[1, 2], failed_job_ids=[])
     b = OffloadWorkerMetadata(done_job_ids=[2], failed_job_ids=[3])
     assert a.aggregate(b) == OffloadWorkerMetadata(done_job_ids=[1, 2, 2], failed_job_ids=[3])
-    m = MultiKVConnectorWorkerMetadata((None, a)).aggregate(MultiKVConnectorWorkerMetadata((None, b)))
+    m = MultiKVConnectorWorkerMetadata((None, a)).aggregate(
+        MultiKVConnectorWorkerMetadata((None, b))
+    )
     assert m.metadata == (None, a.aggregate(b))
 
 
 def test_offload_store_is_visible_only_after_every_worker_reported_it():
-    """With world_size=2 (two TP workers inside vLLM) one worker's report does not complete a store."""
+    """With world_size=2 (two TP workers inside vLLM) one worker's report does not complete a
+    store."""
     from connectors.offload.connector import OffloadingConnector
     from connectors.offload.scheduler_state import JobRecord, group_suffix
     from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
     from kvconnector_core.testing import make_kv_cache_config
 
     cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8}, world_size=2)
-    conn = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
+    conn = OffloadingConnector(
+        cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()
+    ).scheduler_side
     key = b"k" + group_suffix(0)  # offload keys end with their KV cache group
     assert conn.manager.prepare_store([key]) is not None
     conn.state.jobs[0] = JobRecord("r", (key,), is_store=True)  # noqa: SLF001 - a planned store job

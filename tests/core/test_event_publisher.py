@@ -82,10 +82,28 @@ def test_subscriber_in_another_process_replays_the_gap_and_decodes_as_vllm():
         for k in range(5):  # published before anyone listens: the subscriber must replay them
             pub.publish(_batch(k))
         proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from kvconnector_core.cli import main; sys.exit(main())", "events", "--endpoint", pub.endpoint,
-             "--replay-endpoint", pub.replay_endpoint, "--from-seq", "0", "--count", "10",
-             "--json", "--raw", "--timeout", "60"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-c",
+                "import sys; from kvconnector_core.cli import main; sys.exit(main())",
+                "events",
+                "--endpoint",
+                pub.endpoint,
+                "--replay-endpoint",
+                pub.replay_endpoint,
+                "--from-seq",
+                "0",
+                "--count",
+                "10",
+                "--json",
+                "--raw",
+                "--timeout",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         k = 5
         # PUB/SUB has no join handshake: keep publishing until the subscriber has its 10.
         while proc.poll() is None and k < 2000:
@@ -100,7 +118,9 @@ def test_subscriber_in_another_process_replays_the_gap_and_decodes_as_vllm():
     for line in lines:
         decoded = VLLM_DECODER.decode(bytes.fromhex(line["payload"]))
         stored, removed = decoded.events
-        assert isinstance(stored, _vllm033_events.BlockStored) and isinstance(removed, _vllm033_events.BlockRemoved)
+        assert isinstance(stored, _vllm033_events.BlockStored) and isinstance(
+            removed, _vllm033_events.BlockRemoved
+        )
         assert stored.block_hashes == [1000 + line["seq"]]
         assert (stored.medium, stored.block_size, stored.group_idx) == ("DISK", 4, 0)
         assert removed.block_hashes == [2000 + line["seq"]] and removed.medium == "CPU"
@@ -138,8 +158,10 @@ def test_a_replay_ends_on_the_publishers_end_marker_and_counts_the_batches_it_la
         for k in range(6):
             pub.publish(_batch(k))
         assert pub.drain(30)
-        with EventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout=30.0) as sub, \
-                caplog.at_level("WARNING", logger="kvconnector_core.event_publisher"):
+        with (
+            EventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout=30.0) as sub,
+            caplog.at_level("WARNING", logger="kvconnector_core.event_publisher"),
+        ):
             got = list(sub.replay(0, 8))
     assert [(b.seq, b.replayed) for b in got] == [(3, True), (4, True), (5, True)]
     assert sub.missed == 5

@@ -130,7 +130,9 @@ def test_group_id_round_trip(block_hash, group_id):
 
 def test_group_keys_differ_per_group():
     """One block hash keyed by two groups gives two distinct keys."""
-    assert make_block_hash_with_group_id(NONE_HASH, 0) != make_block_hash_with_group_id(NONE_HASH, 1)
+    assert make_block_hash_with_group_id(NONE_HASH, 0) != make_block_hash_with_group_id(
+        NONE_HASH, 1
+    )
 
 
 @given(st.lists(st.integers(min_value=0, max_value=50_000), max_size=40), st.integers(1, 8))
@@ -163,15 +165,34 @@ def test_cache_salt_and_lora_name_hash_in_separate_domains():
 # they must never change by accident (a new root hash, encoding or extra-key layout).
 PINNED_NONE_HASH = "1a934b767e2984d067e669df6c49438bbaa2bca4287090494073d60615255609"
 PINNED_CHAINS = {
-    "plain": ({}, ["3be2930760d15a70d296413d76c5aa62334193fd3ca8f49adce61478d59b1827",
-                   "222ce2594f77642247a6ee3ff1fd310408dd60750d5e2a81d22aba28b71dae5b"]),
-    "salt": ({"cache_salt": "x"}, ["4c5e45a957335d54906725e751c09cd9b683ded81c93f15b3757996b94fa7ccf",
-                                   "e8d7e6ba23f0225e086e9f26fb7fe837361e8f16267f0294a514f059848a5ec2"]),
-    "lora": ({"lora_name": "x"}, ["e5a672535f4fdbd6308618f34808b32fc34f2ac0d6b64920162c4c8c37ef8131",
-                                  "27f09e7dacf45bf8294dd24fc05cc44f06d2b7209d099f0ddd13f7b4002b13e5"]),
-    "both": ({"lora_name": "x", "cache_salt": "x"},
-             ["5a8d421f857f716c40f4447795aa1ba9ce2de1c267de633561df7d5b553dfcbd",
-              "109b904286734184009ebf2363fd236b63d16e54123f2298a363110851b82e6c"]),
+    "plain": (
+        {},
+        [
+            "3be2930760d15a70d296413d76c5aa62334193fd3ca8f49adce61478d59b1827",
+            "222ce2594f77642247a6ee3ff1fd310408dd60750d5e2a81d22aba28b71dae5b",
+        ],
+    ),
+    "salt": (
+        {"cache_salt": "x"},
+        [
+            "4c5e45a957335d54906725e751c09cd9b683ded81c93f15b3757996b94fa7ccf",
+            "e8d7e6ba23f0225e086e9f26fb7fe837361e8f16267f0294a514f059848a5ec2",
+        ],
+    ),
+    "lora": (
+        {"lora_name": "x"},
+        [
+            "e5a672535f4fdbd6308618f34808b32fc34f2ac0d6b64920162c4c8c37ef8131",
+            "27f09e7dacf45bf8294dd24fc05cc44f06d2b7209d099f0ddd13f7b4002b13e5",
+        ],
+    ),
+    "both": (
+        {"lora_name": "x", "cache_salt": "x"},
+        [
+            "5a8d421f857f716c40f4447795aa1ba9ce2de1c267de633561df7d5b553dfcbd",
+            "109b904286734184009ebf2363fd236b63d16e54123f2298a363110851b82e6c",
+        ],
+    ),
 }
 
 
@@ -189,9 +210,17 @@ def test_block_hashes_are_the_same_in_another_process():
     import subprocess
     import sys
 
-    code = ("from kvconnector_core.kv_cache.hashing import NONE_HASH, hash_request_tokens as h; "
-            "print(NONE_HASH.hex(), *(x.hex() for x in h(list(range(8)), 4, lora_name='x', cache_salt='x')))")
+    code = (
+        "from kvconnector_core.kv_cache.hashing import NONE_HASH, hash_request_tokens as h; "
+        "print(NONE_HASH.hex(), "
+        "*(x.hex() for x in h(list(range(8)), 4, lora_name='x', cache_salt='x')))"
+    )
     for seed in ("0", "12345"):
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.split()
         assert out == [PINNED_NONE_HASH, *PINNED_CHAINS["both"][1]]

@@ -53,7 +53,8 @@ def test_no_hit_with_caching_disabled():
 
 
 def test_prefill_matches_vllm():
-    """Two requests sharing 3 blocks: ids, ref counts and the free order [5,4,6..10,3,2,1] (vLLM test_prefill)."""
+    """Two requests sharing 3 blocks: ids, ref counts and the free order [5,4,6..10,3,2,1] (vLLM
+    test_prefill)."""
     bs = 16
     m = make_manager([full_spec(bs)], 11, max_num_batched_tokens=128)
     common = list(range(3 * bs))
@@ -130,7 +131,8 @@ def test_allocate_slots_none_when_it_cannot_fit_changes_nothing():
 
 
 def test_allocate_slots_counts_evictable_hits_against_free_blocks():
-    """Evictable hits cost free blocks: a request that fits only by evicting its own hits is rejected."""
+    """Evictable hits cost free blocks: a request that fits only by evicting its own hits is
+    rejected."""
     m = make_manager([full_spec(4)], 6)  # 5 usable
     a = make_request("a", range(12), 4)
     run_prefill(m, a)
@@ -268,7 +270,8 @@ def test_evict_blocks_through_manager_shrinks_hit():
 
 
 def test_rollback_uncaches_blocks_past_valid_tokens():
-    """rollback evicts the request's own cached blocks past num_valid_tokens and re-caches them later."""
+    """rollback evicts the request's own cached blocks past num_valid_tokens and re-caches them
+    later."""
     m = make_manager([full_spec(4)], 20)
     a = make_request("a", range(16), 4)
     run_prefill(m, a)
@@ -353,9 +356,11 @@ def test_rollback_to_zero_frees_cut_blocks_tail_first():
 
 
 def test_long_sliding_window_request_admitted_and_runs_to_completion():
-    """A sliding-window request longer than the whole pool is admitted and finishes by recycling blocks."""
+    """A sliding-window request longer than the whole pool is admitted and finishes by recycling
+    blocks."""
     bs, sw, mnbt = 4, 8, 16
-    m = make_manager([swa_spec(bs, sw)], 10, max_model_len=4096, max_num_batched_tokens=mnbt)  # 9 usable
+    # 9 usable
+    m = make_manager([swa_spec(bs, sw)], 10, max_model_len=4096, max_num_batched_tokens=mnbt)
     cap = m.coordinator.single_type_managers[0].max_admission_blocks_per_request
     assert cap == cdiv(sw - 1 + mnbt, bs) + 1 == 7
     req = make_request("long", [i % 50 for i in range(200)], bs, max_tokens=8)
@@ -417,7 +422,8 @@ def test_can_ever_fit_counts_prompt_plus_max_tokens_against_usable_blocks(max_to
 
 def test_sliding_window_pool_smaller_than_cap_rejects():
     """A sliding-window request is rejected when the pool is smaller than its admission cap."""
-    m = make_manager([swa_spec(4, 8)], 5, max_model_len=4096, max_num_batched_tokens=16)  # cap 7 > 4
+    # cap 7 > 4
+    m = make_manager([swa_spec(4, 8)], 5, max_model_len=4096, max_num_batched_tokens=16)
     req = make_request("long", range(200), 4, max_tokens=8)
     assert not m.can_ever_fit(req)
     assert m.allocate_slots(req, 16, full_sequence_must_fit=True) is None
@@ -427,7 +433,8 @@ def test_sliding_window_pool_smaller_than_cap_rejects():
 
 
 def test_swa_local_hit_plus_external_tokens_on_tight_pool():
-    """A local SWA hit followed by external tokens allocates (or returns None) instead of raising."""
+    """A local SWA hit followed by external tokens allocates (or returns None) instead of
+    raising."""
     m = make_manager([swa_spec(2, 4)], 8, max_model_len=64, max_num_batched_tokens=16)  # 7 usable
     a = make_request("a", range(10), 2)
     m.allocate_slots(a, 10)

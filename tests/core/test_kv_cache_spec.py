@@ -23,7 +23,9 @@ def full(bs=16, heads=8, head=128, dtype="bfloat16"):
 
 
 def swa(sw, bs=16, heads=8, head=128, dtype="bfloat16"):
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=head, dtype=dtype, sliding_window=sw)
+    return SlidingWindowSpec(
+        block_size=bs, num_kv_heads=heads, head_size=head, dtype=dtype, sliding_window=sw
+    )
 
 
 def chunked(chunk, bs=16, heads=8, head=128, dtype="bfloat16"):
@@ -40,7 +42,9 @@ def test_page_size_bytes_counts_k_and_v():
     assert full().page_size_bytes == 2 * 16 * 8 * 128 * 2
 
 
-@pytest.mark.parametrize("dtype,nbytes", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("float8_e4m3fn", 1)])
+@pytest.mark.parametrize(
+    "dtype,nbytes", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("float8_e4m3fn", 1)]
+)
 def test_page_size_bytes_scales_with_dtype(dtype, nbytes):
     """The page size scales with the element size of the dtype."""
     assert full(bs=4, heads=2, head=8, dtype=dtype).page_size_bytes == 2 * 4 * 2 * 8 * nbytes
@@ -57,7 +61,9 @@ def test_page_size_same_for_all_attention_kinds():
 def test_full_attention_cap_is_cdiv_max_model_len():
     """Full attention may need every block of max_model_len: cdiv(mml, bs)."""
     spec = full(bs=16)
-    assert spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=4096) == 256
+    assert (
+        spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=4096) == 256
+    )
     assert spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=100) == 7
 
 
@@ -65,25 +71,34 @@ def test_sliding_window_cap_formula():
     """SWA cap is cdiv(min(sw - 1 + mnbt, mml), bs) + 1."""
     spec = swa(128, bs=16)
     # min(127 + 64, 4096) = 191 -> cdiv(191, 16) = 12, + 1
-    assert spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=4096) == 13
+    assert (
+        spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=4096) == 13
+    )
 
 
 def test_sliding_window_cap_clamped_by_max_model_len():
     """A window longer than max_model_len is capped at max_model_len (plus the mid-block slack)."""
     spec = swa(4096, bs=16)
-    assert spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=100) == cdiv(100, 16) + 1
+    assert (
+        spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=100)
+        == cdiv(100, 16) + 1
+    )
 
 
 def test_chunked_local_cap_formula():
     """Chunked local cap is cdiv(min(chunk + mnbt, mml), bs)."""
     spec = chunked(256, bs=16)
-    assert spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=4096) == 20
+    assert (
+        spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=4096) == 20
+    )
     assert spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=100) == 7
 
 
 @given(
-    sw=st.integers(1, 2000), bs=st.sampled_from([1, 2, 4, 16]),
-    mnbt=st.integers(1, 512), mml=st.integers(1, 8192),
+    sw=st.integers(1, 2000),
+    bs=st.sampled_from([1, 2, 4, 16]),
+    mnbt=st.integers(1, 512),
+    mml=st.integers(1, 8192),
 )
 def test_sliding_window_cap_property(sw, bs, mnbt, mml):
     """The SWA cap matches the formula for any sizes."""
@@ -93,8 +108,10 @@ def test_sliding_window_cap_property(sw, bs, mnbt, mml):
 
 
 @given(
-    chunk=st.integers(1, 2000), bs=st.sampled_from([1, 2, 4, 16]),
-    mnbt=st.integers(1, 512), mml=st.integers(1, 8192),
+    chunk=st.integers(1, 2000),
+    bs=st.sampled_from([1, 2, 4, 16]),
+    mnbt=st.integers(1, 512),
+    mml=st.integers(1, 8192),
 )
 def test_chunked_cap_property(chunk, bs, mnbt, mml):
     """The chunked-local cap matches the formula for any sizes."""
@@ -107,13 +124,18 @@ def test_chunked_cap_property(chunk, bs, mnbt, mml):
 def test_max_memory_usage_uses_the_cap(spec):
     """max_memory_usage_bytes is the admission cap times the page size."""
     cap = spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=4096)
-    assert spec.max_memory_usage_bytes(max_model_len=4096, max_num_batched_tokens=64) == cap * spec.page_size_bytes
+    assert (
+        spec.max_memory_usage_bytes(max_model_len=4096, max_num_batched_tokens=64)
+        == cap * spec.page_size_bytes
+    )
 
 
 def test_sliding_window_needs_less_memory_than_full():
     """A short window needs far less memory per request than full attention."""
-    assert swa(128).max_memory_usage_bytes(max_model_len=32768, max_num_batched_tokens=64) < full(
-    ).max_memory_usage_bytes(max_model_len=32768, max_num_batched_tokens=64) // 10
+    assert (
+        swa(128).max_memory_usage_bytes(max_model_len=32768, max_num_batched_tokens=64)
+        < full().max_memory_usage_bytes(max_model_len=32768, max_num_batched_tokens=64) // 10
+    )
 
 
 def test_spec_kinds():
@@ -182,7 +204,9 @@ def test_get_kv_cache_config_sizes_pool_from_budget():
     spec = full(bs=16, heads=1, head=8)
     layers = {"l0": spec, "l1": spec}
     per_block = 2 * spec.page_size_bytes
-    cfg = get_kv_cache_config(layers, per_block * 300 + 5, max_model_len=1024, max_num_batched_tokens=64)
+    cfg = get_kv_cache_config(
+        layers, per_block * 300 + 5, max_model_len=1024, max_num_batched_tokens=64
+    )
     assert cfg.num_blocks == 300
     assert len(cfg.kv_cache_groups) == 1
     assert cfg.kv_cache_groups[0].layer_names == ["l0", "l1"]
@@ -203,8 +227,9 @@ def test_get_kv_cache_config_groups_by_spec_full_first():
 
 def test_groups_of_different_page_size_do_not_share_memory():
     f, s = full(bs=16, heads=1, head=8), swa(32, bs=16, heads=2, head=8)
-    cfg = get_kv_cache_config({"f0": f, "s0": s, "s1": s}, 10**8, max_model_len=1024,
-                              max_num_batched_tokens=64)
+    cfg = get_kv_cache_config(
+        {"f0": f, "s0": s, "s1": s}, 10**8, max_model_len=1024, max_num_batched_tokens=64
+    )
     assert cfg.physical_pools == [[0], [1]]
     assert cfg.bytes_per_block == f.page_size_bytes + 2 * s.page_size_bytes
 
@@ -216,7 +241,9 @@ def test_get_kv_cache_config_too_small_budget_names_numbers():
     # one request of 1024 tokens needs 64 blocks + the null block
     with pytest.raises(ConfigError, match=r"available_memory=.*64 blocks.*65 blocks"):
         get_kv_cache_config({"l0": spec}, page * 64, max_model_len=1024, max_num_batched_tokens=64)
-    cfg = get_kv_cache_config({"l0": spec}, page * 65, max_model_len=1024, max_num_batched_tokens=64)
+    cfg = get_kv_cache_config(
+        {"l0": spec}, page * 65, max_model_len=1024, max_num_batched_tokens=64
+    )
     assert cfg.num_blocks == 65
 
 
@@ -225,10 +252,14 @@ def test_get_kv_cache_config_sliding_window_uses_cap():
     spec = swa(32, bs=16, heads=1, head=8)
     cap = spec.max_admission_blocks_per_request(max_num_batched_tokens=64, max_model_len=100_000)
     budget = spec.page_size_bytes * (cap + 1)
-    cfg = get_kv_cache_config({"l0": spec}, budget, max_model_len=100_000, max_num_batched_tokens=64)
+    cfg = get_kv_cache_config(
+        {"l0": spec}, budget, max_model_len=100_000, max_num_batched_tokens=64
+    )
     assert cfg.num_blocks == cap + 1
     with pytest.raises(ConfigError):
-        get_kv_cache_config({"l0": spec}, budget - 1, max_model_len=100_000, max_num_batched_tokens=64)
+        get_kv_cache_config(
+            {"l0": spec}, budget - 1, max_model_len=100_000, max_num_batched_tokens=64
+        )
 
 
 def test_get_kv_cache_config_no_layers():

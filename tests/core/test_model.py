@@ -35,12 +35,15 @@ def test_outputs_identical_under_chunking_and_block_placement(model_config, chun
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 10_000), chunk=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 8]))
+@given(
+    seed=st.integers(0, 10_000), chunk=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 8])
+)
 def test_batch_composition_does_not_matter(seed, chunk, block_size):
     """A request generates the same tokens alone or batched with others, for any block size."""
     prompts = _prompts(seed, n=3, hi=30)
-    together = run_requests(prompts, 4, model_config=HYBRID, chunk=chunk, block_size=block_size,
-                            block_seed=seed)
+    together = run_requests(
+        prompts, 4, model_config=HYBRID, chunk=chunk, block_size=block_size, block_seed=seed
+    )
     alone = run_requests(prompts[1:2], 4, model_config=HYBRID, chunk=1000, block_size=block_size)
     assert together["r1"] == alone["r0"]
 

@@ -1,5 +1,6 @@
 """Reports that add up: computed + GPU-hit + connector tokens = prompt tokens; a partial load
-failure subtracts only the recomputed tokens; a MultiConnector reports per-child stats and errors."""
+failure subtracts only the recomputed tokens; a MultiConnector reports per-child stats and
+errors."""
 
 from __future__ import annotations
 
@@ -14,17 +15,34 @@ WORKLOADS = data_check_workloads()
 
 
 def reference(**extra: object) -> dict[str, object]:
-    return {"name": "ReferenceConnector", "module_path": "_reference_connector", "extra_config": extra}
+    return {
+        "name": "ReferenceConnector",
+        "module_path": "_reference_connector",
+        "extra_config": extra,
+    }
 
 
 def totals(metrics) -> int:
-    return metrics.prefill_tokens_computed + metrics.gpu_prefix_hit_tokens + metrics.connector_hit_tokens
+    return (
+        metrics.prefill_tokens_computed
+        + metrics.gpu_prefix_hit_tokens
+        + metrics.connector_hit_tokens
+    )
 
 
-@pytest.mark.parametrize("workload", ["block_aligned", "full_prompt_hit", "repeated_prefixes", "preemption"])
-@pytest.mark.parametrize("extra", [{}, {"load_async": True}, {"fail_last_block": True},
-                                   {"fail_last_block": True, "load_async": True}],
-                         ids=["sync", "async", "sync-partial-failure", "async-partial-failure"])
+@pytest.mark.parametrize(
+    "workload", ["block_aligned", "full_prompt_hit", "repeated_prefixes", "preemption"]
+)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"load_async": True},
+        {"fail_last_block": True},
+        {"fail_last_block": True, "load_async": True},
+    ],
+    ids=["sync", "async", "sync-partial-failure", "async-partial-failure"],
+)
 def test_token_counts_add_up_to_prompt_tokens(workload, extra):
     """Computed, GPU-hit and connector tokens add up to the prompt tokens, with and without
     failed loads, and the outputs still match the no-connector run."""
@@ -41,8 +59,10 @@ def test_partial_failure_subtracts_only_the_failed_block(load_async):
     failed load than without failures."""
     workload = WORKLOADS["block_aligned"]
     ok = run_data_check(KVConnectorConfig.from_dict(reference(load_async=load_async)), workload)
-    failing = run_data_check(KVConnectorConfig.from_dict(reference(load_async=load_async, fail_last_block=True)),
-                             workload)
+    failing = run_data_check(
+        KVConnectorConfig.from_dict(reference(load_async=load_async, fail_last_block=True)),
+        workload,
+    )
     assert failing.ok, str(failing)
     recovered = failing.checked.metrics.num_failed_loads_recovered
     assert recovered > 0
@@ -59,10 +79,15 @@ def test_partial_failure_subtracts_only_the_failed_block(load_async):
 def test_multiconnector_report_has_per_child_stats_and_errors():
     """A MultiConnector run reports each child's stats and each child's contained errors."""
     workload = WORKLOADS["block_aligned"]
-    multi = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [
-        reference(raise_in_lookup=True),
-        {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}},
-    ]})
+    multi = KVConnectorConfig(
+        name="MultiConnector",
+        extra_config={
+            "connectors": [
+                reference(raise_in_lookup=True),
+                {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}},
+            ]
+        },
+    )
     with Engine(workload.engine_config(multi)) as engine:
         metrics = engine.run(Trace(workload.name, list(workload.requests))).metrics
     stats, errors = metrics.connector_stats, metrics.connector_errors
@@ -78,8 +103,15 @@ def test_multiconnector_gbps_counts_only_children_that_report_time():
     stranger's file connector) made the report's GB/s too high. GB/s now covers the timed
     children only."""
     workload = WORKLOADS["block_aligned"]
-    multi = KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [
-        reference(), {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}]})
+    multi = KVConnectorConfig(
+        name="MultiConnector",
+        extra_config={
+            "connectors": [
+                reference(),
+                {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}},
+            ]
+        },
+    )
     with Engine(workload.engine_config(multi)) as engine:
         metrics = engine.run(Trace(workload.name, list(workload.requests))).metrics
     stats = metrics.connector_stats

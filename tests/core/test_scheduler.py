@@ -1,4 +1,5 @@
-"""Scheduler: batching, admission caps, connector hook order, failed-load recovery, delayed frees."""
+"""Scheduler: batching, admission caps, connector hook order, failed-load recovery, delayed
+frees."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from kvconnector_core import (
     RequestStatus,
     SlidingWindowSpec,
 )
-from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorMetadata, KVConnectorRole
+from kvconnector_core.connector import (
+    KVConnectorBase_V1,
+    KVConnectorConfig,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from kvconnector_core.connector.metadata import KVConnectorOutput
 from kvconnector_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvconnector_core.scheduler.scheduler import Scheduler
@@ -23,7 +29,8 @@ BS = 4
 
 
 class ScriptedConnector(KVConnectorBase_V1):
-    """Scheduler-side connector whose answers are scripted per request id, and which records hook calls."""
+    """Scheduler-side connector whose answers are scripted per request id, and which records hook
+    calls."""
 
     name = "Scripted"
 
@@ -69,13 +76,28 @@ class ScriptedConnector(KVConnectorBase_V1):
     def wait_for_save(self): ...
 
 
-def make_scheduler(num_blocks: int = 40, *, connector=None, budget: int = 16, policy: str = "recompute",
-                   spec=None, max_model_len: int = 256, max_num_seqs: int = 8) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 40,
+    *,
+    connector=None,
+    budget: int = 16,
+    policy: str = "recompute",
+    spec=None,
+    max_model_len: int = 256,
+    max_num_seqs: int = 8,
+) -> Scheduler:
     spec = spec or FullAttentionSpec(BS, 1, 1)
     cfg = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["l0"], spec)])
-    return Scheduler(cfg, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                     scheduler_block_size=BS, hash_block_size=BS, connector=connector,
-                     load_failure_policy=policy)
+    return Scheduler(
+        cfg,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        connector=connector,
+        load_failure_policy=policy,
+    )
 
 
 def make_connector(num_blocks: int = 40) -> ScriptedConnector:
@@ -91,12 +113,18 @@ def fake_model_output(sched: Scheduler, out: SchedulerOutput, **kv) -> ModelRunn
         if req.num_computed_tokens >= req.num_tokens:
             sampled[rid] = [sum(req.all_token_ids) % 97]
     kv_out = KVConnectorOutput(**kv) if kv else None
-    return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled,
-                             kv_connector_output=kv_out)
+    return ModelRunnerOutput(
+        req_ids=list(out.num_scheduled_tokens),
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_out,
+    )
 
 
-def run_to_completion(sched: Scheduler, max_steps: int = 500,
-                      kv_for_step: Callable[[int, SchedulerOutput], dict] | None = None) -> list[Request]:
+def run_to_completion(
+    sched: Scheduler,
+    max_steps: int = 500,
+    kv_for_step: Callable[[int, SchedulerOutput], dict] | None = None,
+) -> list[Request]:
     finished: list[Request] = []
     step = 0
     # Steps a test ran by hand before calling this helper: take the scheduler's word for those.
@@ -126,18 +154,22 @@ def test_all_requests_finish_and_blocks_return():
         s.add_request(req(f"r{i}"))
     done = run_to_completion(s)
     assert sorted(r.request_id for r in done) == [f"r{i}" for i in range(6)]
-    assert all(r.num_output_tokens == 3 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in done)
+    assert all(
+        r.num_output_tokens == 3 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in done
+    )
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 39
 
 
 def test_prefix_hits_are_counted():
-    """Requests sharing a prompt hit the GPU prefix cache for every full block but the last token's."""
+    """Requests sharing a prompt hit the GPU prefix cache for every full block but the last
+    token's."""
     s = make_scheduler()
     s.add_request(req("a"))
     run_to_completion(s)
     s.add_request(req("b"))
     run_to_completion(s)
-    assert s.stats.num_gpu_cache_hit_tokens == 16  # 20 tokens: blocks 0-3 hit, last token recomputed
+    # 20 tokens: blocks 0-3 hit, last token recomputed
+    assert s.stats.num_gpu_cache_hit_tokens == 16
     assert s.stats.num_prefill_tokens_computed == 20 + 4
 
 
@@ -153,7 +185,8 @@ def test_tiny_pool_preempts_and_still_finishes():
 
 
 def test_full_attention_request_that_can_never_fit_is_rejected():
-    """A full-attention request needing more blocks than the pool has fails instead of deadlocking."""
+    """A full-attention request needing more blocks than the pool has fails instead of
+    deadlocking."""
     s = make_scheduler(num_blocks=6)
     s.add_request(req("big", n=40, max_tokens=4))
     s.add_request(req("small", n=8, max_tokens=2))
@@ -165,7 +198,8 @@ def test_full_attention_request_that_can_never_fit_is_rejected():
 
 
 def test_long_sliding_window_request_is_admitted_and_recycles_blocks():
-    """A sliding-window request longer than the whole pool runs to completion by recycling blocks."""
+    """A sliding-window request longer than the whole pool runs to completion by recycling
+    blocks."""
     spec = SlidingWindowSpec(BS, 1, 1, sliding_window=8)
     s = make_scheduler(num_blocks=12, spec=spec, budget=8)
     s.add_request(req("long", n=120, max_tokens=4))  # 31 blocks of tokens, pool has 11
@@ -175,7 +209,8 @@ def test_long_sliding_window_request_is_admitted_and_recycles_blocks():
 
 
 def test_scheduler_hook_order():
-    """Hooks run in the reference order: bind first, then match -> alloc -> meta, finished before its free."""
+    """Hooks run in the reference order: bind first, then match -> alloc -> meta, finished before
+    its free."""
     c = make_connector()
     s = make_scheduler(connector=c)
     assert c.calls == [("bind_gpu_block_pool", None)]
@@ -183,8 +218,12 @@ def test_scheduler_hook_order():
     s.add_request(req("a", n=8, max_tokens=1))
     run_to_completion(s)
     hooks = [h for h, _ in c.calls]
-    assert hooks[:4] == ["bind_gpu_block_pool", "get_num_new_matched_tokens", "update_state_after_alloc",
-                         "build_connector_meta"]
+    assert hooks[:4] == [
+        "bind_gpu_block_pool",
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+    ]
     assert hooks.count("bind_gpu_block_pool") == 1
     assert "request_finished" in hooks
     # build_connector_meta runs at the end of every schedule(), empty steps included.
@@ -206,7 +245,8 @@ def test_none_match_retries_next_step():
 
 
 def test_connector_exception_is_contained():
-    """A connector that raises while matching is treated as a miss, counted, and the request still finishes."""
+    """A connector that raises while matching is treated as a miss, counted, and the request still
+    finishes."""
     c = make_connector()
     c.raise_in.add("get_num_new_matched_tokens")
     s = make_scheduler(connector=c)
@@ -217,7 +257,8 @@ def test_connector_exception_is_contained():
 
 
 def test_sync_load_failure_rolls_back_to_first_invalid_block():
-    """A failed sync load rolls the request back to its first invalid block and drops that step's sample."""
+    """A failed sync load rolls the request back to its first invalid block and drops that step's
+    sample."""
     c = make_connector()
     s = make_scheduler(connector=c, budget=64)
     c.external["a"] = (12, False)  # blocks 0-2 loaded synchronously
@@ -253,7 +294,8 @@ def test_bad_block_beyond_the_loaded_prefix_rolls_back_to_the_steps_start():
     out = s.schedule()
     assert out.num_scheduled_tokens == {"a": 8}
     blocks = s.kv_cache_manager.get_block_ids("a")[0]
-    s.update_from_output(out, fake_model_output(s, out, invalid_block_ids={blocks[4]}))  # tokens 16..19
+    # tokens 16..19
+    s.update_from_output(out, fake_model_output(s, out, invalid_block_ids={blocks[4]}))
     r = s.requests["a"]
     assert r.num_computed_tokens == 12  # min(first bad (16), 20 - 8), not 16
     assert r.num_output_tokens == 0
@@ -277,7 +319,8 @@ def test_sync_loaded_blocks_are_cached_only_after_success():
 
 
 def test_async_load_success_then_compute():
-    """An async load parks the request until finished_recving, then caches the loaded blocks and computes the rest."""
+    """An async load parks the request until finished_recving, then caches the loaded blocks and
+    computes the rest."""
     c = make_connector()
     s = make_scheduler(connector=c)
     c.external["a"] = (12, True)
@@ -297,15 +340,20 @@ def test_async_load_success_then_compute():
 
 
 def test_async_load_failure_recomputes_from_first_invalid_block():
-    """A failed async load (invalid block reported with finished_recving) recomputes from the first bad block."""
+    """A failed async load (invalid block reported with finished_recving) recomputes from the first
+    bad block."""
     c = make_connector()
     s = make_scheduler(connector=c)
     c.external["a"] = (12, True)
     s.add_request(req("a", n=20))
     out = s.schedule()
     ids = s.kv_cache_manager.get_block_ids("a")[0]
-    s.update_from_output(out, fake_model_output(s, out, finished_recving={"a"}, failed_recving={"a"},
-                                                invalid_block_ids={ids[2]}))
+    s.update_from_output(
+        out,
+        fake_model_output(
+            s, out, finished_recving={"a"}, failed_recving={"a"}, invalid_block_ids={ids[2]}
+        ),
+    )
     out = s.schedule()
     assert out.scheduled_new_reqs[0].num_computed_tokens == 8
     assert out.num_scheduled_tokens == {"a": 12}
@@ -322,7 +370,9 @@ def test_async_failed_recv_without_blocks_recomputes_everything_loaded():
     c.external["a"] = (12, True)
     s.add_request(req("a", n=20))
     out = s.schedule()
-    s.update_from_output(out, fake_model_output(s, out, finished_recving={"a"}, failed_recving={"a"}))
+    s.update_from_output(
+        out, fake_model_output(s, out, finished_recving={"a"}, failed_recving={"a"})
+    )
     out = s.schedule()  # the connector still claims a hit, but a failed request recomputes
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert out.num_scheduled_tokens == {"a": 16}
@@ -331,7 +381,8 @@ def test_async_failed_recv_without_blocks_recomputes_everything_loaded():
 
 
 def test_fail_policy_fails_the_request():
-    """Under load_failure_policy='fail' a request with an invalid block ends FINISHED_ERROR and frees its blocks."""
+    """Under load_failure_policy='fail' a request with an invalid block ends FINISHED_ERROR and
+    frees its blocks."""
     c = make_connector()
     s = make_scheduler(connector=c, policy="fail", budget=64)
     c.external["a"] = (12, False)
@@ -372,7 +423,8 @@ def test_invalid_shared_block_rolls_back_every_holder():
 
 
 def test_delayed_free_keeps_blocks_until_finished_sending():
-    """A request whose connector delays the free keeps its blocks until finished_sending names it."""
+    """A request whose connector delays the free keeps its blocks until finished_sending names
+    it."""
     c = make_connector()
     c.delay_free.add("a")
     s = make_scheduler(connector=c)
@@ -417,18 +469,31 @@ def test_bad_policy_is_rejected():
 
 
 def test_failed_load_on_hybrid_model_restarts_when_window_was_skipped():
-    """A failed load on a full + sliding-window model never leaves null blocks where recomputation reads."""
-    full, swa = FullAttentionSpec(BS, 1, 4, "int32"), SlidingWindowSpec(BS, 1, 4, "int32", sliding_window=8)
+    """A failed load on a full + sliding-window model never leaves null blocks where recomputation
+    reads."""
+    full, swa = (
+        FullAttentionSpec(BS, 1, 4, "int32"),
+        SlidingWindowSpec(BS, 1, 4, "int32", sliding_window=8),
+    )
     cfg = KVCacheConfig(64, [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)])
     c = make_connector()
-    s = Scheduler(cfg, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, scheduler_block_size=BS,
-                  hash_block_size=BS, connector=c)
+    s = Scheduler(
+        cfg,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        max_model_len=128,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        connector=c,
+    )
     c.external["r"] = (32, True)
     s.add_request(req("r", n=40, max_tokens=4))
     out = s.schedule()
     full_ids, swa_ids = s.kv_cache_manager.get_block_ids("r")
     assert swa_ids[0] == 0  # the sliding-window group skipped the start of the loaded region
-    s.update_from_output(out, fake_model_output(s, out, finished_recving={"r"}, invalid_block_ids={full_ids[2]}))
+    s.update_from_output(
+        out, fake_model_output(s, out, finished_recving={"r"}, invalid_block_ids={full_ids[2]})
+    )
     out = s.schedule()
     # Resuming at token 8 would need sliding-window KV for tokens 1..7, which was never computed.
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
@@ -453,7 +518,8 @@ def test_async_loads_on_a_tight_pool_do_not_deadlock():
 
 
 def test_sync_load_is_flagged_in_the_scheduler_output():
-    """A step that admits a synchronous connector load tells the worker to load before the forward."""
+    """A step that admits a synchronous connector load tells the worker to load before the
+    forward."""
     c = make_connector()
     s = make_scheduler(connector=c, budget=64)
     c.external["a"] = (8, False)
@@ -466,7 +532,8 @@ def test_sync_load_is_flagged_in_the_scheduler_output():
 
 
 def test_abort_after_load_reported_does_not_leak_into_a_reused_id():
-    """Aborting a request whose load was reported but not consumed leaves no state for a later request of that id."""
+    """Aborting a request whose load was reported but not consumed leaves no state for a later
+    request of that id."""
     c = make_connector()
     s = make_scheduler(connector=c)
     c.external["r"] = (8, True)
@@ -482,7 +549,8 @@ def test_abort_after_load_reported_does_not_leak_into_a_reused_id():
 
 
 def test_abort_while_loading_honours_a_delayed_free():
-    """A request aborted mid-load whose connector delays the free keeps its blocks until finished_sending."""
+    """A request aborted mid-load whose connector delays the free keeps its blocks until
+    finished_sending."""
     c = make_connector()
     c.delay_free.add("r")
     s = make_scheduler(connector=c)
@@ -499,7 +567,8 @@ def test_abort_while_loading_honours_a_delayed_free():
 
 
 def test_token_sources_add_up_to_the_prompt_tokens_under_preemption():
-    """Computed, GPU-hit and connector-hit prompt tokens sum to the prompt tokens; repeats count as recomputed."""
+    """Computed, GPU-hit and connector-hit prompt tokens sum to the prompt tokens; repeats count as
+    recomputed."""
     c = make_connector(9)
     s = make_scheduler(num_blocks=9, connector=c, budget=64)
     for i in range(4):
@@ -509,11 +578,15 @@ def test_token_sources_add_up_to_the_prompt_tokens_under_preemption():
     run_to_completion(s)
     st = s.stats
     assert st.num_preemptions > 0 and st.num_recomputed_tokens > 0
-    assert st.num_prefill_tokens_computed + st.num_gpu_cache_hit_tokens + st.num_connector_hit_tokens == 4 * 6
+    assert (
+        st.num_prefill_tokens_computed + st.num_gpu_cache_hit_tokens + st.num_connector_hit_tokens
+        == 4 * 6
+    )
 
 
 def test_bind_gpu_block_pool_errors_are_not_hidden():
-    """A connector that cannot bind to the pool fails scheduler construction instead of running inert."""
+    """A connector that cannot bind to the pool fails scheduler construction instead of running
+    inert."""
     c = make_connector()
     c.raise_in.add("bind_gpu_block_pool")
     with pytest.raises(RuntimeError, match="injected failure in bind_gpu_block_pool"):
@@ -536,11 +609,15 @@ def test_prompt_tokens_counted_once_even_with_prefix_hits():
     run_to_completion(s)
     st = s.stats
     assert st.num_prompt_tokens == 40
-    assert st.num_prefill_tokens_computed + st.num_gpu_cache_hit_tokens + st.num_connector_hit_tokens == 40
+    assert (
+        st.num_prefill_tokens_computed + st.num_gpu_cache_hit_tokens + st.num_connector_hit_tokens
+        == 40
+    )
 
 
 def test_request_released_after_its_load_is_new_to_the_worker():
-    """A loaded request released before it ever ran is sent as new, never as resumed (fuzz case 1009609)."""
+    """A loaded request released before it ever ran is sent as new, never as resumed (fuzz case
+    1009609)."""
     import json
     from pathlib import Path
 
@@ -550,14 +627,25 @@ def test_request_released_after_its_load_is_new_to_the_worker():
 
     case = json.loads((Path(__file__).parent / "data" / "fuzz_1009609.json").read_text())
     model = ModelConfig(**{**case["model"], "layer_types": tuple(case["model"]["layer_types"])})
-    trace = [TraceRequest(arrival=r["arrival"], prompt_token_ids=r["prompt"], max_new_tokens=r["max_new"],
-                          cache_salt=r["salt"], request_id=f"r{i}") for i, r in enumerate(case["requests"])]
+    trace = [
+        TraceRequest(
+            arrival=r["arrival"],
+            prompt_token_ids=r["prompt"],
+            max_new_tokens=r["max_new"],
+            cache_salt=r["salt"],
+            request_id=f"r{i}",
+        )
+        for i, r in enumerate(case["requests"])
+    ]
     baseline_cfg = {**case["cfg"], "enable_prefix_caching": False, "num_gpu_blocks": 2000}
     baseline = Engine(EngineConfig(model=model, **baseline_cfg)).run(trace)
     # Found under whole-output reservation (the admission of the time); keep it so the
     # release-after-load path is still reached.
-    eng = Engine(EngineConfig(model=model, **case["cfg"], connector=case["connector"],
-                              reserve_full_output=True))
+    eng = Engine(
+        EngineConfig(
+            model=model, **case["cfg"], connector=case["connector"], reserve_full_output=True
+        )
+    )
     result = eng.run(trace)  # no "cached request ... was never sent as a new request"
     assert result.outputs == baseline.outputs
     assert eng.scheduler.stats.num_preemptions > 0
@@ -581,8 +669,11 @@ class AskAgainOnce(ScriptedConnector):
 def test_finished_load_is_not_blocked_behind_a_request_that_cannot_fit():
     """B asks again once, so A is admitted (async load) behind it. Once A's load
     finished, B (first in line) cannot fit until A frees its blocks; A must still run."""
-    c = AskAgainOnce(KVConnectorConfig(name="Scripted"), KVConnectorRole.SCHEDULER,
-                     KVCacheConfig(11, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BS, 1, 1))]))
+    c = AskAgainOnce(
+        KVConnectorConfig(name="Scripted"),
+        KVConnectorRole.SCHEDULER,
+        KVCacheConfig(11, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BS, 1, 1))]),
+    )
     s = make_scheduler(num_blocks=11, connector=c, budget=64, max_model_len=40)
     c.undecided.add("B")
     c.external["A"] = (20, True)

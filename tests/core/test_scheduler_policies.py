@@ -4,13 +4,26 @@ stop tokens, and what an aborted or finished request leaves behind."""
 
 from __future__ import annotations
 
-from kvconnector_core import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request, RequestStatus
+from kvconnector_core import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    Request,
+    RequestStatus,
+)
 from kvconnector_core import SlidingWindowSpec
 from kvconnector_core.kv_events import AllBlocksCleared
 from kvconnector_core.scheduler.output import ModelRunnerOutput
 from kvconnector_core.scheduler.scheduler import Scheduler
 
-from test_scheduler import BS, ScriptedConnector, fake_model_output, make_connector, make_scheduler, req
+from test_scheduler import (
+    BS,
+    ScriptedConnector,
+    fake_model_output,
+    make_connector,
+    make_scheduler,
+    req,
+)
 
 
 def step(s, **kv):
@@ -151,9 +164,14 @@ def test_stop_token_finishes_only_when_sampled():
     s = make_scheduler()
     s.add_request(Request("a", list(range(8)), 10, hash_block_size=BS, eos_token_id=5))
     out = s.schedule()
-    assert s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids={"a": [7]})) == []
+    assert (
+        s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids={"a": [7]}))
+        == []
+    )
     out = s.schedule()
-    (done,) = s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids={"a": [5]}))
+    (done,) = s.update_from_output(
+        out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids={"a": [5]})
+    )
     assert done.status == RequestStatus.FINISHED_STOPPED and done.output_token_ids == [7, 5]
 
 
@@ -283,10 +301,19 @@ def test_rollback_point_is_block_aligned():
 def test_hybrid_rollback_goes_to_the_earliest_bad_block_of_any_group():
     """With bad blocks in two groups at different positions, the request resumes before
     the earliest of them."""
-    full, swa = FullAttentionSpec(BS, 1, 4, "int32"), SlidingWindowSpec(BS, 1, 4, "int32", sliding_window=64)
+    full, swa = (
+        FullAttentionSpec(BS, 1, 4, "int32"),
+        SlidingWindowSpec(BS, 1, 4, "int32", sliding_window=64),
+    )
     cfg = KVCacheConfig(64, [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)])
-    s = Scheduler(cfg, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, scheduler_block_size=BS,
-                  hash_block_size=BS)
+    s = Scheduler(
+        cfg,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        max_model_len=128,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
     s.add_request(req("r", n=20, max_tokens=4))
     step(s)
     out = s.schedule()  # decode: token 20
@@ -325,7 +352,11 @@ def test_sync_load_counts_its_tokens_once():
     while s.has_unfinished_requests():
         step(s)
     st = s.stats
-    assert (st.num_connector_hit_tokens, st.num_prefill_tokens_computed, st.num_recomputed_tokens) == (12, 8, 0)
+    assert (
+        st.num_connector_hit_tokens,
+        st.num_prefill_tokens_computed,
+        st.num_recomputed_tokens,
+    ) == (12, 8, 0)
 
 
 def test_worker_loads_failed_fails_the_steps_async_loads():

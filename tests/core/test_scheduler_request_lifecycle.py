@@ -140,7 +140,11 @@ def test_a_running_request_whose_sync_load_failed_is_not_offered_to_the_connecto
     for _ in range(60):  # both grow; "a", the newer, is preempted and comes back
         out, _ = step(s)
         preempted |= "a" in out.preempted_req_ids
-        if preempted and s.requests.get("a") is not None and s.requests["a"].status == RequestStatus.RUNNING:
+        if (
+            preempted
+            and s.requests.get("a") is not None
+            and s.requests["a"].status == RequestStatus.RUNNING
+        ):
             break
     assert preempted
     asked = [rid for hook, rid in c.calls if hook == "get_num_new_matched_tokens"]
@@ -188,7 +192,9 @@ def test_a_rejected_request_is_finished_with_the_connector_and_its_id_freed():
     s = make_scheduler(num_blocks=8, connector=c, budget=64)
     s.add_request(req("big", n=60, max_tokens=1))  # 15 blocks, the pool has 7
     out, done = step(s)
-    assert [r.request_id for r in done] == ["big"] and done[0].status == RequestStatus.FINISHED_ERROR
+    assert [r.request_id for r in done] == ["big"] and done[
+        0
+    ].status == RequestStatus.FINISHED_ERROR
     assert ("request_finished", "big") in c.calls
     assert "big" in out.finished_req_ids
     assert "big" not in s.requests
@@ -279,8 +285,13 @@ def test_blocks_reserved_for_a_parked_sliding_window_request_are_window_capped()
     needs; with sliding-window attention that need is capped by the window (as admission
     counts it), so a fresh request that fits beside the capped need is admitted now."""
     c = make_connector()
-    s = make_scheduler(num_blocks=80, connector=c, budget=128, max_model_len=512,
-                       spec=SlidingWindowSpec(BS, 1, 1, sliding_window=8))
+    s = make_scheduler(
+        num_blocks=80,
+        connector=c,
+        budget=128,
+        max_model_len=512,
+        spec=SlidingWindowSpec(BS, 1, 1, sliding_window=8),
+    )
     c.external["a"] = (8, True)
     s.add_request(req("a", n=200))
     step(s)  # "a" holds 2 blocks and waits for its load; it still needs 33 (48 uncapped)

@@ -18,7 +18,14 @@ from kvconnector_core.kv_cache.single_type_manager import (
     get_manager_for_kv_cache_spec,
 )
 
-from _core_helpers import FakeRequest, cache_at_positions, chunked_spec, full_spec, make_request, swa_spec
+from _core_helpers import (
+    FakeRequest,
+    cache_at_positions,
+    chunked_spec,
+    full_spec,
+    make_request,
+    swa_spec,
+)
 
 BS = 2
 
@@ -37,7 +44,12 @@ def pool_with(positions, n_tokens=24, *, num_blocks=40, group=0, bs=BS):
 
 def manager(spec, pool, *, mnbt=16, mml=1024, sched=None, gid=0):
     return get_manager_for_kv_cache_spec(
-        spec, mnbt, mml, block_pool=pool, kv_cache_group_id=gid, scheduler_block_size=sched or spec.block_size
+        spec,
+        mnbt,
+        mml,
+        block_pool=pool,
+        kv_cache_group_id=gid,
+        scheduler_block_size=sched or spec.block_size,
     )
 
 
@@ -47,37 +59,49 @@ def manager(spec, pool, *, mnbt=16, mml=1024, sched=None, gid=0):
 def test_full_attention_hit_all_cached():
     """Full attention returns every cached block up to max_length."""
     pool, req, placed = pool_with(range(5))
-    (hit,) = FullAttentionManager.find_longest_cache_hit(req.block_hashes, 11, [0], pool, full_spec(BS), BS)
+    (hit,) = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0], pool, full_spec(BS), BS
+    )
     assert ids(hit) == [placed[i].block_id for i in range(5)]
 
 
 def test_full_attention_hit_stops_at_first_miss():
     """Full attention stops at the first miss even if later blocks are cached."""
     pool, req, placed = pool_with([0, 1, 3, 4])
-    (hit,) = FullAttentionManager.find_longest_cache_hit(req.block_hashes, 11, [0], pool, full_spec(BS), BS)
+    (hit,) = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0], pool, full_spec(BS), BS
+    )
     assert ids(hit) == [placed[0].block_id, placed[1].block_id]
 
 
 def test_full_attention_hit_limited_by_max_length():
     """Only whole blocks within max_length are hits."""
     pool, req, _ = pool_with(range(8))
-    (hit,) = FullAttentionManager.find_longest_cache_hit(req.block_hashes, 7, [0], pool, full_spec(BS), BS)
+    (hit,) = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 7, [0], pool, full_spec(BS), BS
+    )
     assert len(hit) == 3
 
 
 def test_full_attention_hit_aligned_down():
     """The hit is rounded down to the alignment."""
     pool, req, _ = pool_with(range(5))
-    (hit,) = FullAttentionManager.find_longest_cache_hit(req.block_hashes, 11, [0], pool, full_spec(BS), 8)
+    (hit,) = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0], pool, full_spec(BS), 8
+    )
     assert len(hit) == 4
-    (hit,) = FullAttentionManager.find_longest_cache_hit(req.block_hashes, 11, [0], pool, full_spec(BS), 6)
+    (hit,) = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0], pool, full_spec(BS), 6
+    )
     assert len(hit) == 3
 
 
 def test_full_attention_first_block_miss_is_empty():
     """A miss on the first block means no hit at all."""
     pool, req, _ = pool_with([1, 2, 3])
-    (hit,) = FullAttentionManager.find_longest_cache_hit(req.block_hashes, 11, [0], pool, full_spec(BS), BS)
+    (hit,) = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0], pool, full_spec(BS), BS
+    )
     assert hit == []
 
 
@@ -87,15 +111,20 @@ def test_full_attention_hit_needs_every_group():
     req = FakeRequest("seed", range(12), BS)
     cache_at_positions(pool, req, range(4), BS, group_id=0)
     cache_at_positions(pool, req, range(2), BS, group_id=1)
-    h0, h1 = FullAttentionManager.find_longest_cache_hit(req.block_hashes, 11, [0, 1], pool, full_spec(BS), BS)
+    h0, h1 = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 11, [0, 1], pool, full_spec(BS), BS
+    )
     assert len(h0) == len(h1) == 2
     assert {b.block_hash[-4:] for b in h1} == {(1).to_bytes(4, "big")}
 
 
-@pytest.mark.parametrize("manager_cls, spec", [
-    (FullAttentionManager, full_spec(2 * BS)),
-    (SlidingWindowManager, swa_spec(2 * BS, 6)),
-])
+@pytest.mark.parametrize(
+    "manager_cls, spec",
+    [
+        (FullAttentionManager, full_spec(2 * BS)),
+        (SlidingWindowManager, swa_spec(2 * BS, 6)),
+    ],
+)
 def test_coarse_block_hit_is_bounded_by_the_hashed_tokens(manager_cls, spec):
     """With blocks of two hash blocks, a max_length past the hashed tokens still hits
     only the blocks the hashes cover (no read past the request's hashes)."""
@@ -152,7 +181,8 @@ def test_sliding_window_larger_window_needs_longer_run():
 
 
 def test_sliding_window_aligned_hit_keeps_whole_window():
-    """With alignment > block size, the hit's window blocks are all real (vLLM aligns the run's end).
+    """With alignment > block size, the hit's window blocks are all real (vLLM aligns the run's
+    end).
 
     The run 2..4 ends at token 10, which is not aligned to 4: the hit is cut to 8 tokens,
     whose window (the next token 8 reads tokens 4..7) is blocks 2 and 3, both cached.
@@ -180,7 +210,8 @@ def test_sliding_window_aligned_hit_is_empty_without_a_real_aligned_window():
     align_blocks=st.sampled_from([1, 2]),
 )
 def test_sliding_window_hit_is_usable(cached, max_length, sw, align_blocks):
-    """Every SWA hit is aligned, within max_length, made of real cached blocks where the next token reads."""
+    """Every SWA hit is aligned, within max_length, made of real cached blocks where the next token
+    reads."""
     align = align_blocks * BS
     pool, placed, hit = swa_hit(cached, max_length, sw=sw, align=align)
     n = len(hit) * BS
@@ -211,7 +242,8 @@ def test_chunked_blocks_before_current_chunk_are_null_hits():
 
 def test_chunked_scans_current_chunk_forward():
     """Inside the current chunk the hit extends over cached blocks until a miss."""
-    pool, placed, hit = chunked_hit([4, 5], 13, chunk=8)  # chunk starts at 8 -> block 4; max 6 blocks
+    # chunk starts at 8 -> block 4; max 6 blocks
+    pool, placed, hit = chunked_hit([4, 5], 13, chunk=8)
     assert hit[:4] == [pool.null_block] * 4
     assert hit[4:] == [placed[4], placed[5]]
     pool, placed, hit = chunked_hit([5], 13, chunk=8)
@@ -264,8 +296,11 @@ def test_num_blocks_to_allocate_for_running_request():
     assert m.get_num_blocks_to_allocate("r", 7, [], 6) == 1
 
 
-@pytest.mark.parametrize("spec", [full_spec(BS), swa_spec(BS, 64), chunked_spec(BS, 64)],
-                         ids=["full", "sliding", "chunked"])
+@pytest.mark.parametrize(
+    "spec",
+    [full_spec(BS), swa_spec(BS, 64), chunked_spec(BS, 64)],
+    ids=["full", "sliding", "chunked"],
+)
 def test_num_blocks_to_allocate_is_never_negative(spec):
     """A request holding more blocks than ``num_tokens`` needs asks for none, never for a
     negative number (a coordinator sums the groups: a negative would hide another group's need)."""
@@ -458,7 +493,8 @@ def test_full_attention_never_skips():
 
 
 @pytest.mark.parametrize(
-    "n,skipped", [(0, 0), (3, 0), (4, 1), (10, 7)],
+    "n,skipped",
+    [(0, 0), (3, 0), (4, 1), (10, 7)],
 )
 def test_sliding_window_num_skipped_tokens(n, skipped):
     """Skipped tokens are max(0, n - sw + 1)."""

@@ -47,7 +47,9 @@ def test_timeline_adds_up_to_the_totals():
 def test_multiconnector_timeline_has_one_tier_per_child():
     child = {"name": "ReferenceConnector", "module_path": "_reference_connector"}
     offload = {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}
-    result = run(KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [child, offload]}))
+    result = run(
+        KVConnectorConfig(name="MultiConnector", extra_config={"connectors": [child, offload]})
+    )
     tiers = {k for r in result.timeline for k in r.bytes_moved}
     assert {"ReferenceConnector.stored", "OffloadingConnector.stored"} <= tiers
     assert not any(k.startswith("MultiConnector") for k in tiers)
@@ -69,7 +71,9 @@ def test_json_report_carries_the_timeline(trace_file, capsys):
 
 def test_plot_without_matplotlib_says_how_to_install_it(trace_file, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
-    code = main(["run", "--trace", str(trace_file), "--no-baseline", "--plot", str(tmp_path / "p.png")])
+    code = main(
+        ["run", "--trace", str(trace_file), "--no-baseline", "--plot", str(tmp_path / "p.png")]
+    )
     assert code == 2
     assert "pip install 'kvconnector[plot]'" in capsys.readouterr().err
 

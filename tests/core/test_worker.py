@@ -168,19 +168,29 @@ SYNC_TAIL = ["get_block_ids_with_load_errors", *TAIL]
 
 @pytest.mark.parametrize("cls", [_RecordingWorker, _SyncRecordingWorker], ids=["async", "sync"])
 def test_worker_hook_order_matches_reference(cls):
-    """bind -> [sync: start_load] -> layers -> [async: start_load] -> wait_for_save -> ... -> clear."""
+    """bind -> [sync: start_load] -> layers -> [async: start_load] -> wait_for_save -> ... ->
+    clear."""
     mc = ModelConfig(layer_types=("full", "full"))
     cfg = make_kv_cache_config(mc)
     conn = cls(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
     runner = ModelRunner(mc, cfg, connector=conn)
     assert conn.calls == ["register_kv_caches"]
     layers = _layer_calls(mc.layer_names())
-    expected_step = (["bind_connector_metadata", "start_load_kv", *layers, *SYNC_TAIL]
-                     if cls.has_sync_kv_loads else
-                     ["bind_connector_metadata", *layers, "start_load_kv", *TAIL])
+    expected_step = (
+        ["bind_connector_metadata", "start_load_kv", *layers, *SYNC_TAIL]
+        if cls.has_sync_kv_loads
+        else ["bind_connector_metadata", *layers, "start_load_kv", *TAIL]
+    )
     conn.calls.clear()
-    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)],
-                         CachedRequestData.make_empty(), {"a": 3}, 3, set(), set(), _Meta())
+    so = SchedulerOutput(
+        [NewRequestData("a", [1, 2, 3], ([1],), 0)],
+        CachedRequestData.make_empty(),
+        {"a": 3},
+        3,
+        set(),
+        set(),
+        _Meta(),
+    )
     out = runner.execute_model(so)
     assert conn.calls == expected_step
     assert out.kv_connector_output is not None and out.sampled_token_ids["a"]
@@ -202,8 +212,15 @@ def test_raising_worker_hooks_are_contained_and_failed_sync_load_reports_blocks(
     conn.raise_in = {"start_load_kv", "wait_for_save"}
     runner = ModelRunner(mc, cfg, connector=conn)
     # 8 of 10 tokens "loaded" by the connector into blocks 5 and 6; block 7 is computed.
-    so = SchedulerOutput([NewRequestData("a", list(range(10)), ([5, 6, 7],), 8)],
-                         CachedRequestData.make_empty(), {"a": 2}, 2, set(), set(), _Meta())
+    so = SchedulerOutput(
+        [NewRequestData("a", list(range(10)), ([5, 6, 7],), 8)],
+        CachedRequestData.make_empty(),
+        {"a": 2},
+        2,
+        set(),
+        set(),
+        _Meta(),
+    )
     out = runner.execute_model(so)
     assert runner.connector_errors == {"start_load_kv": 1}
     assert "wait_for_save" not in conn.calls
@@ -219,8 +236,16 @@ def test_a_step_without_a_plan_invalidates_its_sync_loads_blocks():
     cfg = make_kv_cache_config(mc, block_size=4)
     conn = _RecordingWorker(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
     runner = ModelRunner(mc, cfg, connector=conn)
-    so = SchedulerOutput([NewRequestData("a", list(range(10)), ([5, 6, 7],), 8)],
-                         CachedRequestData.make_empty(), {"a": 2}, 2, set(), set(), None, has_sync_kv_loads=True)
+    so = SchedulerOutput(
+        [NewRequestData("a", list(range(10)), ([5, 6, 7],), 8)],
+        CachedRequestData.make_empty(),
+        {"a": 2},
+        2,
+        set(),
+        set(),
+        None,
+        has_sync_kv_loads=True,
+    )
     out = runner.execute_model(so)
     assert out.kv_connector_output.invalid_block_ids == {5, 6}
     assert "bind_connector_metadata" not in conn.calls
@@ -240,8 +265,12 @@ def test_receives_fail_when_the_connector_cannot_tell_its_load_errors():
     conn = _ReceivesWithUnknownErrors(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
     conn.raise_in = {"get_block_ids_with_load_errors"}
     runner = ModelRunner(mc, cfg, connector=conn)
-    out = runner.execute_model(SchedulerOutput([], CachedRequestData.make_empty(), {}, 0, set(), set(), _Meta()))
-    assert out.kv_connector_output.finished_recving == {"a"} == out.kv_connector_output.failed_recving
+    out = runner.execute_model(
+        SchedulerOutput([], CachedRequestData.make_empty(), {}, 0, set(), set(), _Meta())
+    )
+    assert (
+        out.kv_connector_output.finished_recving == {"a"} == out.kv_connector_output.failed_recving
+    )
 
 
 class _PreemptionRecorder(_RecordingWorker):
@@ -261,8 +290,15 @@ def test_handle_preemptions_gets_the_steps_plan_right_after_bind():
     runner = ModelRunner(mc, cfg, connector=conn)
     conn.calls.clear()
     plan = _Meta(step=3)
-    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)], CachedRequestData.make_empty(),
-                         {"a": 3}, 3, set(), set(), plan)
+    so = SchedulerOutput(
+        [NewRequestData("a", [1, 2, 3], ([1],), 0)],
+        CachedRequestData.make_empty(),
+        {"a": 3},
+        3,
+        set(),
+        set(),
+        plan,
+    )
     runner.execute_model(so)
     assert conn.calls[:2] == ["bind_connector_metadata", "handle_preemptions"]
     assert conn.preemption_plan == plan
@@ -274,8 +310,15 @@ def test_a_connector_without_layer_hooks_gets_no_per_layer_calls():
     conn = _NoLayerHooks(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
     runner = ModelRunner(mc, cfg, connector=conn)
     conn.calls.clear()
-    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)], CachedRequestData.make_empty(),
-                         {"a": 3}, 3, set(), set(), _Meta())
+    so = SchedulerOutput(
+        [NewRequestData("a", [1, 2, 3], ([1],), 0)],
+        CachedRequestData.make_empty(),
+        {"a": 3},
+        3,
+        set(),
+        set(),
+        _Meta(),
+    )
     out = runner.execute_model(so)
     assert conn.calls == ["bind_connector_metadata"] + ["start_load_kv"] + TAIL
     assert out.sampled_token_ids["a"]
@@ -285,16 +328,29 @@ def test_runner_rejects_inconsistent_plans():
     """Too few blocks, unknown cached requests and unknown tokens raise InvariantError."""
     mc = ModelConfig(layer_types=("full",))
     runner = ModelRunner(mc, make_kv_cache_config(mc, block_size=4))
-    few_blocks = SchedulerOutput([NewRequestData("a", list(range(10)), ([1, 2],), 0)],
-                                 CachedRequestData.make_empty(), {"a": 10}, 10, set(), set())
+    few_blocks = SchedulerOutput(
+        [NewRequestData("a", list(range(10)), ([1, 2],), 0)],
+        CachedRequestData.make_empty(),
+        {"a": 10},
+        10,
+        set(),
+        set(),
+    )
     with pytest.raises(InvariantError, match="needs block #2"):
         runner.execute_model(few_blocks)
-    unknown = SchedulerOutput([], CachedRequestData(["zz"], set(), [[]], [None], [0]),
-                              {"zz": 1}, 1, set(), set())
+    unknown = SchedulerOutput(
+        [], CachedRequestData(["zz"], set(), [[]], [None], [0]), {"zz": 1}, 1, set(), set()
+    )
     with pytest.raises(InvariantError, match="never sent"):
         runner.execute_model(unknown)
-    too_many = SchedulerOutput([NewRequestData("b", [1, 2], ([3],), 0)],
-                               CachedRequestData.make_empty(), {"b": 3}, 3, set(), set())
+    too_many = SchedulerOutput(
+        [NewRequestData("b", [1, 2], ([3],), 0)],
+        CachedRequestData.make_empty(),
+        {"b": 3},
+        3,
+        set(),
+        set(),
+    )
     with pytest.raises(InvariantError, match="knows only 2 tokens"):
         runner.execute_model(too_many)
 
@@ -303,20 +359,34 @@ def test_null_block_in_visible_window_is_an_error():
     """A visible key mapped to the null block (0) is refused instead of read as garbage."""
     mc = ModelConfig(layer_types=("full",))
     runner = ModelRunner(mc, make_kv_cache_config(mc, block_size=4))
-    so = SchedulerOutput([NewRequestData("a", list(range(6)), ([0, 2],), 4)],
-                         CachedRequestData.make_empty(), {"a": 2}, 2, set(), set())
+    so = SchedulerOutput(
+        [NewRequestData("a", list(range(6)), ([0, 2],), 4)],
+        CachedRequestData.make_empty(),
+        {"a": 2},
+        2,
+        set(),
+        set(),
+    )
     with pytest.raises(InvariantError, match="null block"):
         runner.execute_model(so)
 
 
 def test_resume_replaces_blocks_and_truncates_discarded_samples():
-    """A resumed request's blocks replace the old ones; num_output_tokens drops discarded samples."""
+    """A resumed request's blocks replace the old ones; num_output_tokens drops discarded
+    samples."""
     mc = ModelConfig(layer_types=("full",))
     runner = ModelRunner(mc, make_kv_cache_config(mc, block_size=4))
     prompt = list(range(1, 7))
-    first = runner.execute_model(SchedulerOutput(
-        [NewRequestData("a", prompt, ([1, 2],), 0)], CachedRequestData.make_empty(),
-        {"a": 6}, 6, set(), set()))
+    first = runner.execute_model(
+        SchedulerOutput(
+            [NewRequestData("a", prompt, ([1, 2],), 0)],
+            CachedRequestData.make_empty(),
+            {"a": 6},
+            6,
+            set(),
+            set(),
+        )
+    )
     token = first.sampled_token_ids["a"][0]
     # The scheduler discarded that sample (e.g. failed load) and rolled back to 4 tokens,
     # then the request was preempted and resumed on other blocks: recompute everything.
@@ -342,7 +412,8 @@ def test_harness_outputs_match_with_recording_connector():
 
 
 def test_per_step_sync_flag_runs_start_load_before_the_forward():
-    """SchedulerOutput.has_sync_kv_loads moves start_load_kv before the layers for that step only."""
+    """SchedulerOutput.has_sync_kv_loads moves start_load_kv before the layers for that step
+    only."""
     mc = ModelConfig(layer_types=("full",))
     cfg = make_kv_cache_config(mc)
     conn = _RecordingWorker(KVConnectorConfig(name="x"), KVConnectorRole.WORKER, cfg)
@@ -350,14 +421,22 @@ def test_per_step_sync_flag_runs_start_load_before_the_forward():
     runner = ModelRunner(mc, cfg, connector=conn)
     layers = _layer_calls(mc.layer_names())
     conn.calls.clear()
-    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], ([1],), 0)],
-                         CachedRequestData.make_empty(), {"a": 3}, 3, set(), set(), _Meta(),
-                         has_sync_kv_loads=True)
+    so = SchedulerOutput(
+        [NewRequestData("a", [1, 2, 3], ([1],), 0)],
+        CachedRequestData.make_empty(),
+        {"a": 3},
+        3,
+        set(),
+        set(),
+        _Meta(),
+        has_sync_kv_loads=True,
+    )
     runner.execute_model(so)
     assert conn.calls == ["bind_connector_metadata", "start_load_kv", *layers, *SYNC_TAIL]
     conn.calls.clear()
-    so = SchedulerOutput([], CachedRequestData(["a"], set(), [[]], [None], [3]), {"a": 1}, 1,
-                         set(), set(), _Meta())
+    so = SchedulerOutput(
+        [], CachedRequestData(["a"], set(), [[]], [None], [3]), {"a": 1}, 1, set(), set(), _Meta()
+    )
     runner.execute_model(so)
     assert conn.calls == ["bind_connector_metadata", *layers, "start_load_kv", *TAIL]
 
@@ -382,8 +461,11 @@ def test_build_connector_worker_meta_runs_after_events_before_clear():
     empty.kv_connector_metadata = _Meta()
     conn.calls.clear()
     out = runner.execute_model(empty)
-    assert conn.calls[-3:] == ["get_kv_connector_kv_cache_events", "build_connector_worker_meta",
-                               "clear_connector_metadata"]
+    assert conn.calls[-3:] == [
+        "get_kv_connector_kv_cache_events",
+        "build_connector_worker_meta",
+        "clear_connector_metadata",
+    ]
     assert out.kv_connector_output.kv_connector_worker_meta == {"saved": 1}
     conn.raise_in = {"build_connector_worker_meta"}
     out = runner.execute_model(empty)
@@ -399,24 +481,58 @@ def test_failed_sync_load_spares_shared_prefix_blocks_and_freed_blocks():
     runner = ModelRunner(mc, cfg, connector=conn)
     prefix = list(range(1, 9))
     # "a" computes the shared prefix into blocks 1, 2; "p" runs and is then preempted.
-    runner.execute_model(SchedulerOutput(
-        [NewRequestData("a", [*prefix, 50], ([1, 2, 3],), 0),
-         NewRequestData("p", [40, 41, 42], ([9],), 0)],
-        CachedRequestData.make_empty(), {"a": 9, "p": 3}, 12, set(), set(), _Meta()))
-    runner.execute_model(SchedulerOutput(
-        [], CachedRequestData(["a"], set(), [[]], [None], [9]), {"a": 1}, 1, set(), {"p"},
-        _Meta()))
+    runner.execute_model(
+        SchedulerOutput(
+            [
+                NewRequestData("a", [*prefix, 50], ([1, 2, 3],), 0),
+                NewRequestData("p", [40, 41, 42], ([9],), 0),
+            ],
+            CachedRequestData.make_empty(),
+            {"a": 9, "p": 3},
+            12,
+            set(),
+            set(),
+            _Meta(),
+        )
+    )
+    runner.execute_model(
+        SchedulerOutput(
+            [],
+            CachedRequestData(["a"], set(), [[]], [None], [9]),
+            {"a": 1},
+            1,
+            set(),
+            {"p"},
+            _Meta(),
+        )
+    )
     # "b" hits the prefix locally (blocks 1, 2) and loads 8 tokens into blocks 5, 9 (9 was
     # p's, freed by the preemption); the load fails.
     conn.raise_in = {"start_load_kv"}
-    so = SchedulerOutput([NewRequestData("b", [*prefix, *range(20, 30)], ([1, 2, 5, 9, 6],), 16)],
-                         CachedRequestData.make_empty(), {"b": 2}, 2, set(), set(), _Meta(),
-                         has_sync_kv_loads=True)
+    so = SchedulerOutput(
+        [NewRequestData("b", [*prefix, *range(20, 30)], ([1, 2, 5, 9, 6],), 16)],
+        CachedRequestData.make_empty(),
+        {"b": 2},
+        2,
+        set(),
+        set(),
+        _Meta(),
+        has_sync_kv_loads=True,
+    )
     out = runner.execute_model(so)
     assert out.kv_connector_output.invalid_block_ids == {5, 9}
     assert out.kv_connector_output.loads_failed
     # Without sync loads in the step, a failed load hook invalidates nothing the batch read.
-    so = SchedulerOutput([NewRequestData("c", [*prefix, 60, 61], ([1, 2, 7],), 8)],
-                         CachedRequestData.make_empty(), {"c": 2}, 2, set(), set(), _Meta())
+    so = SchedulerOutput(
+        [NewRequestData("c", [*prefix, 60, 61], ([1, 2, 7],), 8)],
+        CachedRequestData.make_empty(),
+        {"c": 2},
+        2,
+        set(),
+        set(),
+        _Meta(),
+    )
     out = runner.execute_model(so)
-    assert out.kv_connector_output.invalid_block_ids == set() and out.kv_connector_output.loads_failed
+    assert (
+        out.kv_connector_output.invalid_block_ids == set() and out.kv_connector_output.loads_failed
+    )

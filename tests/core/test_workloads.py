@@ -60,7 +60,9 @@ def test_documents_are_reused_and_private_prefixes_salted():
     assert sorted(prefixes.values()) == [3, 3, 3, 3]
     priv = private_prefixes(3, num_users=3, prefix_len=10, requests_per_user=2, suffix_len=2,
                             identical_prefix_tokens=True)
-    assert {tuple(r.prompt_token_ids[:10]) for r in priv} == {tuple(priv.requests[0].prompt_token_ids[:10])}
+    assert {tuple(r.prompt_token_ids[:10]) for r in priv} == {
+        tuple(priv.requests[0].prompt_token_ids[:10])
+    }
     assert {r.cache_salt for r in priv} == {"user-0", "user-1", "user-2"}
     distinct = private_prefixes(3, num_users=3, prefix_len=10, requests_per_user=1, suffix_len=2)
     assert len({tuple(r.prompt_token_ids[:10]) for r in distinct}) == 3
@@ -104,17 +106,43 @@ def test_jsonl_roundtrip(tmp_path_factory, requests):
 @pytest.mark.parametrize(
     ("line", "field", "needle"),
     [
-        ('{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": "x"}', "$.max_new_tokens", "int"),
-        ('{"arrival": 0, "prompt_token_ids": [1, -3], "max_new_tokens": 2}', "$.prompt_token_ids[1]", ">= 0"),
-        ('{"arrival": 0, "prompt_token_ids": [], "max_new_tokens": 2}', "$.prompt_token_ids", "length"),
+        (
+            '{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": "x"}',
+            "$.max_new_tokens",
+            "int",
+        ),
+        (
+            '{"arrival": 0, "prompt_token_ids": [1, -3], "max_new_tokens": 2}',
+            "$.prompt_token_ids[1]",
+            ">= 0",
+        ),
+        (
+            '{"arrival": 0, "prompt_token_ids": [], "max_new_tokens": 2}',
+            "$.prompt_token_ids",
+            "length",
+        ),
         ('{"arrival": 0, "max_new_tokens": 2}', None, "prompt_token_ids"),
-        ('{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": 2, "x": 1}', None, "unknown field"),
-        ('{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": 2, "request_id": "a"}',
-         "$.request_id", "duplicate request_id 'a'"),
+        (
+            '{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": 2, "x": 1}',
+            None,
+            "unknown field",
+        ),
+        (
+            '{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": 2, "request_id": "a"}',
+            "$.request_id",
+            "duplicate request_id 'a'",
+        ),
         ("{not json", None, "not a JSON object"),
     ],
-    ids=["wrong-type", "negative-token", "empty-prompt", "missing-field", "unknown-field",
-         "duplicate-id", "bad-json"],
+    ids=[
+        "wrong-type",
+        "negative-token",
+        "empty-prompt",
+        "missing-field",
+        "unknown-field",
+        "duplicate-id",
+        "bad-json",
+    ],
 )
 def test_bad_jsonl_names_line_and_field(tmp_path, line, field, needle):
     """Errors name the file, the 1-based line number and the field."""
@@ -131,8 +159,10 @@ def test_bad_jsonl_names_line_and_field(tmp_path, line, field, needle):
 
 def test_jsonl_token_outside_vocab_names_line_and_range(tmp_path):
     path = tmp_path / "v.jsonl"
-    path.write_text('{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": 1}\n\n'
-                    '{"arrival": 0, "prompt_token_ids": [5, 100], "max_new_tokens": 1}\n')
+    path.write_text(
+        '{"arrival": 0, "prompt_token_ids": [1], "max_new_tokens": 1}\n\n'
+        '{"arrival": 0, "prompt_token_ids": [5, 100], "max_new_tokens": 1}\n'
+    )
     assert len(load_trace_jsonl(path)) == 2  # no vocabulary given: not checked
     with pytest.raises(TraceFormatError) as info:
         load_trace_jsonl(path, vocab_size=100)

@@ -22,12 +22,27 @@ import pytest
 
 from kvconnector_core.connector import KVConnectorBase_V1, KVConnectorConfig, KVConnectorRole
 from kvconnector_core.errors import ConfigError
-from kvconnector_core.testing import ConnectorContract, DataCheck, data_check_workloads, run_data_check
+from kvconnector_core.testing import (
+    ConnectorContract,
+    DataCheck,
+    data_check_workloads,
+    run_data_check,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-connector.md"
 _MARKER = re.compile(r"^<!-- docs-test: ([\w-]+) -->$")
-HANDLED = {"sync-connector", "async-connector", "settings", "plugin", "pyproject", "multi-config",
-           "kit", "scheduler-signatures", "worker-signatures", "block-bytes"}
+HANDLED = {
+    "sync-connector",
+    "async-connector",
+    "settings",
+    "plugin",
+    "pyproject",
+    "multi-config",
+    "kit",
+    "scheduler-signatures",
+    "worker-signatures",
+    "block-bytes",
+}
 WORKLOADS = data_check_workloads()
 
 
@@ -45,21 +60,28 @@ def doc_blocks() -> tuple[dict[str, str], list[str]]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         marker = _MARKER.match(lines[start - 1]) if start > 0 else None
         if marker is None:
-            problems.append(f"line {start + 1}: a code block without <!-- docs-test: NAME --> before it")
+            problems.append(
+                f"line {start + 1}: a code block without <!-- docs-test: NAME --> before it"
+            )
         elif marker[1] in blocks:
             problems.append(f"line {start + 1}: marker {marker[1]!r} used twice")
         else:
-            blocks[marker[1]] = "\n".join(lines[start + 1:end]) + "\n"
+            blocks[marker[1]] = "\n".join(lines[start + 1 : end]) + "\n"
         i = end + 1
     return blocks, problems
 
 
 BLOCKS, PROBLEMS = doc_blocks()
-KIT_CLASSES = re.findall(r"^class (\w+)\((ConnectorContract|DataCheck)\):", BLOCKS.get("kit", ""), re.M)
+KIT_CLASSES = re.findall(
+    r"^class (\w+)\((ConnectorContract|DataCheck)\):", BLOCKS.get("kit", ""), re.M
+)
 KIT_FUNCTIONS = re.findall(r"^def (test_\w+)\(", BLOCKS.get("kit", ""), re.M)
-KIT_TESTS = [(cls, method) for cls, base in KIT_CLASSES
-             for method in sorted(dir(ConnectorContract if base == "ConnectorContract" else DataCheck))
-             if method.startswith("test_")]
+KIT_TESTS = [
+    (cls, method)
+    for cls, base in KIT_CLASSES
+    for method in sorted(dir(ConnectorContract if base == "ConnectorContract" else DataCheck))
+    if method.startswith("test_")
+]
 
 # A helper module for the failure tests: the examples over a tier that loses every
 # other block it is given, so lookups claim blocks the worker cannot load.
@@ -124,8 +146,11 @@ def package(tmp_path_factory: pytest.TempPathFactory):
     # The mistake the guide warns about: load num_external_tokens // block_size blocks.
     cdiv = "end = -(-(start + num_external_tokens) // self.block_size)"
     assert BLOCKS["sync-connector"].count(cdiv) == 1
-    (pkg / "sync_floor.py").write_text(BLOCKS["sync-connector"].replace(
-        cdiv, "end = (start + num_external_tokens) // self.block_size"))
+    (pkg / "sync_floor.py").write_text(
+        BLOCKS["sync-connector"].replace(
+            cdiv, "end = (start + num_external_tokens) // self.block_size"
+        )
+    )
     sys.path.insert(0, str(root))
     yield pkg
     sys.path.remove(str(root))
@@ -144,9 +169,14 @@ def test_every_block_is_marked_and_handled():
 
 
 def test_kit_block_defines_contract_and_data_checks_for_both_examples():
-    assert sorted(KIT_CLASSES) == sorted([
-        ("TestSyncMemoryContract", "ConnectorContract"), ("TestSyncMemoryData", "DataCheck"),
-        ("TestAsyncMemoryContract", "ConnectorContract"), ("TestAsyncMemoryData", "DataCheck")])
+    assert sorted(KIT_CLASSES) == sorted(
+        [
+            ("TestSyncMemoryContract", "ConnectorContract"),
+            ("TestSyncMemoryData", "DataCheck"),
+            ("TestAsyncMemoryContract", "ConnectorContract"),
+            ("TestAsyncMemoryData", "DataCheck"),
+        ]
+    )
 
 
 @pytest.mark.parametrize(("cls", "method"), KIT_TESTS, ids=[f"{c}.{m}" for c, m in KIT_TESTS])
@@ -166,8 +196,10 @@ def test_kit_block_functions(package):
         namespace[name]()
 
 
-@pytest.mark.parametrize(("module", "name"), [("sync_memory", "SyncMemoryConnector"),
-                                              ("async_memory", "AsyncMemoryConnector")])
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("sync_memory", "SyncMemoryConnector"), ("async_memory", "AsyncMemoryConnector")],
+)
 def test_examples_serve_hits(package, module: str, name: str):
     """The examples really load: a data check that passes a connector that never hits
     would prove nothing, so each one serves tokens on every workload's kind of reuse."""
@@ -201,7 +233,9 @@ def test_a_sync_connector_without_failure_handling_never_serves_a_failed_loads_s
 def test_data_check_catches_loading_whole_blocks_of_the_claim_only(package):
     """The full-prompt-hit rule matters: the sync example with ``//`` instead of ``cdiv``
     skips the block its claim ends in, and the data check fails it."""
-    report = run_data_check(config("sync_floor", "SyncMemoryConnector"), WORKLOADS["full_prompt_hit"])
+    report = run_data_check(
+        config("sync_floor", "SyncMemoryConnector"), WORKLOADS["full_prompt_hit"]
+    )
     assert not report.ok
     assert "KV rows in [12, 16) differ from the no-connector run" in report.problems[0], str(report)
 
@@ -217,13 +251,21 @@ def test_settings_block(package):
     from kvconnector_core.connector.demo import DemoOptions
 
     extra = cls.demo_extra_config(DemoOptions(connector="TierConnector", num_gpu_blocks=64))
-    connector = cls(KVConnectorConfig(name="TierConnector", extra_config=extra), KVConnectorRole.SCHEDULER, kvc)
+    connector = cls(
+        KVConnectorConfig(name="TierConnector", extra_config=extra), KVConnectorRole.SCHEDULER, kvc
+    )
     assert connector.settings.path == "/tmp/my-tier" and connector.settings.mode == "safe"
-    for bad, needle in [({"pth": "x"}, "unknown extra_config key 'pth' (did you mean 'path'?)"),
-                        ({"path": "x", "max_bytes": 0}, "max_bytes=0 is not valid"),
-                        ({"path": "x", "mode": "slow"}, "valid: fast, safe")]:
+    for bad, needle in [
+        ({"pth": "x"}, "unknown extra_config key 'pth' (did you mean 'path'?)"),
+        ({"path": "x", "max_bytes": 0}, "max_bytes=0 is not valid"),
+        ({"path": "x", "mode": "slow"}, "valid: fast, safe"),
+    ]:
         with pytest.raises(ConfigError, match=re.escape(needle)) as info:
-            cls(KVConnectorConfig(name="TierConnector", extra_config=bad), KVConnectorRole.SCHEDULER, kvc)
+            cls(
+                KVConnectorConfig(name="TierConnector", extra_config=bad),
+                KVConnectorRole.SCHEDULER,
+                kvc,
+            )
         assert "TierConnector" in str(info.value)
 
 
@@ -239,10 +281,14 @@ def test_block_bytes_block_round_trips_a_block(dtype: str):
     exec(compile(BLOCKS["block-bytes"], f"{DOC}:block-bytes", "exec", dont_inherit=True), namespace)  # noqa: S102
     to_bytes, from_bytes = namespace["block_to_bytes"], namespace["bytes_to_block"]
     kvc = make_kv_cache_config()
-    kv = [t.view(getattr(torch, dtype)) if dtype == "bfloat16" else t.to(getattr(torch, dtype))
-          for t in make_kv_caches(kvc).values()]
+    kv = [
+        t.view(getattr(torch, dtype)) if dtype == "bfloat16" else t.to(getattr(torch, dtype))
+        for t in make_kv_caches(kvc).values()
+    ]
     for t in kv:
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+        t.view(torch.uint8).copy_(
+            torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8)
+        )
     data = to_bytes(kv, 3)
     assert len(data) == sum(t[3].numel() * t.element_size() for t in kv)
     from_bytes(kv, 5, bytes(data))
@@ -306,15 +352,20 @@ def test_readme_lists_every_doc_page_and_both_examples():
     readme = (root / "README.md").read_text()
     for page in sorted((root / "docs").glob("*.md")):
         assert f"](docs/{page.name})" in readme, page.name
-    for example in sorted(p.name for p in (root / "examples").iterdir() if (p / "pyproject.toml").exists()):
+    for example in sorted(
+        p.name for p in (root / "examples").iterdir() if (p / "pyproject.toml").exists()
+    ):
         assert f"`examples/{example}/`" in readme, example
     quick = readme.split("## Quick start")[1].split("```bash\n")[1].split("```")[0]
-    assert [line.split("#")[0].strip() for line in quick.splitlines() if not line.startswith(" ")] == [
-        "make run", "make test"]
+    assert [
+        line.split("#")[0].strip() for line in quick.splitlines() if not line.startswith(" ")
+    ] == ["make run", "make test"]
 
 
-@pytest.mark.parametrize(("module", "name"), [("sync_memory", "SyncMemoryConnector"),
-                                              ("async_memory", "AsyncMemoryConnector")])
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("sync_memory", "SyncMemoryConnector"), ("async_memory", "AsyncMemoryConnector")],
+)
 def test_examples_never_serve_saves_of_a_step_whose_load_failed(package, module: str, name: str):
     """With ``start_load_kv`` raising, the step's forward runs on bad blocks; the examples
     un-mark that step's saves after a failed load instead of serving them later (rows and
@@ -322,6 +373,8 @@ def test_examples_never_serve_saves_of_a_step_whose_load_failed(package, module:
     from kvconnector_core.testing import FaultSettings, HookFault, fault_injection_config
 
     faults = FaultSettings(raise_in=(HookFault(hook="start_load_kv", rate=0.2),))
-    report = run_data_check(fault_injection_config(config(module, name), faults), "repeated_prefixes")
+    report = run_data_check(
+        fault_injection_config(config(module, name), faults), "repeated_prefixes"
+    )
     assert report.ok, str(report)
     assert report.injected_raises > 0

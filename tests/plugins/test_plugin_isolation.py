@@ -41,21 +41,37 @@ def tripwire_package(tmp_path, monkeypatch):
     pkg = tmp_path / "tripwire_pkg"
     pkg.mkdir()
     marker = tmp_path / "imported"
-    (pkg / "__init__.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('pkg ')\n")
+    (pkg / "__init__.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('pkg ')\n"
+    )
     (pkg / "conn.py").write_text(
-        f"import pathlib\np = pathlib.Path({str(marker)!r})\np.write_text(p.read_text() + 'conn ')\n"
-        "from kvconnector_core.testing import RecordingConnector as Tripwire\n")
+        f"import pathlib\np = pathlib.Path({str(marker)!r})\n"
+        "p.write_text(p.read_text() + 'conn ')\n"
+        "from kvconnector_core.testing import RecordingConnector as Tripwire\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield marker
     for name in ("tripwire_pkg.conn", "tripwire_pkg"):
         sys.modules.pop(name, None)
 
 
-@pytest.mark.parametrize(("allow", "deny", "match"), [
-    (None, ["tripwire-pkg"], r"denied by KVCONNECTOR_PLUGINS_DENY \(matches tripwire-pkg\)"),
-    (None, ["tripwire_pkg.conn"], r"denied by KVCONNECTOR_PLUGINS_DENY \(matches tripwire-pkg-conn\)"),
-    (["something-else"], None, r"not in KVCONNECTOR_PLUGINS_ALLOW \(something-else\).*add 'tripwire_pkg'"),
-], ids=["deny-package", "deny-module", "not-allowed"])
+@pytest.mark.parametrize(
+    ("allow", "deny", "match"),
+    [
+        (None, ["tripwire-pkg"], r"denied by KVCONNECTOR_PLUGINS_DENY \(matches tripwire-pkg\)"),
+        (
+            None,
+            ["tripwire_pkg.conn"],
+            r"denied by KVCONNECTOR_PLUGINS_DENY \(matches tripwire-pkg-conn\)",
+        ),
+        (
+            ["something-else"],
+            None,
+            r"not in KVCONNECTOR_PLUGINS_ALLOW \(something-else\).*add 'tripwire_pkg'",
+        ),
+    ],
+    ids=["deny-package", "deny-module", "not-allowed"],
+)
 def test_excluded_module_path_is_never_imported(tripwire_package, allow, deny, match):
     """A module_path the lists exclude raises PluginDeniedError naming the list; neither the module
     nor its package was imported."""
@@ -74,7 +90,9 @@ def test_allowed_module_path_loads(tripwire_package):
     """The same module loads when the allow-list names it."""
     reg = ConnectorRegistry()
     reg.load_plugins([], allow=["tripwire_pkg"], builtin_fallback=False)
-    cls = get_connector_class(KVConnectorConfig(name="Tripwire", module_path="tripwire_pkg.conn"), registry=reg)
+    cls = get_connector_class(
+        KVConnectorConfig(name="Tripwire", module_path="tripwire_pkg.conn"), registry=reg
+    )
     assert cls is RecordingConnector and tripwire_package.read_text() == "pkg conn "
 
 
@@ -88,7 +106,9 @@ def test_module_path_uses_environment_lists_without_a_registry(tripwire_package,
 
 def test_builtin_module_path_ignores_allow_list_but_not_a_builtin_deny():
     """kvconnector's own modules count as the built-in plugin."""
-    config = KVConnectorConfig(name="RecordingConnector", module_path="kvconnector_core.testing.recording")
+    config = KVConnectorConfig(
+        name="RecordingConnector", module_path="kvconnector_core.testing.recording"
+    )
     reg = ConnectorRegistry()
     reg.load_plugins([], allow=["only-this"], builtin_fallback=False)
     assert get_connector_class(config, registry=reg) is RecordingConnector
@@ -98,7 +118,7 @@ def test_builtin_module_path_ignores_allow_list_but_not_a_builtin_deny():
         get_connector_class(config, registry=reg)
 
 
-# -- whatever a plugin raises at import is contained ------------------------------------------------
+# -- whatever a plugin raises at import is contained -----------------------------------------------
 
 
 def _exit() -> None:
@@ -113,17 +133,26 @@ def _raise_base() -> None:
     raise PluginBaseError("not an Exception")
 
 
-@pytest.mark.parametrize(("target", "kind"), [(_exit, "SystemExit: 3"), (_raise_base, "PluginBaseError")],
-                         ids=["sys-exit", "base-exception"])
+@pytest.mark.parametrize(
+    ("target", "kind"),
+    [(_exit, "SystemExit: 3"), (_raise_base, "PluginBaseError")],
+    ids=["sys-exit", "base-exception"],
+)
 def test_import_time_exit_is_contained_and_the_cli_keeps_working(capsys, target, kind):
     """An entry point calling sys.exit() or raising a BaseException at import is a recorded failure:
     the other plugins load and `kvconnector list` lists them and the failure."""
     reg = ConnectorRegistry()
-    reg.load_plugins([ep("bad", target, "dist-bad"), ep("good", plugin(Second), "dist-good")],
-                     builtin_fallback=False)
+    reg.load_plugins(
+        [ep("bad", target, "dist-bad"), ep("good", plugin(Second), "dist-good")],
+        builtin_fallback=False,
+    )
     assert reg.names() == ["Second"]
     (failure,) = reg.errors
-    assert isinstance(failure.error, PluginLoadError) and kind in failure.message and "dist-bad" in failure.message
+    assert (
+        isinstance(failure.error, PluginLoadError)
+        and kind in failure.message
+        and "dist-bad" in failure.message
+    )
     code, out = list_output(reg, capsys)
     assert code == 2 and "Second" in out and "failed to load" in out and kind in out
 
@@ -138,7 +167,10 @@ def test_hook_calling_sys_exit_is_contained():
 
     mod.kvconnector_register_connectors = kvconnector_register_connectors
     reg = ConnectorRegistry()
-    reg.load_plugins([ep("exiter", mod, "dist-x"), ep("good", plugin(Second), "dist-good")], builtin_fallback=False)
+    reg.load_plugins(
+        [ep("exiter", mod, "dist-x"), ep("good", plugin(Second), "dist-good")],
+        builtin_fallback=False,
+    )
     assert reg.names() == ["Second"] and "SystemExit: bye" in reg.errors[0].message
 
 
@@ -149,7 +181,9 @@ def test_keyboard_interrupt_is_not_swallowed():
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        ConnectorRegistry().load_plugins([ep("slow", interrupt, "dist-slow")], builtin_fallback=False)
+        ConnectorRegistry().load_plugins(
+            [ep("slow", interrupt, "dist-slow")], builtin_fallback=False
+        )
 
 
 def test_module_path_calling_sys_exit_is_a_plugin_load_error(tmp_path, monkeypatch):
@@ -158,12 +192,15 @@ def test_module_path_calling_sys_exit_is_a_plugin_load_error(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         with pytest.raises(PluginLoadError, match=r"'exiting_conn'.*SystemExit: 5"):
-            get_connector_class(KVConnectorConfig(name="X", module_path="exiting_conn"), registry=ConnectorRegistry())
+            get_connector_class(
+                KVConnectorConfig(name="X", module_path="exiting_conn"),
+                registry=ConnectorRegistry(),
+            )
     finally:
         sys.modules.pop("exiting_conn", None)
 
 
-# -- a name or alias claimed twice -------------------------------------------------------------------
+# -- a name or alias claimed twice -----------------------------------------------------------------
 
 
 class Impostor(RecordingConnector):
@@ -216,7 +253,10 @@ def test_installed_plugin_calling_sys_exit_leaves_kvconnector_list_working(tmp_p
     (dist / "entry_points.txt").write_text("[kvconnector]\nevil = evil_plugin\n")
     (tmp_path / "evil_plugin.py").write_text("import sys\nsys.exit('evil plugin says bye')\n")
     code = "import sys; from kvconnector_core.cli import main; sys.exit(main(['list']))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 2, proc.stderr  # 2: a plugin failed (listed below)
     assert "OffloadingConnector" in proc.stdout and "MultiConnector" in proc.stdout

@@ -238,7 +238,10 @@ def test_block_hashes_and_offload_keys_are_newtypes_of_bytes():
     for new_type in (kvconnector_core.BlockHash, kvconnector_core.BlockHashWithGroupId, OffloadKey):
         assert new_type.__supertype__ is bytes
     assert type(kvconnector_core.hash_block_tokens(None, [1, 2, 3])) is bytes
-    assert type(kvconnector_core.make_block_hash_with_group_id(kvconnector_core.NONE_HASH, 1)) is bytes
+    assert (
+        type(kvconnector_core.make_block_hash_with_group_id(kvconnector_core.NONE_HASH, 1))
+        is bytes
+    )
 
 
 def test_internal_modules_keep_their_import_paths():
@@ -254,7 +257,8 @@ def test_internal_modules_keep_their_import_paths():
 
 
 def test_import_does_not_load_torch_or_plugins():
-    """Importing the package imports neither torch nor any connector plugin (no work at import time)."""
+    """Importing the package imports neither torch nor any connector plugin (no work at import
+    time)."""
     code = (
         "import sys, kvconnector_core; "
         "print('torch' in sys.modules, any(m.startswith('connectors') for m in sys.modules))"

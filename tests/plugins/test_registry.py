@@ -1,4 +1,5 @@
-"""The connector registry: plugins through entry points, validation, allow/deny, create_connector."""
+"""The connector registry: plugins through entry points, validation, allow/deny,
+create_connector."""
 
 from __future__ import annotations
 
@@ -75,7 +76,10 @@ def test_unknown_name_lists_available():
 
 def test_duplicate_names_both_classes_and_distributions():
     """Two classes claiming one name: recorded, and get() raises naming both and their dists."""
-    reg = load(ep("a", plugin(RecordingConnector), "dist-a"), ep("b", plugin(OtherRecording, Second), "dist-b"))
+    reg = load(
+        ep("a", plugin(RecordingConnector), "dist-a"),
+        ep("b", plugin(OtherRecording, Second), "dist-b"),
+    )
     with pytest.raises(DuplicateConnectorError) as info:
         reg.get("RecordingConnector")
     msg = str(info.value)
@@ -99,8 +103,11 @@ def test_direct_duplicate_raises():
         reg.add(OtherRecording)
 
 
-@pytest.mark.parametrize("bad", [object, 42, type("Abstract", (RecordingConnector.__mro__[1],), {"name": "x"})],
-                         ids=["not-subclass", "not-class", "abstract"])
+@pytest.mark.parametrize(
+    "bad",
+    [object, 42, type("Abstract", (RecordingConnector.__mro__[1],), {"name": "x"})],
+    ids=["not-subclass", "not-class", "abstract"],
+)
 def test_not_a_connector_is_rejected(bad):
     """Registering something that is not a concrete connector raises InvalidConnectorError."""
     with pytest.raises(InvalidConnectorError):
@@ -125,11 +132,17 @@ def test_invalid_class_from_plugin_is_recorded_with_plugin():
 
 def test_broken_entry_point_does_not_stop_others():
     """An entry point that fails to import is recorded; the other plugins still load."""
-    reg = load(ep("broken", ImportError("no module named zzz"), "dist-broken"), ep("ok", plugin(Second)))
+    reg = load(
+        ep("broken", ImportError("no module named zzz"), "dist-broken"), ep("ok", plugin(Second))
+    )
     assert reg.get("Second") is Second
     (failure,) = reg.errors
     assert isinstance(failure.error, PluginLoadError)
-    assert "broken" in failure.message and "dist-broken" in failure.message and "zzz" in failure.message
+    assert (
+        "broken" in failure.message
+        and "dist-broken" in failure.message
+        and "zzz" in failure.message
+    )
     assert isinstance(failure.error.__cause__, ImportError)
 
 
@@ -166,17 +179,25 @@ def test_entry_point_may_name_a_connector_class():
     assert reg.get("second") is Second
 
 
-@pytest.mark.parametrize(("allow", "deny", "expected"), [
-    (None, None, ["RecordingConnector", "Second"]),
-    (["dist-a"], None, ["RecordingConnector"]),
-    (["b"], None, ["Second"]),
-    (None, ["a"], ["Second"]),
-    (None, ["dist-b"], ["RecordingConnector"]),
-], ids=["all", "allow-dist", "allow-ep", "deny-ep", "deny-dist"])
+@pytest.mark.parametrize(
+    ("allow", "deny", "expected"),
+    [
+        (None, None, ["RecordingConnector", "Second"]),
+        (["dist-a"], None, ["RecordingConnector"]),
+        (["b"], None, ["Second"]),
+        (None, ["a"], ["Second"]),
+        (None, ["dist-b"], ["RecordingConnector"]),
+    ],
+    ids=["all", "allow-dist", "allow-ep", "deny-ep", "deny-dist"],
+)
 def test_allow_and_deny_lists(allow, deny, expected):
     """Allow/deny lists match entry-point or distribution names; skipped plugins are recorded."""
-    reg = load(ep("a", plugin(RecordingConnector), "dist-a"), ep("b", plugin(Second), "dist-b"),
-               allow=allow, deny=deny)
+    reg = load(
+        ep("a", plugin(RecordingConnector), "dist-a"),
+        ep("b", plugin(Second), "dist-b"),
+        allow=allow,
+        deny=deny,
+    )
     assert reg.names() == expected
     assert len(reg.skipped) == 2 - len(expected)
 
@@ -220,30 +241,50 @@ def test_importing_the_package_loads_nothing():
     """Importing kvconnector_core.connector loads no plugin and no torch (fresh interpreter)."""
     import subprocess
 
-    code = ("import sys, kvconnector_core.connector, connectors; "
-            "import kvconnector_core.plugins.registry as r; "
-            "assert r._default is None; assert 'torch' not in sys.modules; "
-            "assert 'ttl_connector' not in sys.modules")
+    code = (
+        "import sys, kvconnector_core.connector, connectors; "
+        "import kvconnector_core.plugins.registry as r; "
+        "assert r._default is None; assert 'torch' not in sys.modules; "
+        "assert 'ttl_connector' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_create_connector_from_dict_and_module_path():
     """create_connector accepts a dict; module_path wins over the registry."""
     reg = ConnectorRegistry()
-    conn = create_connector({"name": "RecordingConnector", "module_path": "kvconnector_core.testing.recording"},
-                           KVConnectorRole.WORKER, None, registry=reg)
+    conn = create_connector(
+        {"name": "RecordingConnector", "module_path": "kvconnector_core.testing.recording"},
+        KVConnectorRole.WORKER,
+        None,
+        registry=reg,
+    )
     assert isinstance(conn, RecordingConnector) and conn.role is KVConnectorRole.WORKER
     with pytest.raises(UnknownConnectorError, match="RecordingConnector"):
-        get_connector_class(KVConnectorConfig(name="Nope", module_path="kvconnector_core.testing.recording"))
+        get_connector_class(
+            KVConnectorConfig(name="Nope", module_path="kvconnector_core.testing.recording")
+        )
     with pytest.raises(InvalidConnectorError):
-        get_connector_class(KVConnectorConfig(name="RecordingMetadata", module_path="kvconnector_core.testing.recording"))
+        get_connector_class(
+            KVConnectorConfig(
+                name="RecordingMetadata", module_path="kvconnector_core.testing.recording"
+            )
+        )
     with pytest.raises(PluginLoadError, match="no_such_module"):
         get_connector_class(KVConnectorConfig(name="X", module_path="no_such_module"))
 
 
-@pytest.mark.parametrize("data", [{"name": ""}, {"name": "x", "role": "sender"},
-                                  {"name": "x", "load_failure_policy": "retry"}, {"role": "kv_both"},
-                                  {"name": 3}], ids=["empty", "role", "policy", "missing", "type"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"name": ""},
+        {"name": "x", "role": "sender"},
+        {"name": "x", "load_failure_policy": "retry"},
+        {"role": "kv_both"},
+        {"name": 3},
+    ],
+    ids=["empty", "role", "policy", "missing", "type"],
+)
 def test_bad_config_is_a_config_error(data):
     """Invalid configs raise ConfigError (a ValueError) naming the problem."""
     with pytest.raises(ConfigError):
@@ -255,7 +296,8 @@ def test_load_connector_config_file(tmp_path):
     good = tmp_path / "c.json"
     good.write_text('{"name": "ttl", "extra_config": {"ttl_seconds": 5}}')
     assert KVConnectorConfig.from_dict(load_connector_config_dict(good)) == KVConnectorConfig(
-        name="ttl", extra_config={"ttl_seconds": 5})
+        name="ttl", extra_config={"ttl_seconds": 5}
+    )
     bad = tmp_path / "bad.json"
     bad.write_text('{"name": "x", "role": "nope"}')
     from kvconnector_core.connector import load_connector_config
@@ -275,7 +317,9 @@ def test_module_path_with_a_registry_name_names_the_attribute_to_use():
     attribute 'cpu_offload'" and listed the imported abstract base among the connector
     classes; it now says that name is the attribute name and which one to use."""
     with pytest.raises(UnknownConnectorError) as info:
-        get_connector_class(KVConnectorConfig(name="cpu_offload", module_path="connectors.offload.connector"))
+        get_connector_class(
+            KVConnectorConfig(name="cpu_offload", module_path="connectors.offload.connector")
+        )
     message = str(info.value)
     assert "not its registry name or alias: use 'OffloadingConnector'" in message, message
     assert "KVConnectorBase_V1" not in message, message
@@ -307,13 +351,17 @@ def test_names_are_sorted_whatever_the_registration_order():
 
 def test_unknown_name_names_the_plugins_that_failed():
     """The connector asked for may live in a plugin that failed to load: say which."""
-    reg = load(ep("broken", ImportError("no module named zzz"), "dist-broken"), ep("ok", plugin(Second)))
+    reg = load(
+        ep("broken", ImportError("no module named zzz"), "dist-broken"), ep("ok", plugin(Second))
+    )
     with pytest.raises(UnknownConnectorError, match=r"plugins with errors.*broken"):
         reg.get("Missing")
 
 
 def test_module_path_naming_an_abstract_class_is_rejected():
-    cfg = KVConnectorConfig(name="KVConnectorBase_V1", module_path="kvconnector_core.connector.base")
+    cfg = KVConnectorConfig(
+        name="KVConnectorBase_V1", module_path="kvconnector_core.connector.base"
+    )
     with pytest.raises(InvalidConnectorError, match="not a concrete connector class"):
         get_connector_class(cfg, registry=ConnectorRegistry())
 

@@ -82,7 +82,9 @@ def test_typo_in_settings_names_the_key(tmp_path):
     from kvconnector_core.errors import ConfigError
     from kvconnector_core.testing import make_kv_cache_config
 
-    with pytest.raises(ConfigError, match=r"unknown extra_config key 'fsnyc' \(did you mean 'fsync'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown extra_config key 'fsnyc' \(did you mean 'fsync'\?\)"
+    ):
         DiskConnector(disk(tmp_path, fsnyc=True), KVConnectorRole.SCHEDULER, make_kv_cache_config())
 
 

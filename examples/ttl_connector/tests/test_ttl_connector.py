@@ -43,7 +43,8 @@ class TestTTLInsideMultiContract(ConnectorContract):
     """The contract again, with the TTL connector as a MultiConnector child."""
 
     connector_config = KVConnectorConfig(
-        name="MultiConnector", extra_config={"connectors": [CONFIG.to_dict(), {"name": "TTLPinConnector"}]}
+        name="MultiConnector",
+        extra_config={"connectors": [CONFIG.to_dict(), {"name": "TTLPinConnector"}]},
     )
 
 
@@ -62,8 +63,12 @@ def admit(manager, conn, request):
     """Admit like the scheduler: local hit, lookup, allocate, update_state_after_alloc."""
     _, local = manager.get_computed_blocks(request)
     assert conn.get_num_new_matched_tokens(request, local) == (0, False)
-    blocks = manager.allocate_slots(request, request.num_tokens - local, local,
-                                    manager.get_computed_blocks(request)[0] if local else None)
+    blocks = manager.allocate_slots(
+        request,
+        request.num_tokens - local,
+        local,
+        manager.get_computed_blocks(request)[0] if local else None,
+    )
     assert blocks is not None
     conn.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
     request.num_computed_tokens = request.num_tokens
@@ -175,29 +180,40 @@ def test_shutdown_releases_every_pin(env):
     assert manager.block_pool.get_num_free_blocks() == free_start
 
 
-@pytest.mark.parametrize("extra", [{"ttl_seconds": 0}, {"min_hits": 0}, {"max_pinned_blocks": -1}],
-                         ids=["ttl0", "minhits0", "budget-neg"])
+@pytest.mark.parametrize(
+    "extra",
+    [{"ttl_seconds": 0}, {"min_hits": 0}, {"max_pinned_blocks": -1}],
+    ids=["ttl0", "minhits0", "budget-neg"],
+)
 def test_bad_settings_are_rejected(extra):
     """Out-of-range settings raise ConfigError naming the setting."""
     with pytest.raises(ConfigError, match=next(iter(extra))):
-        TTLPinConnector(KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER)
+        TTLPinConnector(
+            KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER
+        )
 
 
 def test_budget_cannot_cover_the_whole_pool():
-    """A budget as large as the pool is refused at bind time (when no KV cache config told it earlier)."""
-    conn = TTLPinConnector(KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 31}),
-                           KVConnectorRole.SCHEDULER, None)
+    """A budget as large as the pool is refused at bind time (when no KV cache config told it
+    earlier)."""
+    conn = TTLPinConnector(
+        KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 31}),
+        KVConnectorRole.SCHEDULER,
+        None,
+    )
     with pytest.raises(ConfigError, match="whole pool"):
         conn.bind_gpu_block_pool(make_kv_cache_manager().block_pool)
 
 
 def test_created_by_name_through_registry_and_inside_multi():
-    """The installed entry point makes the connector available by name, alias, and as a Multi child."""
+    """The installed entry point makes the connector available by name, alias, and as a Multi
+    child."""
     entry = get_registry().get_entry("ttl")
     assert entry.cls is TTLPinConnector and entry.distribution == "kvconnector-ttl"
     multi = create_connector(
         {"name": "MultiConnector", "extra_config": {"connectors": [{"name": "ttl"}]}},
-        KVConnectorRole.SCHEDULER, make_kv_cache_config(),
+        KVConnectorRole.SCHEDULER,
+        make_kv_cache_config(),
     )
     assert isinstance(multi.children[0], TTLPinConnector)
     manager = make_kv_cache_manager()
@@ -205,26 +221,46 @@ def test_created_by_name_through_registry_and_inside_multi():
     assert multi.children[0]._pool is manager.block_pool
 
 
-@pytest.mark.parametrize(("extra", "match"), [
-    ({"ttl_seconds": "x"}, r"TTLPinConnector: extra_config ttl_seconds='x' is not valid: Expected `float`"),
-    ({"min_hits": 1.5}, r"min_hits=1.5 is not valid: Expected `int`"),
-    ({"max_pinned_blocks": "many"}, r"max_pinned_blocks='many' is not valid: Expected `int"),
-    ({"ttl_seconds": None}, r"ttl_seconds=None is not valid"),
-    ({"ttl_secnds": 5}, r"unknown extra_config key 'ttl_secnds' \(did you mean 'ttl_seconds'\?\)"),
-], ids=["ttl-str", "hits-float", "budget-str", "ttl-none", "typo"])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (
+            {"ttl_seconds": "x"},
+            r"TTLPinConnector: extra_config ttl_seconds='x' is not valid: Expected `float`",
+        ),
+        ({"min_hits": 1.5}, r"min_hits=1.5 is not valid: Expected `int`"),
+        ({"max_pinned_blocks": "many"}, r"max_pinned_blocks='many' is not valid: Expected `int"),
+        ({"ttl_seconds": None}, r"ttl_seconds=None is not valid"),
+        (
+            {"ttl_secnds": 5},
+            r"unknown extra_config key 'ttl_secnds' \(did you mean 'ttl_seconds'\?\)",
+        ),
+    ],
+    ids=["ttl-str", "hits-float", "budget-str", "ttl-none", "typo"],
+)
 def test_wrongly_typed_settings_name_key_value_and_valid(extra, match):
     with pytest.raises(ConfigError, match=match):
-        TTLPinConnector(KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER)
+        TTLPinConnector(
+            KVConnectorConfig(name="ttl", extra_config=extra), KVConnectorRole.SCHEDULER
+        )
 
 
 def test_budget_is_checked_against_the_kv_cache_config_at_construction():
     """max_pinned_blocks that would pin every usable block fails in __init__, naming the pool."""
     kvc = make_kv_cache_config(num_blocks=8)  # 7 usable blocks
-    with pytest.raises(ConfigError, match=r"max_pinned_blocks=7 would pin the whole pool \(7 usable blocks\)"):
-        TTLPinConnector(KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 7}),
-                        KVConnectorRole.SCHEDULER, kvc)
-    ok = TTLPinConnector(KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 6}),
-                         KVConnectorRole.SCHEDULER, kvc)
+    with pytest.raises(
+        ConfigError, match=r"max_pinned_blocks=7 would pin the whole pool \(7 usable blocks\)"
+    ):
+        TTLPinConnector(
+            KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 7}),
+            KVConnectorRole.SCHEDULER,
+            kvc,
+        )
+    ok = TTLPinConnector(
+        KVConnectorConfig(name="ttl", extra_config={"max_pinned_blocks": 6}),
+        KVConnectorRole.SCHEDULER,
+        kvc,
+    )
     assert ok.max_pinned_blocks == 6
 
 
@@ -250,7 +286,8 @@ def test_contract_catches_pins_leaked_at_shutdown():
 
 
 def test_pins_never_starve_admission_end_to_end():
-    """A budget that pins nearly the whole pool still lets every request run: idle steps release pins."""
+    """A budget that pins nearly the whole pool still lets every request run: idle steps release
+    pins."""
     import random
 
     from kvconnector_core.engine.engine import Engine, EngineConfig
@@ -260,12 +297,30 @@ def test_pins_never_starve_admission_end_to_end():
     shared = [rng.randrange(1000) for _ in range(192)]  # 12 blocks, all pinned after a hit
     # Many requests share a prefix (so its blocks get pinned), then one long request
     # needs most of the pool while the pins are still held (ttl far in the future).
-    trace = [TraceRequest(request_id=f"s{i}", arrival=i, max_new_tokens=4,
-                          prompt_token_ids=shared + [rng.randrange(1000) for _ in range(8)]) for i in range(6)]
-    trace.append(TraceRequest(request_id="long", arrival=40, max_new_tokens=4,
-                              prompt_token_ids=[rng.randrange(1000) for _ in range(200)]))
-    cfg = {"num_gpu_blocks": 20, "block_size": 16, "max_model_len": 256, "max_num_batched_tokens": 64,
-           "max_num_seqs": 4}
+    trace = [
+        TraceRequest(
+            request_id=f"s{i}",
+            arrival=i,
+            max_new_tokens=4,
+            prompt_token_ids=shared + [rng.randrange(1000) for _ in range(8)],
+        )
+        for i in range(6)
+    ]
+    trace.append(
+        TraceRequest(
+            request_id="long",
+            arrival=40,
+            max_new_tokens=4,
+            prompt_token_ids=[rng.randrange(1000) for _ in range(200)],
+        )
+    )
+    cfg = {
+        "num_gpu_blocks": 20,
+        "block_size": 16,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 4,
+    }
     ttl = {"name": "ttl", "extra_config": {"ttl_seconds": 1e6, "max_pinned_blocks": 18}}
     baseline = Engine(EngineConfig(connector=None, **cfg)).run(trace)
     eng = Engine(EngineConfig(connector=ttl, **cfg))
@@ -283,7 +338,8 @@ def _empty_step():
 
 
 def test_empty_step_after_a_finish_keeps_pins(env):
-    """An empty step with no refused request (vLLM runs one after every finish) is not starvation."""
+    """An empty step with no refused request (vLLM runs one after every finish) is not
+    starvation."""
     manager, conn, _ = env
     run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
     run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
@@ -295,7 +351,8 @@ def test_empty_step_after_a_finish_keeps_pins(env):
 
 
 def test_empty_step_that_refused_a_request_releases_pins(env):
-    """A step that asked about a request, admitted nothing and scheduled nothing releases half the pins."""
+    """A step that asked about a request, admitted nothing and scheduled nothing releases half the
+    pins."""
     manager, conn, _ = env
     run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
     run_and_free(manager, conn, make_request(prompt_token_ids=prefix(3)))
@@ -319,15 +376,29 @@ def test_stats_are_deltas_with_gauges_apart(env):
 
 
 def test_pins_do_not_block_a_prefix_cache_reset():
-    """The scheduler calls reset_cache before resetting the pool, so held pins no longer make it fail."""
+    """The scheduler calls reset_cache before resetting the pool, so held pins no longer make it
+    fail."""
     from kvconnector_core.engine.engine import Engine, EngineConfig
     from kvconnector_core.engine.workloads import TraceRequest
 
     shared = list(range(100, 164))
-    trace = [TraceRequest(request_id=f"r{i}", arrival=i * 20, max_new_tokens=2,
-                          prompt_token_ids=shared + [i, i + 1]) for i in range(3)]
-    eng = Engine(EngineConfig(connector={"name": "ttl", "extra_config": {"ttl_seconds": 1e6}},
-                              num_gpu_blocks=32, block_size=16, max_model_len=256))
+    trace = [
+        TraceRequest(
+            request_id=f"r{i}",
+            arrival=i * 20,
+            max_new_tokens=2,
+            prompt_token_ids=shared + [i, i + 1],
+        )
+        for i in range(3)
+    ]
+    eng = Engine(
+        EngineConfig(
+            connector={"name": "ttl", "extra_config": {"ttl_seconds": 1e6}},
+            num_gpu_blocks=32,
+            block_size=16,
+            max_model_len=256,
+        )
+    )
     eng.run(trace)
     ttl = eng.scheduler_connector
     assert ttl.num_pinned_blocks > 0

@@ -49,7 +49,9 @@ def multi(*children: dict) -> dict:
 
 
 @pytest.mark.parametrize("children", [(TTL, OFFLOAD), (OFFLOAD,)], ids=["ttl+offload", "offload"])
-def test_offload_inside_multi_serves_from_cpu_with_identical_outputs(children: tuple[dict, ...]) -> None:
+def test_offload_inside_multi_serves_from_cpu_with_identical_outputs(
+    children: tuple[dict, ...],
+) -> None:
     trace = doc_trace()
     baseline = engine(None).run(trace)
     eng = engine(multi(*children))
@@ -67,17 +69,30 @@ def test_offload_inside_multi_serves_from_cpu_with_identical_outputs(children: t
 
 
 def test_offload_inside_multi_under_preemption_matches_baseline() -> None:
-    """Preempted requests' stores are flushed through the multi (handle_preemptions is forwarded)."""
+    """Preempted requests' stores are flushed through the multi (handle_preemptions is
+    forwarded)."""
     for seed in range(3):
         rng = random.Random(seed)
         shared = [rng.randrange(1000) for _ in range(48)]
-        trace = [TraceRequest(request_id=f"q{i}", arrival=(i // 4) * 30, max_new_tokens=40,
-                              prompt_token_ids=shared + [rng.randrange(1000) for _ in range(22)])
-                 for i in range(8)]
-        small = {"num_gpu_blocks": 14, "max_model_len": 128, "max_num_batched_tokens": 64,
-                 "max_num_seqs": 4}
+        trace = [
+            TraceRequest(
+                request_id=f"q{i}",
+                arrival=(i // 4) * 30,
+                max_new_tokens=40,
+                prompt_token_ids=shared + [rng.randrange(1000) for _ in range(22)],
+            )
+            for i in range(8)
+        ]
+        small = {
+            "num_gpu_blocks": 14,
+            "max_model_len": 128,
+            "max_num_batched_tokens": 64,
+            "max_num_seqs": 4,
+        }
         baseline = engine(None, **small).run(trace)
-        eng = engine(multi({"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}), **small)
+        eng = engine(
+            multi({"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64}}), **small
+        )
         result = eng.run(trace)
         assert result.metrics.num_preemptions > 0
         assert result.outputs == baseline.outputs, f"seed {seed}"
@@ -88,12 +103,17 @@ def test_offload_inside_multi_under_preemption_matches_baseline() -> None:
 
 def test_cli_run_with_multi_config_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """`kvconnector run --config FILE` with MultiConnector[ttl, cpu_offload]: hits, same outputs."""
-    pytest.importorskip("kvconnector_core.cli.run_cmd", reason="needs the engine's `kvconnector run` command")
+    pytest.importorskip(
+        "kvconnector_core.cli.run_cmd", reason="needs the engine's `kvconnector run` command"
+    )
     from kvconnector_core.cli import main
 
     path = tmp_path / "multi.json"
-    path.write_text(json.dumps(multi({"name": "ttl"},
-                                     {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 256}})))
+    path.write_text(
+        json.dumps(
+            multi({"name": "ttl"}, {"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 256}})
+        )
+    )
     assert main(["run", "--workload", "documents", "--config", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["comparison"]["identical"] is True

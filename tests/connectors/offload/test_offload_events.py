@@ -59,7 +59,8 @@ def expected(manager: CPUOffloadingManager, infos: dict[bytes, ChunkInfo]) -> se
 @pytest.mark.parametrize("seed", range(4))
 def test_replica_is_exact_after_every_resync(policy: str, seed: int) -> None:
     """Random stores, failures, loads and evictions; a third of the takes lose their events
-    (translated or not yet) and are answered with a snapshot instead. After every take the replica equals the tier,
+    (translated or not yet) and are answered with a snapshot instead. After every take the replica
+    equals the tier,
     while a consumer that just missed the lost events goes wrong (so losses matter here)."""
     rng = random.Random(seed)
     manager = CPUOffloadingManager(6, policy, enable_events=True)
@@ -112,7 +113,8 @@ def test_replica_is_exact_after_every_resync(policy: str, seed: int) -> None:
 
 
 def test_snapshot_is_self_describing_and_announces_shared_blocks_once() -> None:
-    """Two ready chunks sharing a first block: the snapshot names it once, with tokens and parents."""
+    """Two ready chunks sharing a first block: the snapshot names it once, with tokens and
+    parents."""
     manager = CPUOffloadingManager(4, enable_events=True)
     table = ChunkInfoTable()
     a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
@@ -127,7 +129,10 @@ def test_snapshot_is_self_describing_and_announces_shared_blocks_once() -> None:
     assert first.token_ids == list(range(8)) and first.parent_block_hash is None
     assert second.block_hashes == [to_external_hash(c)]
     assert second.parent_block_hash == to_external_hash(a) and second.token_ids == [9] * 4
-    assert all(e.lora_name == "lora" and e.block_size == BLOCK_SIZE and e.medium == "CPU" for e in events[1:])
+    assert all(
+        e.lora_name == "lora" and e.block_size == BLOCK_SIZE and e.medium == "CPU"
+        for e in events[1:]
+    )
     # The stores' own events were superseded; later events continue from the snapshot.
     assert to_wire_events(manager.take_events(), table, BLOCK_SIZE) == []
     manager.reset_cache()
@@ -179,7 +184,8 @@ def test_key_stored_again_after_a_lost_removal_keeps_its_info_through_a_snapshot
 
 
 def test_snapshot_of_a_manager_without_ready_keys_changes_nothing() -> None:
-    """A manager that cannot list its keys: NotImplementedError naming it, events left for a retry."""
+    """A manager that cannot list its keys: NotImplementedError naming it, events left for a
+    retry."""
 
     class Opaque(OffloadingManager):
         def __init__(self) -> None:
@@ -211,9 +217,16 @@ def doc_trace(seed: int, num_docs: int, doc_len: int, num_requests: int) -> list
     """Requests that share a few document prefixes, each with its own short tail."""
     rng = random.Random(seed)
     docs = [[rng.randrange(1000) for _ in range(doc_len)] for _ in range(num_docs)]
-    return [TraceRequest(request_id=f"r{i}", arrival=i * 3, max_new_tokens=4,
-                         prompt_token_ids=docs[i % num_docs] + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))])
-            for i in range(num_requests)]
+    return [
+        TraceRequest(
+            request_id=f"r{i}",
+            arrival=i * 3,
+            max_new_tokens=4,
+            prompt_token_ids=docs[i % num_docs]
+            + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))],
+        )
+        for i in range(num_requests)
+    ]
 
 
 def lose_every_third_take(conn, apply) -> list[int]:  # noqa: ANN001
@@ -239,17 +252,29 @@ def lose_every_third_take(conn, apply) -> list[int]:  # noqa: ANN001
 def test_engine_replica_with_lost_takes_ends_exact() -> None:
     """cpu_offload in the engine; every third take drains and loses its events and is
     answered with the snapshot (as the guard does). The replica ends equal to the tier."""
-    eng = Engine(EngineConfig(num_gpu_blocks=24, block_size=16, max_model_len=256, max_num_batched_tokens=128,
-                              max_num_seqs=2, connector={"name": "cpu_offload", "extra_config": {
-                                  "num_cpu_blocks": 6, "blocks_per_chunk": 2}}, enable_kv_cache_events=True))
+    eng = Engine(
+        EngineConfig(
+            num_gpu_blocks=24,
+            block_size=16,
+            max_model_len=256,
+            max_num_batched_tokens=128,
+            max_num_seqs=2,
+            connector={
+                "name": "cpu_offload",
+                "extra_config": {"num_cpu_blocks": 6, "blocks_per_chunk": 2},
+            },
+            enable_kv_cache_events=True,
+        )
+    )
     conn = eng.scheduler_connector
     replica = Replica()
     resyncs = lose_every_third_take(conn, replica.apply)
     result = eng.run(doc_trace(7, 5, 80, 20))
     assert result.metrics.bytes_stored > 0 and resyncs[0] > 0
     info = conn.scheduler_side.state.events.tables[0]._info
-    assert replica.held("CPU") == {to_external_hash(h) for k in conn.manager.ready_keys()
-                                   for h in info[k].block_hashes}
+    assert replica.held("CPU") == {
+        to_external_hash(h) for k in conn.manager.ready_keys() for h in info[k].block_hashes
+    }
     eng.shutdown()
 
 
@@ -262,10 +287,18 @@ def test_hybrid_snapshot_resyncs_every_group(model: str) -> None:
 
     # 24 chunks: a 128-token step stores 8 chunks per group (windowed groups store every
     # chunk they computed), so the tier takes a step's store and still evicts.
-    eng = Engine(EngineConfig(model=get_model(model), num_gpu_blocks=64, block_size=16, max_model_len=256,
-                              max_num_batched_tokens=128, max_num_seqs=2,
-                              connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 24}},
-                              enable_kv_cache_events=True))
+    eng = Engine(
+        EngineConfig(
+            model=get_model(model),
+            num_gpu_blocks=64,
+            block_size=16,
+            max_model_len=256,
+            max_num_batched_tokens=128,
+            max_num_seqs=2,
+            connector={"name": "cpu_offload", "extra_config": {"num_cpu_blocks": 24}},
+            enable_kv_cache_events=True,
+        )
+    )
     conn = eng.scheduler_connector
     held: dict[int, set[int]] = {}
 
@@ -285,7 +318,9 @@ def test_hybrid_snapshot_resyncs_every_group(model: str) -> None:
     want: dict[int, set[int]] = {}
     for key in conn.manager.ready_keys():
         g = int.from_bytes(key[-4:], "big")
-        want.setdefault(g, set()).update(to_external_hash(h) for h in tables[g]._info[key].block_hashes)
+        want.setdefault(g, set()).update(
+            to_external_hash(h) for h in tables[g]._info[key].block_hashes
+        )
     assert len(want) == 2
     assert {g: s for g, s in held.items() if s} == want
     eng.shutdown()

@@ -16,7 +16,9 @@ from kvconnector_core.testing import empty_scheduler_output, make_kv_cache_confi
 
 def _side():
     cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8})
-    return OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
+    return OffloadingConnector(
+        cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()
+    ).scheduler_side
 
 
 def _plan_store(conn, job_id: int, key: bytes) -> TransferJobSpec:
@@ -30,7 +32,9 @@ def test_sync_scheduling_failed_load_fails_the_steps_store() -> None:
     key = b"k" + group_suffix(0)
     _plan_store(conn, 0, key)  # step N's plan
     conn.update_connector_output(KVConnectorOutput(invalid_block_ids={5}))  # step N's report
-    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerMetadata(done_job_ids=[0])))
+    conn.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerMetadata(done_job_ids=[0]))
+    )
     assert conn.manager.lookup([key]) == 0
 
 
@@ -40,6 +44,8 @@ def test_async_scheduling_failed_load_fails_the_steps_store() -> None:
     _plan_store(conn, 0, key)  # step N's plan
     conn.build_connector_meta(empty_scheduler_output())  # step N+1's plan, built before N's report
     conn.update_connector_output(KVConnectorOutput(invalid_block_ids={5}))  # step N's report
-    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerMetadata(done_job_ids=[0])))
+    conn.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerMetadata(done_job_ids=[0]))
+    )
     # Step N's store copied KV computed on a failed load: it must never become visible.
     assert conn.manager.lookup([key]) == 0

@@ -115,14 +115,23 @@ def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
     from kvconnector_core.connector.config import KVConnectorConfig
     from kvconnector_core.kv_cache.block_pool import KVCacheBlock
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
-    from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvconnector_core.kv_cache.kv_cache_spec import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
     n_blocks = prompt_len // 16 + steps // 16 + 4
     kv = KVCacheConfig(n_blocks + 1, [KVCacheGroupSpec(["l"], FullAttentionSpec(16, 1, 4))])
-    conn = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={
-        "num_cpu_blocks": n_blocks, "enable_events": False}), KVConnectorRole.SCHEDULER, kv)
+    conn = OffloadingConnector(
+        KVConnectorConfig(
+            name="cpu_offload", extra_config={"num_cpu_blocks": n_blocks, "enable_events": False}
+        ),
+        KVConnectorRole.SCHEDULER,
+        kv,
+    )
     side = conn.scheduler_side
     calls = [0]
     key = side.keys.key
@@ -137,13 +146,23 @@ def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
     ids = list(range(1, prompt_len // 16 + 1))
 
     def out(new, cached, n):
-        return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                               num_scheduled_tokens={"r": n}, total_num_scheduled_tokens=n,
-                               finished_req_ids=set(), preempted_req_ids=set())
+        return SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={"r": n},
+            total_num_scheduled_tokens=n,
+            finished_req_ids=set(),
+            preempted_req_ids=set(),
+        )
 
     conn.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in ids],)), 0)
-    conn.build_connector_meta(out([NewRequestData("r", prompt, (ids,), 0)],
-                                  CachedRequestData([], set(), [], [], []), prompt_len))
+    conn.build_connector_meta(
+        out(
+            [NewRequestData("r", prompt, (ids,), 0)],
+            CachedRequestData([], set(), [], [], []),
+            prompt_len,
+        )
+    )
     counts = []
     next_id = len(ids) + 1
     for step in range(steps):
@@ -152,8 +171,9 @@ def _decode_key_counts(prompt_len: int, steps: int = 40) -> list[int]:
         new_ids = ([next_id],) if computed % 16 == 0 else None
         next_id += new_ids is not None
         calls[0] = 0
-        conn.build_connector_meta(out([], CachedRequestData(["r"], set(), [[step]], [new_ids],
-                                                            [computed]), 1))
+        conn.build_connector_meta(
+            out([], CachedRequestData(["r"], set(), [[step]], [new_ids], [computed]), 1)
+        )
         counts.append(calls[0])
     return counts
 
@@ -173,8 +193,15 @@ def test_a_resent_prompt_hits_its_sliding_window_after_a_one_step_prefill():
     from kvconnector_core.request import Request
 
     model = ModelConfig(layer_types=("full", "sliding:40") * 2, vocab_size=1000)
-    eng = Engine(EngineConfig(model=model, max_num_batched_tokens=128, max_model_len=1024,
-                              num_gpu_blocks=GPU_BLOCKS, connector=OFFLOAD))
+    eng = Engine(
+        EngineConfig(
+            model=model,
+            max_num_batched_tokens=128,
+            max_model_len=1024,
+            num_gpu_blocks=GPU_BLOCKS,
+            connector=OFFLOAD,
+        )
+    )
     prompt = [(7 * i) % 997 + 1 for i in range(99)]
     eng.add_request(prompt, 1)
     while eng.has_unfinished_requests():
@@ -206,23 +233,48 @@ def test_a_chunk_with_a_block_freed_before_the_step_is_never_stored():
     from kvconnector_core.request import Request
     from kvconnector_core.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-    kv = KVCacheConfig(16, [KVCacheGroupSpec(["f"], FullAttentionSpec(block_size=4)),
-                            KVCacheGroupSpec(["s"], SlidingWindowSpec(block_size=4, sliding_window=4))])
-    conn = OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config={
-        "num_cpu_blocks": 16, "blocks_per_chunk": 2}), KVConnectorRole.SCHEDULER, kv)
+    kv = KVCacheConfig(
+        16,
+        [
+            KVCacheGroupSpec(["f"], FullAttentionSpec(block_size=4)),
+            KVCacheGroupSpec(["s"], SlidingWindowSpec(block_size=4, sliding_window=4)),
+        ],
+    )
+    conn = OffloadingConnector(
+        KVConnectorConfig(
+            name="cpu_offload", extra_config={"num_cpu_blocks": 16, "blocks_per_chunk": 2}
+        ),
+        KVConnectorRole.SCHEDULER,
+        kv,
+    )
     prompt = list(range(1, 15))
     req = Request("r", prompt, 8, hash_block_size=4)
     full_ids, sliding_ids = [1, 2, 3, 4], [5, 6, 7, 8]
 
     def step(new, cached, n):
-        return conn.build_connector_meta(SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens={"r": n},
-            total_num_scheduled_tokens=n, finished_req_ids=set(), preempted_req_ids=set()))
+        return conn.build_connector_meta(
+            SchedulerOutput(
+                scheduled_new_reqs=new,
+                scheduled_cached_reqs=cached,
+                num_scheduled_tokens={"r": n},
+                total_num_scheduled_tokens=n,
+                finished_req_ids=set(),
+                preempted_req_ids=set(),
+            )
+        )
 
-    conn.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in full_ids],
-                                                      [KVCacheBlock(i) for i in sliding_ids])), 0)
-    first = step([NewRequestData("r", prompt, (full_ids, sliding_ids), 0)],
-                 CachedRequestData([], set(), [], [], []), 14)
+    conn.update_state_after_alloc(
+        req,
+        KVCacheBlocks(
+            ([KVCacheBlock(i) for i in full_ids], [KVCacheBlock(i) for i in sliding_ids])
+        ),
+        0,
+    )
+    first = step(
+        [NewRequestData("r", prompt, (full_ids, sliding_ids), 0)],
+        CachedRequestData([], set(), [], [], []),
+        14,
+    )
     assert [job.gpu_block_ids for job in first.stores] == [[1, 2, 5, 6]]  # chunk 0 of each group
     stored = []
     for token, computed in ((14, 14), (15, 15)):

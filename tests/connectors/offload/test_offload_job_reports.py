@@ -18,13 +18,21 @@ from connectors.offload.records import (
 )
 from connectors.offload.scheduler_state import JobRecord, ReqState, group_suffix
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorOutput, KVConnectorRole
-from kvconnector_core.testing import empty_scheduler_output, make_kv_cache_config, make_request, scheduler_output_for
+from kvconnector_core.testing import (
+    empty_scheduler_output,
+    make_kv_cache_config,
+    make_request,
+    scheduler_output_for,
+)
 
 
 def _side(world_size: int = 1, num_cpu_blocks: int = 8):
-    cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": num_cpu_blocks},
-                            world_size=world_size)
-    return OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
+    cfg = KVConnectorConfig(
+        name="cpu_offload", extra_config={"num_cpu_blocks": num_cpu_blocks}, world_size=world_size
+    )
+    return OffloadingConnector(
+        cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()
+    ).scheduler_side
 
 
 def _report(done: list[int] = (), failed: list[int] = ()) -> KVConnectorOutput:  # type: ignore[assignment]
@@ -64,7 +72,9 @@ def test_a_finished_store_stops_fencing_its_blocks(outcome: str) -> None:
 
 
 @pytest.mark.parametrize(("outcome", "visible"), [("done", 1), ("failed", 0)])
-def test_chunks_a_load_promoted_from_a_tier_are_visible_only_if_it_worked(outcome: str, visible: int) -> None:
+def test_chunks_a_load_promoted_from_a_tier_are_visible_only_if_it_worked(
+    outcome: str, visible: int
+) -> None:
     """A load that promotes tier chunks reads them into reserved CPU slots first; when the
     worker reports the load failed (a tier read failed), those slots hold no valid KV and
     must never be served."""
@@ -145,12 +155,17 @@ def test_a_failed_plan_releases_what_it_named() -> None:
     _planned_store(side, 3, preempted)
     side.state.reqs["p"] = ReqState(make_request(request_id="p"), store_jobs={3})  # noqa: SLF001
     plan = OffloadingConnectorMetadata(
-        loads=[TransferJobSpec(0, "a", [4], [0])], tier_writes=[TierWriteJob(1, [])],
-        stores=[TransferJobSpec(2, "b", [5], [1])], preempted_req_ids=["p"], delayed_free_req_ids=["d"])
+        loads=[TransferJobSpec(0, "a", [4], [0])],
+        tier_writes=[TierWriteJob(1, [])],
+        stores=[TransferJobSpec(2, "b", [5], [1])],
+        preempted_req_ids=["p"],
+        delayed_free_req_ids=["d"],
+    )
     side.plan_failed(plan, loads_failed=True, stores_failed=True)
     assert _pins(side)[loaded] == 0 and _pins(side)[written] == 0
     assert side.manager.lookup([stored]) == 0 and stored not in _pins(side)  # its slot given back
-    side.update_connector_output(_report(done=[3]))  # the preempted request's store read rewritten blocks
+    # the preempted request's store read rewritten blocks
+    side.update_connector_output(_report(done=[3]))
     assert side.manager.lookup([preempted]) == 0
     plan = side.build_connector_meta(scheduler_output_for([(make_request(32), ([7],), 0)]))
     assert plan.delayed_free_req_ids == ["d"]
@@ -179,16 +194,23 @@ def test_a_resent_delayed_free_reported_meanwhile_is_not_sent_again() -> None:
     assert side.request_finished(request, [1])[0] is True
     plan = side.build_connector_meta(empty_scheduler_output())
     side.plan_failed(plan, loads_failed=False, stores_failed=True)  # its delayed free is due again
-    side.update_connector_output(KVConnectorOutput(finished_sending={"r"}))  # but was reported meanwhile
+    # but was reported meanwhile
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
     assert side.build_connector_meta(empty_scheduler_output()).delayed_free_req_ids == []
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["aligned", "mid-chunk"])
-def test_hits_only_recency_touches_the_whole_chunks_hit_when_the_request_finishes(half: bool) -> None:
+def test_hits_only_recency_touches_the_whole_chunks_hit_when_the_request_finishes(
+    half: bool,
+) -> None:
     """Recency "hits_only": at its finish, the whole chunks the request's admission hit
     become the most recent; a chunk it hit only in part (or only stored) keeps its rank."""
-    cfg = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8, "recency": "hits_only"})
-    side = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()).scheduler_side
+    cfg = KVConnectorConfig(
+        name="cpu_offload", extra_config={"num_cpu_blocks": 8, "recency": "hits_only"}
+    )
+    side = OffloadingConnector(
+        cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config()
+    ).scheduler_side
     ct = side.offload_config.chunk_tokens
     request = make_request(3 * ct + 1, request_id="r")
     hit, partial = (request.block_hashes[c] + group_suffix(0) for c in (0, 1))

@@ -238,7 +238,9 @@ def test_random_operations_keep_invariants(policy: str, ops: list[tuple[str, lis
                 assert not set(out.evicted_keys) & set(keys)
                 failed -= set(out.keys_to_store)
         elif op in ("complete", "fail"):
-            written = [key for key in keys if (e := m.policy.get(key)) is not None and e.ref_cnt == -1]
+            written = [
+                key for key in keys if (e := m.policy.get(key)) is not None and e.ref_cnt == -1
+            ]
             m.complete_store(keys, success=op == "complete")
             if op == "fail":
                 failed |= set(written)

@@ -15,7 +15,11 @@ import pytest
 from connectors.offload.connector import OffloadingConnector
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvconnector_core.kv_cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 
 
 def kv_config(block_size: int = 16) -> KVCacheConfig:
@@ -89,9 +93,14 @@ def _admission(held: range = range(8)):
 def _empty_output():
     from kvconnector_core.scheduler.output import CachedRequestData, SchedulerOutput
 
-    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData([], set(), [], [], []),
-                           num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                           finished_req_ids=set(), preempted_req_ids=set())
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData([], set(), [], [], []),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+    )
 
 
 def test_a_load_is_planned_once_when_the_allocation_is_reported_twice() -> None:
@@ -146,8 +155,15 @@ def _shut_down_tiered_sides():
         _OPEN.pop().shutdown()
 
 
-def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, factor: int = 1,
-           hashes: list[bytes] = HASHES):
+def tiered(
+    tmp_path,
+    on_disk: range,
+    in_cpu: range,
+    *,
+    num_cpu_blocks: int,
+    factor: int = 1,
+    hashes: list[bytes] = HASHES,
+):
     """A scheduler side with a disk tier holding chunks ``on_disk`` and the CPU tier
     holding ``in_cpu`` of the request with these block hashes."""
     from connectors.offload.tiers import DiskTier
@@ -160,8 +176,13 @@ def tiered(tmp_path, on_disk: range, in_cpu: range, *, num_cpu_blocks: int, fact
     tier.store([(tier_key(probe.keys.key(ns, 0, c)), b"x") for c in on_disk])
     tier.flush(30)
     tier.close()
-    side = side_of({"num_cpu_blocks": num_cpu_blocks, "blocks_per_chunk": factor,
-                    "tiers": [{"type": "disk", "path": str(path), "capacity_bytes": 1 << 20}]})
+    side = side_of(
+        {
+            "num_cpu_blocks": num_cpu_blocks,
+            "blocks_per_chunk": factor,
+            "tiers": [{"type": "disk", "path": str(path), "capacity_bytes": 1 << 20}],
+        }
+    )
     _OPEN.append(side)
     hold(side, hashes, in_cpu)
     return side
@@ -211,8 +232,13 @@ def test_a_failed_promotion_plan_unpins_the_cpu_chunks_of_the_load(tmp_path, mon
     from kvconnector_core.request import Request
 
     req = Request("r", list(range(4 * 16 + 1)), 4, hash_block_size=16)
-    side = tiered(tmp_path, on_disk=range(1, 4), in_cpu=range(1), num_cpu_blocks=16,
-                  hashes=list(req.block_hashes))
+    side = tiered(
+        tmp_path,
+        on_disk=range(1, 4),
+        in_cpu=range(1),
+        num_cpu_blocks=16,
+        hashes=list(req.block_hashes),
+    )
     assert ask(side, req) == (64, True)
     key = side.keys.key(req, 0, 0)
     evictable = side.manager.num_evictable_blocks
@@ -247,7 +273,9 @@ def _schedule_new(side, req, blocks, tokens: int):
 
     out = _empty_output()
     ids = [b.block_id for b in blocks.blocks[0]]
-    out.scheduled_new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids), (ids,), 0))
+    out.scheduled_new_reqs.append(
+        NewRequestData(req.request_id, list(req.prompt_token_ids), (ids,), 0)
+    )
     out.num_scheduled_tokens[req.request_id] = tokens
     return side.build_connector_meta(out)
 
@@ -269,9 +297,12 @@ def test_offering_a_held_chunk_for_storing_makes_it_recent() -> None:
     """Recency "all_keys" (vLLM 0.33): a request that completes a chunk the CPU tier
     already holds uses it, so the next eviction takes another, older chunk."""
     side, req, blocks = _admission(held=range(0))
-    side.manager.complete_store(side.manager.prepare_store([side.keys.key(req, 0, 0)]).keys_to_store)
+    side.manager.complete_store(
+        side.manager.prepare_store([side.keys.key(req, 0, 0)]).keys_to_store
+    )
     others = [bytes([200 + i]) * 8 + bytes(4) for i in range(15)]  # group 0
-    side.manager.complete_store(side.manager.prepare_store(others).keys_to_store)  # the tier is full
+    # the tier is full
+    side.manager.complete_store(side.manager.prepare_store(others).keys_to_store)
     side.update_state_after_alloc(req, blocks, 0)
     _schedule_new(side, req, blocks, 16)  # completes chunk 0: held, so reused
     side.manager.prepare_store([b"new!" * 2 + bytes(4)])  # evicts the least recent chunk

@@ -17,7 +17,11 @@ from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import hash_request_tokens
-from kvconnector_core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvconnector_core.kv_cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
@@ -31,8 +35,9 @@ GROUP0 = bytes(4)  # offload keys end with the group index
 def _scheduler(extra: dict) -> OffloadingConnector:
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8)
     kv = KVCacheConfig(num_blocks=32, kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return OffloadingConnector(KVConnectorConfig(name="cpu_offload", extra_config=extra),
-                               KVConnectorRole.SCHEDULER, kv)
+    return OffloadingConnector(
+        KVConnectorConfig(name="cpu_offload", extra_config=extra), KVConnectorRole.SCHEDULER, kv
+    )
 
 
 def test_recency_setting_parses_with_vllms_rule_as_default() -> None:
@@ -44,8 +49,10 @@ def test_recency_setting_parses_with_vllms_rule_as_default() -> None:
 def test_a_bad_recency_names_the_value_and_the_valid_ones() -> None:
     with pytest.raises(ConfigError) as info:
         _scheduler({"num_cpu_blocks": 4, "recency": "newest"})
-    assert str(info.value) == ("OffloadingConnector: extra_config recency='newest' is not valid: "
-                               "Invalid enum value 'newest'; valid: all_keys, hits_only")
+    assert str(info.value) == (
+        "OffloadingConnector: extra_config recency='newest' is not valid: "
+        "Invalid enum value 'newest'; valid: all_keys, hits_only"
+    )
 
 
 def _prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -66,8 +73,17 @@ def _lru_order(recency: str) -> tuple[list[bytes], list[bytes], list[bytes], lis
     """
     rng = random.Random(3)
     z, w = _prompt(rng, 4 * BS), _prompt(rng, 4 * BS)
-    eng = Engine(EngineConfig(num_gpu_blocks=64, block_size=BS, max_model_len=512, connector={
-        "name": "cpu_offload", "extra_config": {"num_cpu_blocks": 64, "recency": recency}}))
+    eng = Engine(
+        EngineConfig(
+            num_gpu_blocks=64,
+            block_size=BS,
+            max_model_len=512,
+            connector={
+                "name": "cpu_offload",
+                "extra_config": {"num_cpu_blocks": 64, "recency": recency},
+            },
+        )
+    )
     eng.add_request(z, 16, request_id="z")
     for _ in range(4):  # Z's prefill, then its stores complete
         eng.step()
@@ -106,30 +122,54 @@ def test_hits_only_promotes_the_chunks_a_request_reused() -> None:
     """V reuses Z's prompt as its prefix: at V's finish those chunks become the most
     recent of the tier (head of the prefix last), above V's own stores and W's."""
     before, after, zk, _ = _lru_order("hits_only")
-    assert before[-len(zk):] != zk[::-1]
-    assert after[-len(zk):] == zk[::-1]
+    assert before[-len(zk) :] != zk[::-1]
+    assert after[-len(zk) :] == zk[::-1]
 
 
 def _doc_trace(seed: int = 0, rounds: int = 3) -> list[TraceRequest]:
     """Four 96-token documents asked about repeatedly; the GPU pool cannot keep them all."""
     rng = random.Random(seed)
     docs = [_prompt(rng, 96) for _ in range(4)]
-    return [TraceRequest(request_id=f"r{r}-{d}", arrival=r * 40 + d * 2, max_new_tokens=8,
-                         prompt_token_ids=doc + _prompt(rng, 5))
-            for r in range(rounds) for d, doc in enumerate(docs)]
+    return [
+        TraceRequest(
+            request_id=f"r{r}-{d}",
+            arrival=r * 40 + d * 2,
+            max_new_tokens=8,
+            prompt_token_ids=doc + _prompt(rng, 5),
+        )
+        for r in range(rounds)
+        for d, doc in enumerate(docs)
+    ]
 
 
 def _engine(connector: dict | None) -> Engine:
-    return Engine(EngineConfig(num_gpu_blocks=24, block_size=BS, max_model_len=256,
-                               max_num_batched_tokens=128, max_num_seqs=2, connector=connector))
+    return Engine(
+        EngineConfig(
+            num_gpu_blocks=24,
+            block_size=BS,
+            max_model_len=256,
+            max_num_batched_tokens=128,
+            max_num_seqs=2,
+            connector=connector,
+        )
+    )
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_an_engine_run_with_hits_only_gives_the_baselines_outputs(policy: str) -> None:
     trace = _doc_trace()
     baseline = _engine(None).run(trace)
-    eng = _engine({"name": "cpu_offload", "extra_config": {
-        "num_cpu_blocks": 16, "blocks_per_chunk": 2, "cache_policy": policy, "recency": "hits_only"}})
+    eng = _engine(
+        {
+            "name": "cpu_offload",
+            "extra_config": {
+                "num_cpu_blocks": 16,
+                "blocks_per_chunk": 2,
+                "cache_policy": policy,
+                "recency": "hits_only",
+            },
+        }
+    )
     result = eng.run(trace)
     eng.shutdown()
     assert result.outputs == baseline.outputs
@@ -157,13 +197,32 @@ def test_the_hit_rate_benchmark_drives_the_manager_as_the_connector_does(policy:
     prefix cache, a tier smaller than the trace, each rule's connector serves as many
     tokens as its driver; and the two rules serve different amounts here."""
     prompts = _chat_prompts()
-    trace = [TraceRequest(request_id=f"r{i}", arrival=i * 50, max_new_tokens=1, prompt_token_ids=p)
-             for i, p in enumerate(prompts)]
+    trace = [
+        TraceRequest(request_id=f"r{i}", arrival=i * 50, max_new_tokens=1, prompt_token_ids=p)
+        for i, p in enumerate(prompts)
+    ]
     served = {}
-    for recency, side in (("all_keys", d.KvconnectorSide()), ("hits_only", bench_offload_hits.HitsOnlySide())):
-        eng = Engine(EngineConfig(num_gpu_blocks=64, block_size=BS, max_model_len=512, max_num_seqs=1,
-                                  enable_prefix_caching=False, connector={"name": "cpu_offload", "extra_config": {
-                                      "num_cpu_blocks": 12, "cache_policy": policy, "recency": recency}}))
+    for recency, side in (
+        ("all_keys", d.KvconnectorSide()),
+        ("hits_only", bench_offload_hits.HitsOnlySide()),
+    ):
+        eng = Engine(
+            EngineConfig(
+                num_gpu_blocks=64,
+                block_size=BS,
+                max_model_len=512,
+                max_num_seqs=1,
+                enable_prefix_caching=False,
+                connector={
+                    "name": "cpu_offload",
+                    "extra_config": {
+                        "num_cpu_blocks": 12,
+                        "cache_policy": policy,
+                        "recency": recency,
+                    },
+                },
+            )
+        )
         tokens = eng.run(trace).metrics.connector_hit_tokens
         eng.shutdown()
         run = side.offload_runner(12, policy)

@@ -12,7 +12,13 @@ from test_offload_transfer import CUDA_ONLY, NUM_BLOCKS, cross_layer_cache, run_
 from connectors.offload.transfer import KVBlockMover
 from connectors.offload.transfer.copy_plan import run_starts, scan_runs
 from connectors.offload.transfer.jobs import Job
-from connectors.offload.transfer.staging import GatherPlan, group_planes, plan_gather, span_layout, staging_copies
+from connectors.offload.transfer.staging import (
+    GatherPlan,
+    group_planes,
+    plan_gather,
+    span_layout,
+    staging_copies,
+)
 
 ROW = 64
 
@@ -20,17 +26,25 @@ ROW = 64
 def carved_planes(order: tuple[int, ...] = (2, 0, 1), gap: int = 2) -> tuple[torch.Tensor, list]:
     """Planes carved from one byte buffer, ``gap`` rows apart, listed out of address order."""
     stride = NUM_BLOCKS + gap
-    memory = torch.randint(0, 255, (len(order) * stride * ROW,), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(9))
-    planes = [memory[i * stride * ROW:(i * stride + NUM_BLOCKS) * ROW].view(NUM_BLOCKS, ROW)
-              for i in order]
+    memory = torch.randint(
+        0,
+        255,
+        (len(order) * stride * ROW,),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(9),
+    )
+    planes = [
+        memory[i * stride * ROW : (i * stride + NUM_BLOCKS) * ROW].view(NUM_BLOCKS, ROW)
+        for i in order
+    ]
     return memory, planes
 
 
 def test_span_layout_addresses_every_plane_by_row() -> None:
     memory, planes = carved_planes()
-    base, first, steps, total = span_layout([p.data_ptr() for p in planes],
-                                            [p.stride(0) for p in planes], ROW, NUM_BLOCKS)
+    base, first, steps, total = span_layout(
+        [p.data_ptr() for p in planes], [p.stride(0) for p in planes], ROW, NUM_BLOCKS
+    )
     stride = NUM_BLOCKS + 2
     assert (base, first, steps) == (memory.data_ptr(), [2 * stride, 0, stride], [1, 1, 1])
     assert total == 2 * stride + NUM_BLOCKS
@@ -40,25 +54,33 @@ def test_span_layout_addresses_every_plane_by_row() -> None:
     assert span_layout([0, 100 * ROW], [3 * ROW, ROW], ROW, 4)[1:] == ([0, 100], [3, 1], 104)
 
 
-@pytest.mark.parametrize(("planes", "job_bytes", "expected"), [
-    (32, 512 << 20, [4] * 8),  # 256 blocks of 2 MiB: 8 stages (the most)
-    (32, 128 << 20, [8] * 4),  # 64 blocks: 4 stages of 32 MiB
-    (32, 1 << 20, [32]),  # a small job: one stage, nothing to overlap
-    (3, 1 << 30, [1, 1, 1]),  # never more stages than planes
-], ids=["256-blocks", "64-blocks", "small", "few-planes"])
+@pytest.mark.parametrize(
+    ("planes", "job_bytes", "expected"),
+    [
+        (32, 512 << 20, [4] * 8),  # 256 blocks of 2 MiB: 8 stages (the most)
+        (32, 128 << 20, [8] * 4),  # 64 blocks: 4 stages of 32 MiB
+        (32, 1 << 20, [32]),  # a small job: one stage, nothing to overlap
+        (3, 1 << 30, [1, 1, 1]),  # never more stages than planes
+    ],
+    ids=["256-blocks", "64-blocks", "small", "few-planes"],
+)
 def test_group_planes(planes: int, job_bytes: int, expected: list[int]) -> None:
     groups = group_planes(planes, job_bytes)
     assert [len(g) for g in groups] == expected
     assert [p for g in groups for p in g] == list(range(planes))
 
 
-@pytest.mark.parametrize(("planes", "job_bytes", "expected"), [
-    (32, 512 << 20, [1, 5, 5, 5, 5, 5, 5, 1]),  # 256 blocks: short first and last stage
-    (32, 128 << 20, [2, 14, 14, 2]),  # 64 blocks
-    (32, 64 << 20, [16, 16]),  # two stages: nothing to taper
-    (3, 1 << 30, [1, 1, 1]),
-    (80, 512 << 20, [2, 13, 13, 13, 13, 13, 11, 2]),  # uneven middle
-], ids=["256-blocks", "64-blocks", "two-stages", "few-planes", "80-planes"])
+@pytest.mark.parametrize(
+    ("planes", "job_bytes", "expected"),
+    [
+        (32, 512 << 20, [1, 5, 5, 5, 5, 5, 5, 1]),  # 256 blocks: short first and last stage
+        (32, 128 << 20, [2, 14, 14, 2]),  # 64 blocks
+        (32, 64 << 20, [16, 16]),  # two stages: nothing to taper
+        (3, 1 << 30, [1, 1, 1]),
+        (80, 512 << 20, [2, 13, 13, 13, 13, 13, 11, 2]),  # uneven middle
+    ],
+    ids=["256-blocks", "64-blocks", "two-stages", "few-planes", "80-planes"],
+)
 def test_group_planes_tapered(planes: int, job_bytes: int, expected: list[int]) -> None:
     """Short end stages: what nothing overlaps (a store's first gather, a load's last scatter)."""
     groups = group_planes(planes, job_bytes, taper=True)
@@ -66,14 +88,24 @@ def test_group_planes_tapered(planes: int, job_bytes: int, expected: list[int]) 
     assert [p for g in groups for p in g] == list(range(planes))
 
 
-def cpu_plan(planes: list, memory: torch.Tensor, cpu: torch.Tensor, pitch: int | None) -> GatherPlan:
+def cpu_plan(
+    planes: list, memory: torch.Tensor, cpu: torch.Tensor, pitch: int | None
+) -> GatherPlan:
     """A GatherPlan over CPU memory (the span is a plain view), as plan_gather makes on CUDA."""
-    base, first, steps, total = span_layout([p.data_ptr() for p in planes],
-                                            [p.stride(0) for p in planes], ROW, NUM_BLOCKS)
+    base, first, steps, total = span_layout(
+        [p.data_ptr() for p in planes], [p.stride(0) for p in planes], ROW, NUM_BLOCKS
+    )
     assert base == memory.data_ptr()
-    return GatherPlan(ROW, torch.uint8, tuple(planes), memory[:total * ROW].view(total, ROW),
-                      torch.tensor(first).view(-1, 1), torch.tensor(steps).view(-1, 1), pitch,
-                      tuple(cpu.unbind(0)))
+    return GatherPlan(
+        ROW,
+        torch.uint8,
+        tuple(planes),
+        memory[: total * ROW].view(total, ROW),
+        torch.tensor(first).view(-1, 1),
+        torch.tensor(steps).view(-1, 1),
+        pitch,
+        tuple(cpu.unbind(0)),
+    )
 
 
 @pytest.mark.parametrize("two_d", [True, False], ids=["2d-per-group", "per-plane"])
@@ -129,7 +161,8 @@ def test_plan_gather_on_cpu_planes_uses_words_and_no_span() -> None:
     assert plan.word == torch.complex128 and plan.source is None and plan.taper
     assert plan.planes[0].shape == (NUM_BLOCKS, ROW // 16)
     assert plan.cpu_pitch == 7 * ROW
-    assert plan_gather(planes, list(cpu.unbind(0)), max_pitch=ROW).cpu_pitch is None  # pitch too large
+    # pitch too large
+    assert plan_gather(planes, list(cpu.unbind(0)), max_pitch=ROW).cpu_pitch is None
     assert plan_gather(planes, list(cpu.unbind(0)), 0, word_bytes=8).word == torch.int64
     rows_of_8 = torch.zeros(NUM_BLOCKS, 24, dtype=torch.uint8)  # 24 bytes: 8 divides, 16 does not
     assert plan_gather([rows_of_8], [torch.zeros(2, 24, dtype=torch.uint8)], 0).word == torch.int64
@@ -155,12 +188,15 @@ def test_wide_words_gather_and_scatter_rows_bit_exact(word_bytes: int) -> None:
 
 def per_layer_caches(device: str, num_layers: int = 4) -> dict:
     gen = torch.Generator().manual_seed(11)
-    return {f"l{i}": torch.randn(NUM_BLOCKS, 2, 4, 2, 8, generator=gen).to(device, torch.bfloat16)
-            for i in range(num_layers)}
+    return {
+        f"l{i}": torch.randn(NUM_BLOCKS, 2, 4, 2, 8, generator=gen).to(device, torch.bfloat16)
+        for i in range(num_layers)
+    }
 
 
-def store_then_load(mover: KVBlockMover, views: dict, src: list[int], cpu: list[int],
-                    dst: list[int]) -> None:
+def store_then_load(
+    mover: KVBlockMover, views: dict, src: list[int], cpu: list[int], dst: list[int]
+) -> None:
     """Store ``src`` to ``cpu``, overwrite the cache with -7, load ``cpu`` into ``dst``; check."""
     original = {k: v.clone() for k, v in views.items()}
     mover.submit_store(1, src, cpu)
@@ -184,7 +220,9 @@ def test_gather_is_byte_exact_on_cuda(span: bool) -> None:
     """Staged copies of separately allocated layers, one kernel per group or per plane."""
     layers = per_layer_caches("cuda")
     mover = KVBlockMover(layers, num_cpu_blocks=8, method="gather")
-    assert mover.copier.gather_plan is not None and mover.copier.gather_plan.word == torch.complex128
+    assert (
+        mover.copier.gather_plan is not None and mover.copier.gather_plan.word == torch.complex128
+    )
     if not span:
         mover.copier.gather_plan = dataclasses.replace(mover.copier.gather_plan, source=None)
     elif mover.copier.gather_plan.source is None:
@@ -201,16 +239,25 @@ def test_batched_job_split_over_lanes_is_byte_exact() -> None:
         pytest.skip("no cudaMemcpyBatchAsync in this CUDA runtime (needs 12.8+)")
     # 9 copies on 4 lanes: parts of 3, 3 and 3, and no empty fourth part (an empty
     # batch call would fail the job with "invalid argument")
-    store_then_load(mover, views, [11, 0, 9, 2, 7, 4, 5, 1, 3], [9, 7, 5, 3, 1, 0, 2, 4, 6],
-                    [0, 2, 4, 6, 8, 10, 1, 3, 5])
+    store_then_load(
+        mover,
+        views,
+        [11, 0, 9, 2, 7, 4, 5, 1, 3],
+        [9, 7, 5, 3, 1, 0, 2, 4, 6],
+        [0, 2, 4, 6, 8, 10, 1, 3, 5],
+    )
 
 
-@pytest.mark.parametrize(("gpu", "cpu"), [
-    ([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 8]),  # joint runs 3-5, 9-10; CPU runs 0-4, 8
-    ([7, 2, 9, 4], [0, 1, 2, 3]),  # scattered device ids into one CPU run
-    ([5], [9]),
-    ([1, 2, 3], [4, 6, 7]),  # consecutive device ids, broken CPU run
-], ids=["mixed", "scattered", "single", "cpu-break"])
+@pytest.mark.parametrize(
+    ("gpu", "cpu"),
+    [
+        ([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 8]),  # joint runs 3-5, 9-10; CPU runs 0-4, 8
+        ([7, 2, 9, 4], [0, 1, 2, 3]),  # scattered device ids into one CPU run
+        ([5], [9]),
+        ([1, 2, 3], [4, 6, 7]),  # consecutive device ids, broken CPU run
+    ],
+    ids=["mixed", "scattered", "single", "cpu-break"],
+)
 def test_scan_runs_matches_run_starts(gpu: list[int], cpu: list[int]) -> None:
     """The issue path's one-pass scan agrees with the tensor version it replaced."""
     joint, runs = scan_runs(gpu, cpu)
@@ -219,7 +266,9 @@ def test_scan_runs_matches_run_starts(gpu: list[int], cpu: list[int]) -> None:
     assert runs == list(zip(*(t.tolist() for t in starts), strict=True))
 
 
-def test_a_waiting_caller_issues_a_job_the_thread_has_not_begun(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_waiting_caller_issues_a_job_the_thread_has_not_begun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """wait() issues a still-queued job itself instead of waiting for the issue thread."""
     _, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=4, issue_thread=True)
@@ -259,4 +308,7 @@ def test_single_plane_descriptors_match_the_tensor_version(is_store: bool) -> No
     assert [list(a) for a in arrays] == [t.tolist() for t in tensors]
     assert len(arrays[0]) == 4
     layers = {f"l{i}": torch.zeros(NUM_BLOCKS, 8) for i in range(2)}  # two planes: tensor path
-    assert KVBlockMover(layers, num_cpu_blocks=2).copier.plan.single_plane_descriptors([0], [0], True) is None
+    assert (
+        KVBlockMover(layers, num_cpu_blocks=2).copier.plan.single_plane_descriptors([0], [0], True)
+        is None
+    )

@@ -125,13 +125,20 @@ def test_bad_tier_list_is_a_config_error(tiers):
     from kvconnector_core.engine.engine import EngineConfig
 
     kv_cache_config = EngineConfig(num_gpu_blocks=64, max_model_len=256).kv_cache_config()
-    with pytest.raises(ConfigError, match=r"OffloadingConnector: extra_config tiers(\[0\])?=.* is not valid: Expected `(array|object)`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"OffloadingConnector: extra_config tiers(\[0\])?=.* is not valid: "
+        r"Expected `(array|object)`",
+    ):
         OffloadConfig.from_extra({"num_cpu_blocks": 4, "tiers": tiers}, kv_cache_config)
 
 
 def test_redis_tier_gets_the_connector_layout_unless_given(tmp_path):
-    tiers = make_tiers([{"type": "redis", "model": "m"}, {"type": "redis", "model": "m", "layout": "mine"}],
-                       layout="bs16x1-2048B", enable_events=False)
+    tiers = make_tiers(
+        [{"type": "redis", "model": "m"}, {"type": "redis", "model": "m", "layout": "mine"}],
+        layout="bs16x1-2048B",
+        enable_events=False,
+    )
     try:
         assert [t.config.layout for t in tiers] == ["bs16x1-2048B", "mine"]
     finally:
@@ -217,8 +224,12 @@ def test_a_write_without_chunk_info_describes_the_chunk_by_its_block_hash():
     key = _keys(1, group=1)[0]
     manager.prepare_store([key])
     manager.complete_store([key])
-    planned = SchedulerTiers([], manager, blocks_per_chunk=1).plan_writes(3, [key], lambda _key: None)
+    planned = SchedulerTiers([], manager, blocks_per_chunk=1).plan_writes(
+        3, [key], lambda _key: None
+    )
     assert planned is not None
     job, pinned = planned
     assert pinned == (key,)
-    assert [(w.key, w.block_hashes, w.parent_block_hash) for w in job.writes] == [(key, [key[:-4]], None)]
+    assert [(w.key, w.block_hashes, w.parent_block_hash) for w in job.writes] == [
+        (key, [key[:-4]], None)
+    ]

@@ -81,7 +81,11 @@ def test_chunk_to_sub_block_ids_rejects_mismatch() -> None:
 
 
 def test_coalesce_runs() -> None:
-    assert coalesce_runs([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(3, 0, 3), (9, 3, 2), (2, 8, 1)]
+    assert coalesce_runs([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [
+        (3, 0, 3),
+        (9, 3, 2),
+        (2, 8, 1),
+    ]
     assert coalesce_runs([], []) == []
 
 
@@ -119,8 +123,10 @@ def test_round_trip_is_byte_exact(device: str, method: str, factor: int) -> None
 @METHODS
 def test_per_layer_fallback_round_trip(device: str, method: str) -> None:
     gen = torch.Generator().manual_seed(7)
-    layers = {f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen).to(device)
-              for i in range(3)}
+    layers = {
+        f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen).to(device)
+        for i in range(3)
+    }
     original = {name: t.clone() for name, t in layers.items()}
     mover = KVBlockMover(layers, num_cpu_blocks=5, method=method)
     assert len(mover.layout.planes) == 3
@@ -162,7 +168,11 @@ def test_exception_during_copy_fails_only_that_job(monkeypatch: pytest.MonkeyPat
     mover.submit_store(1, [0], [0])
     mover.submit_store(2, [1], [1])
     mover.submit_load(3, [0], [2])
-    assert [(r.job_id, r.success) for r in mover.get_finished()] == [(1, True), (2, False), (3, True)]
+    assert [(r.job_id, r.success) for r in mover.get_finished()] == [
+        (1, True),
+        (2, False),
+        (3, True),
+    ]
 
 
 def test_invalid_arguments() -> None:
@@ -256,8 +266,9 @@ def test_batched_descriptors_move_exact_bytes_cross_layer() -> None:
     """The addresses given to cudaMemcpyBatchAsync copy exactly the right rows (engine layout)."""
     base, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=5)
-    dsts, _, sizes = mover.copier.plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
-                                             is_store=True)
+    dsts, _, sizes = mover.copier.plan.descriptors(
+        torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]), is_store=True
+    )
     row = mover.layout.planes[0].shape[1]
     assert sizes.tolist() == [3 * row, row]  # the run 7-8-9 -> 1-2-3 is one copy
     assert dsts.tolist()[0] == mover.cpu_planes[0][1].data_ptr()
@@ -267,12 +278,17 @@ def test_batched_descriptors_move_exact_bytes_cross_layer() -> None:
 def test_batched_descriptors_move_exact_bytes_per_layer() -> None:
     """vLLM's layout: one descriptor per (plane, run), every plane addressed correctly."""
     gen = torch.Generator().manual_seed(3)
-    layers = {f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen)
-              .to(torch.bfloat16) for i in range(4)}
+    layers = {
+        f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD, generator=gen).to(
+            torch.bfloat16
+        )
+        for i in range(4)
+    }
     mover = KVBlockMover(layers, num_cpu_blocks=5)
     assert len(mover.layout.planes) == 4
-    dsts, _, _ = mover.copier.plan.descriptors(torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]),
-                                         is_store=True)
+    dsts, _, _ = mover.copier.plan.descriptors(
+        torch.tensor([7, 8, 9, 2]), torch.tensor([1, 2, 3, 0]), is_store=True
+    )
     assert dsts.numel() == 4 * 2
     _descriptor_round_trip(layers, mover)
 
@@ -285,7 +301,9 @@ def test_batched_descriptors_copy_row_by_row_when_rows_have_gaps() -> None:
     assert layout_plane.stride(0) > layout_plane.shape[1]
     cpu = torch.zeros(5, layout_plane.shape[1], dtype=torch.uint8)
     plan = CopyPlan([layout_plane], [cpu])
-    dsts, srcs, sizes = plan.descriptors(torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]), is_store=True)
+    dsts, srcs, sizes = plan.descriptors(
+        torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]), is_store=True
+    )
     assert sizes.tolist() == [layout_plane.shape[1]] * 3
     run_descriptors(dsts, srcs, sizes)
     for g, c in ((7, 1), (8, 2), (9, 3)):
@@ -348,7 +366,9 @@ def test_issue_thread_round_trip_is_byte_exact(method: str) -> None:
     mover.shutdown()
 
 
-def test_get_finished_waits_until_the_issue_thread_has_issued(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_get_finished_waits_until_the_issue_thread_has_issued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A job still queued on the issue thread is neither lost nor left behind.
 
     get_finished waits for the thread (releasing the GIL), so a caller polling in a tight
@@ -404,12 +424,16 @@ def test_pitched_copies_move_exact_bytes_for_equally_spaced_layers() -> None:
     original = whole.clone()
     g, c = torch.tensor([7, 8, 9, 2, 0]), torch.tensor([1, 2, 3, 0, 4])
     copies = mover.copier.plan.pitched_copies(g, c, is_store=True)
-    assert [(w, h) for *_, w, h in copies] == [(3 * mover.layout.planes[0].shape[1], 4),
-                                              (mover.layout.planes[0].shape[1], 4),
-                                              (mover.layout.planes[0].shape[1], 4)]
+    assert [(w, h) for *_, w, h in copies] == [
+        (3 * mover.layout.planes[0].shape[1], 4),
+        (mover.layout.planes[0].shape[1], 4),
+        (mover.layout.planes[0].shape[1], 4),
+    ]
     run_2d_copies(copies)
     whole.fill_(-3.0)
-    run_2d_copies(mover.copier.plan.pitched_copies(torch.tensor([1, 2, 3, 11, 5]), c, is_store=False))
+    run_2d_copies(
+        mover.copier.plan.pitched_copies(torch.tensor([1, 2, 3, 11, 5]), c, is_store=False)
+    )
     for s_, d in zip([7, 8, 9, 2, 0], [1, 2, 3, 11, 5], strict=True):
         assert torch.equal(whole[:, d].view(torch.int16), original[:, s_].view(torch.int16))
     others = [b for b in range(NUM_BLOCKS) if b not in (1, 2, 3, 11, 5)]
@@ -450,9 +474,15 @@ def test_no_pitch_for_equally_spaced_planes_in_separate_allocations() -> None:
     """A 2D copy never spans allocations, even evenly spaced ones (H100: error 1)."""
     row, blocks = 64, NUM_BLOCKS
     memory = bytearray(3 * blocks * row)  # three back-to-back tensors with their own storage
-    planes = [torch.frombuffer(memory, dtype=torch.uint8, offset=i * blocks * row,
-                               count=blocks * row).view(blocks, row) for i in range(3)]
-    assert planes[1].data_ptr() - planes[0].data_ptr() == planes[2].data_ptr() - planes[1].data_ptr()
+    planes = [
+        torch.frombuffer(
+            memory, dtype=torch.uint8, offset=i * blocks * row, count=blocks * row
+        ).view(blocks, row)
+        for i in range(3)
+    ]
+    assert (
+        planes[1].data_ptr() - planes[0].data_ptr() == planes[2].data_ptr() - planes[1].data_ptr()
+    )
     mover = KVBlockMover(planes, num_cpu_blocks=2)
     assert mover.copier.plan.pitch is None
     # the same spacing inside one allocation does get 2D copies
@@ -461,7 +491,9 @@ def test_no_pitch_for_equally_spaced_planes_in_separate_allocations() -> None:
 
 
 @CUDA_ONLY
-def test_failed_runtime_copy_fails_the_job_and_leaves_torch_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_runtime_copy_fails_the_job_and_leaves_torch_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A failed ctypes copy fails its job and does not surface later in torch's kernels."""
     whole, layers = spaced_layers("cuda")
     mover = KVBlockMover(layers, num_cpu_blocks=6, method="pitched", issue_thread=False)
@@ -498,8 +530,9 @@ def _host_layouts() -> dict[str, dict[str, torch.Tensor]]:
     odd = torch.randint(0, 255, (NUM_BLOCKS, 4, 5), generator=gen, dtype=torch.uint8)
     return {
         "cross-layer": {f"l{i}": cross[:, i] for i in range(NUM_LAYERS)},
-        "per-layer": {f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEAD, generator=gen)
-                      for i in range(3)},
+        "per-layer": {
+            f"l{i}": torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, HEAD, generator=gen) for i in range(3)
+        },
         # Rows of 5 bytes: no int64 view, the gather runs on bytes.
         "odd rows": {f"l{i}": odd[:, i] for i in (0, 2)},
         # Every other layer of one tensor: planes with gaps between their rows.
@@ -539,9 +572,11 @@ def test_the_transfer_engine_imports_nothing_of_the_scheduler_side() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, kvconnector_core; before = set(sys.modules); "
-            "import connectors.offload.transfer; "
-            "print(sorted(m for m in set(sys.modules) - before "
-            "if m.startswith('connectors.offload.') and '.transfer' not in m))")
+    code = (
+        "import sys, kvconnector_core; before = set(sys.modules); "
+        "import connectors.offload.transfer; "
+        "print(sorted(m for m in set(sys.modules) - before "
+        "if m.startswith('connectors.offload.') and '.transfer' not in m))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

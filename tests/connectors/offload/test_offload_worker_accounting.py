@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch
 
 from connectors.offload.connector import OffloadingConnector
-from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata, TransferJobSpec
+from connectors.offload.records import (
+    OffloadingConnectorMetadata,
+    OffloadWorkerMetadata,
+    TransferJobSpec,
+)
 from kvconnector_core.connector import KVConnectorConfig, KVConnectorRole
 from kvconnector_core.testing import make_kv_cache_config, make_kv_caches
 
@@ -26,14 +30,22 @@ def _worker(num_cpu_blocks: int = 8) -> tuple[OffloadingConnector, dict[str, tor
     return worker, caches
 
 
-def _step(worker: OffloadingConnector, meta: OffloadingConnectorMetadata, finished: set[str] = frozenset()):  # type: ignore[assignment]
+def _step(
+    worker: OffloadingConnector,
+    meta: OffloadingConnectorMetadata,
+    finished: set[str] = frozenset(),  # type: ignore[assignment]
+):
     """One worker step; returns (transfer results, load error blocks, stats, worker meta)."""
     worker.bind_connector_metadata(meta)
     worker.handle_preemptions(meta)
     worker.start_load_kv()
     worker.wait_for_save()
-    out = (worker.get_transfer_results(set(finished)), worker.get_block_ids_with_load_errors(),
-           worker.get_kv_connector_stats(), worker.build_connector_worker_meta())
+    out = (
+        worker.get_transfer_results(set(finished)),
+        worker.get_block_ids_with_load_errors(),
+        worker.get_kv_connector_stats(),
+        worker.build_connector_worker_meta(),
+    )
     worker.clear_connector_metadata()
     return out
 
@@ -47,21 +59,28 @@ def test_blocks_stored_then_loaded_come_back_and_every_byte_is_counted_once() ->
     block_bytes = sum(t[0].numel() * t.element_size() for t in caches.values())
     want = {b: _block(caches, b) for b in (1, 2, 5)}
     # Step 1 plans two stores; they are submitted when step 2 binds its plan.
-    _step(worker, OffloadingConnectorMetadata(stores=[TransferJobSpec(0, "a", [1, 2], [0, 1]),
-                                                      TransferJobSpec(1, "b", [5], [4])]))
+    _step(
+        worker,
+        OffloadingConnectorMetadata(
+            stores=[TransferJobSpec(0, "a", [1, 2], [0, 1]), TransferJobSpec(1, "b", [5], [4])]
+        ),
+    )
     _, _, stats, meta = _step(worker, OffloadingConnectorMetadata())
     assert meta == OffloadWorkerMetadata(done_job_ids=[0, 1])
     assert stats is not None and stats["bytes_stored"] == 3 * block_bytes
     assert "bytes_loaded" not in stats
     # Scattered targets: the CPU slots go back into other GPU blocks, pairwise in order.
-    results, errors, stats, meta = _step(worker, OffloadingConnectorMetadata(
-        loads=[TransferJobSpec(2, "c", [10, 7, 12], [4, 0, 1])]))
+    results, errors, stats, meta = _step(
+        worker, OffloadingConnectorMetadata(loads=[TransferJobSpec(2, "c", [10, 7, 12], [4, 0, 1])])
+    )
     assert results.finished_recving == {"c"} and not results.failed_recving and errors == set()
     assert meta == OffloadWorkerMetadata(done_job_ids=[2])
     assert stats is not None and stats["bytes_loaded"] == 3 * block_bytes
     assert "bytes_stored" not in stats
     for target, source in ((10, 5), (7, 1), (12, 2)):
-        assert all(torch.equal(a, b) for a, b in zip(_block(caches, target), want[source], strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(_block(caches, target), want[source], strict=True)
+        )
     # Nothing moved since: no stats, no report.
     _, _, stats, meta = _step(worker, OffloadingConnectorMetadata())
     assert stats is None and meta is None
@@ -69,8 +88,10 @@ def test_blocks_stored_then_loaded_come_back_and_every_byte_is_counted_once() ->
 
 def test_a_failed_load_is_reported_once_with_its_blocks() -> None:
     worker, _ = _worker(num_cpu_blocks=2)
-    results, errors, stats, meta = _step(worker, OffloadingConnectorMetadata(
-        loads=[TransferJobSpec(0, "r", [3, 4], [1, 9])]))  # CPU slot 9 does not exist
+    # CPU slot 9 does not exist
+    results, errors, stats, meta = _step(
+        worker, OffloadingConnectorMetadata(loads=[TransferJobSpec(0, "r", [3, 4], [1, 9])])
+    )
     assert results.finished_recving == {"r"} and results.failed_recving == {"r"}
     assert errors == {3, 4}
     assert meta == OffloadWorkerMetadata(failed_job_ids=[0])
@@ -85,7 +106,9 @@ def test_a_finished_request_is_reported_sent_once_its_stores_are_done() -> None:
     """A delayed free: the request's last stores are submitted at once (no later step is
     coming to submit them), and the request is reported in finished_sending exactly once."""
     worker, _ = _worker()
-    plan = OffloadingConnectorMetadata(stores=[TransferJobSpec(0, "r", [1], [0])], delayed_free_req_ids=["r"])
+    plan = OffloadingConnectorMetadata(
+        stores=[TransferJobSpec(0, "r", [1], [0])], delayed_free_req_ids=["r"]
+    )
     results, _, _, meta = _step(worker, plan, finished={"r"})
     assert results.finished_sending == {"r"}
     assert meta == OffloadWorkerMetadata(done_job_ids=[0])
@@ -98,8 +121,10 @@ def test_a_delayed_free_waits_for_a_store_still_unsubmitted_of_another_request()
     """Only the finished request's stores are forced out early: another request's store
     still goes out when the next plan is bound, and is not lost."""
     worker, caches = _worker()
-    plan = OffloadingConnectorMetadata(stores=[TransferJobSpec(0, "done", [1], [0]), TransferJobSpec(1, "running", [2], [1])],
-                                       delayed_free_req_ids=["done"])
+    plan = OffloadingConnectorMetadata(
+        stores=[TransferJobSpec(0, "done", [1], [0]), TransferJobSpec(1, "running", [2], [1])],
+        delayed_free_req_ids=["done"],
+    )
     results, _, _, meta = _step(worker, plan, finished={"done"})
     assert results.finished_sending == {"done"}
     assert meta == OffloadWorkerMetadata(done_job_ids=[0])
@@ -142,7 +167,9 @@ class _SlowCompletions:
 def test_a_finished_request_is_not_reported_sent_while_its_store_runs() -> None:
     worker, _ = _worker()
     worker.worker_side.mover = _SlowCompletions(worker.worker_side.mover)
-    plan = OffloadingConnectorMetadata(stores=[TransferJobSpec(0, "r", [1], [0])], delayed_free_req_ids=["r"])
+    plan = OffloadingConnectorMetadata(
+        stores=[TransferJobSpec(0, "r", [1], [0])], delayed_free_req_ids=["r"]
+    )
     results, _, _, meta = _step(worker, plan, finished={"r"})
     assert results.finished_sending == set() and meta is None  # its blocks are still being read
     results, _, _, meta = _step(worker, OffloadingConnectorMetadata())
@@ -155,4 +182,7 @@ def test_shutdown_copies_the_stores_still_queued() -> None:
     mover = worker.worker_side.mover
     worker.shutdown()
     # CPU sub-block 3 holds GPU block 6, plane by plane.
-    assert all(torch.equal(cpu[3], gpu[6]) for gpu, cpu in zip(mover.layout.planes, mover.cpu_planes, strict=True))
+    assert all(
+        torch.equal(cpu[3], gpu[6])
+        for gpu, cpu in zip(mover.layout.planes, mover.cpu_planes, strict=True)
+    )

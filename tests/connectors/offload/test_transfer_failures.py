@@ -61,7 +61,9 @@ def test_job_failing_after_a_queued_copy_is_reported_after_that_copy() -> None:
 
 
 @CUDA_ONLY
-def test_staged_job_failing_midway_is_reported_after_its_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staged_job_failing_midway_is_reported_after_its_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(_staged, "_STAGE_BYTES", 1024)  # a small job in several stages
     views = per_layer_caches("cuda", num_layers=6)
     mover = KVBlockMover(views, num_cpu_blocks=8, method="gather", issue_thread=False)

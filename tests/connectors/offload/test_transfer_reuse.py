@@ -127,7 +127,11 @@ def test_issue_thread_on_cpu_wait_for_some_jobs_and_shutdown() -> None:
     mover.submit_store(3, [6, 7], [2, 3])
     mover.shutdown()
     assert not any(t.name == issue_thread_name(mover) for t in threading.enumerate())
-    assert [(r.job_id, r.success) for r in mover.get_finished()] == [(1, True), (2, True), (3, True)]
+    assert [(r.job_id, r.success) for r in mover.get_finished()] == [
+        (1, True),
+        (2, True),
+        (3, True),
+    ]
     assert torch.equal(mover.cpu_planes[0][3], mover.layout.planes[0][7])
     # After shutdown a job is still carried out (on the caller's thread).
     mover.submit_load(4, [2], [0])
@@ -135,7 +139,9 @@ def test_issue_thread_on_cpu_wait_for_some_jobs_and_shutdown() -> None:
     assert torch.equal(base[0], base[6])
 
 
-def test_a_waiter_issues_a_job_the_delayed_thread_has_not_begun(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_waiter_issues_a_job_the_delayed_thread_has_not_begun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The issue thread's start delay never delays a job that a caller waits for."""
     _, views = cross_layer_cache("cpu")
     mover = KVBlockMover(views, num_cpu_blocks=4, issue_thread=True)
@@ -164,7 +170,9 @@ class _AlwaysBlockingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
         raise queue.Empty
 
 
-def test_issue_thread_drops_stale_work_before_its_start_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_issue_thread_drops_stale_work_before_its_start_delay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Work a waiting caller already did is dropped at once: no delay, no call."""
     slept: list[float] = []
     monkeypatch.setattr(_issuer, "time", types.SimpleNamespace(sleep=slept.append))
@@ -231,7 +239,6 @@ def test_events_are_reused_across_jobs() -> None:
     assert len(free) == 2  # one start and one end event, reused by every job
     assert len(mover._ready_events._free) == 1
     mover.shutdown()
-
 
 
 @CUDA_ONLY

@@ -158,12 +158,21 @@ def test_namespaces_do_not_share_files(tmp_path):
         assert b.load([key]).values(30) == [None]
 
 
-@pytest.mark.parametrize(("spec", "fragment"), [
-    ({"type": "tape"}, "tier type 'tape' is not known; valid types: disk, redis"),
-    ({"type": "disk", "path": "/tmp/x"}, "missing required field `capacity_bytes`"),
-    ({"type": "disk", "path": "/tmp/x", "capacity_bytes": 0}, "capacity_bytes must be a positive"),
-    ({"type": "disk", "path": "/tmp/x", "capacity_bytes": 1, "colour": 1}, "unknown field `colour`"),
-])
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ({"type": "tape"}, "tier type 'tape' is not known; valid types: disk, redis"),
+        ({"type": "disk", "path": "/tmp/x"}, "missing required field `capacity_bytes`"),
+        (
+            {"type": "disk", "path": "/tmp/x", "capacity_bytes": 0},
+            "capacity_bytes must be a positive",
+        ),
+        (
+            {"type": "disk", "path": "/tmp/x", "capacity_bytes": 1, "colour": 1},
+            "unknown field `colour`",
+        ),
+    ],
+)
 def test_bad_settings_are_config_errors(spec, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
         make_tier(spec)
@@ -194,7 +203,9 @@ def test_a_tier_starting_on_a_directory_leaves_live_writers_temp_files(tmp_path)
         assert not stale.exists()
 
 
-def test_a_tier_starting_while_others_rename_and_evict_files_indexes_the_rest(tmp_path, monkeypatch):
+def test_a_tier_starting_while_others_rename_and_evict_files_indexes_the_rest(
+    tmp_path, monkeypatch
+):
     """A file listed by the start-up scan but renamed (a live writer's temp file) or evicted
     (another engine's budget) before it is stat'ed raises no FileNotFoundError out of
     DiskTier() and leaves no directory iterator open, as with 4 TP ranks starting together

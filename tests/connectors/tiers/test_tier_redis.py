@@ -83,7 +83,11 @@ def test_round_trip_lookup_and_groups(server, make):
     other_group = [TierKey(k.block_hash, 1) for k in keys[:3]]
     assert tier.load(other_group).values(30) == [None] * 3
     stats = tier.stats()
-    assert (stats["redis_stores"], stats["redis_loads"], stats["redis_store_failures"]) == (30, 30, 0)
+    assert (stats["redis_stores"], stats["redis_loads"], stats["redis_store_failures"]) == (
+        30,
+        30,
+        0,
+    )
 
 
 def test_chain_lookup_is_one_round_trip_on_a_single_node(single, make):
@@ -197,8 +201,10 @@ def test_killed_cluster_master_fails_its_keys_only_then_reconnects(tmp_path, mak
 def test_acl_user_and_password_from_env_or_file_never_logged(tmp_path, monkeypatch, make, caplog):
     require_redis_server()
     secret = "s3cr3t-Pa55"
-    node = RedisNode(tmp_path, extra=["--user", "default", "off", "--user", "kv", "on",
-                                      f">{secret}", "~kvc:*", "+@all"]).start()
+    node = RedisNode(
+        tmp_path,
+        extra=["--user", "default", "off", "--user", "kv", "on", f">{secret}", "~kvc:*", "+@all"],
+    ).start()
     try:
         monkeypatch.setenv("KVC_REDIS_PASSWORD", secret)
         (tmp_path / "pw").write_text(secret + "\n")
@@ -223,10 +229,25 @@ def test_acl_user_and_password_from_env_or_file_never_logged(tmp_path, monkeypat
 
 def _tls_node(tmp_path, files, *, auth_clients: str, extra: list[str] | None = None) -> RedisNode:
     port = free_port()
-    return RedisNode(tmp_path, port=port, extra=[
-        "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(files["server.crt"]),
-        "--tls-key-file", str(files["server.key"]), "--tls-ca-cert-file", str(files["ca.crt"]),
-        "--tls-auth-clients", auth_clients, *(extra or [])]).start()
+    return RedisNode(
+        tmp_path,
+        port=port,
+        extra=[
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(files["server.crt"]),
+            "--tls-key-file",
+            str(files["server.key"]),
+            "--tls-ca-cert-file",
+            str(files["ca.crt"]),
+            "--tls-auth-clients",
+            auth_clients,
+            *(extra or []),
+        ],
+    ).start()
 
 
 def test_tls_verifies_the_server_against_the_given_ca(tmp_path, make):
@@ -241,7 +262,9 @@ def test_tls_verifies_the_server_against_the_given_ca(tmp_path, make):
         tier.flush(30)
         assert tier.load([key]).values(30) == [b"over tls"]
         # tls=True turns a redis:// URL into TLS too.
-        flag = make(f"redis://127.0.0.1:{port}/0", False, tls=True, tls_ca_file=str(files["ca.crt"]))
+        flag = make(
+            f"redis://127.0.0.1:{port}/0", False, tls=True, tls_ca_file=str(files["ca.crt"])
+        )
         assert flag.load([key]).values(30) == [b"over tls"]
         # The server's certificate is checked: another CA, or the system's CAs, refuse it.
         for ca in (str(files["other-ca.crt"]), None):
@@ -262,15 +285,28 @@ def test_tls_client_certificate_and_acl_user(tmp_path, make, monkeypatch, caplog
     user whose password comes from a file; the secret never reaches a log line."""
     files = make_tls_files(tmp_path / "tls")
     secret = "tls-s3cr3t"
-    node = _tls_node(tmp_path, files, auth_clients="yes", extra=[
-        "--user", "default", "off", "--user", "kv", "on", f">{secret}", "~kvc:*", "+@all"])
+    node = _tls_node(
+        tmp_path,
+        files,
+        auth_clients="yes",
+        extra=["--user", "default", "off", "--user", "kv", "on", f">{secret}", "~kvc:*", "+@all"],
+    )
     (tmp_path / "pw").write_text(secret + "\n")
     url = f"rediss://127.0.0.1:{node.port}/0"
-    tls = {"tls_ca_file": str(files["ca.crt"]), "username": "kv", "password_file": str(tmp_path / "pw")}
+    tls = {
+        "tls_ca_file": str(files["ca.crt"]),
+        "username": "kv",
+        "password_file": str(tmp_path / "pw"),
+    }
     try:
         caplog.set_level(logging.DEBUG)
-        tier = make(url, False, tls_cert_file=str(files["client.crt"]),
-                    tls_key_file=str(files["client.key"]), **tls)
+        tier = make(
+            url,
+            False,
+            tls_cert_file=str(files["client.crt"]),
+            tls_key_file=str(files["client.key"]),
+            **tls,
+        )
         key = _keys(1)[0]
         tier.store([(key, b"mutual tls")])
         tier.flush(30)
@@ -283,13 +319,16 @@ def test_tls_client_certificate_and_acl_user(tmp_path, make, monkeypatch, caplog
         node.executor.stop()
 
 
-@pytest.mark.parametrize(("extra", "fragment"), [
-    ({"url": "redis://user:hunter2@127.0.0.1:6379"}, "url contains a password"),
-    ({"password": "hunter2"}, "password_env"),
-    ({"password_env": "A", "password_file": "/x"}, "not both"),
-    ({"url": "http://127.0.0.1"}, "must start with redis://"),
-    ({"ttl_seconds": 0}, "ttl_seconds must be a positive int or null"),
-])
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"url": "redis://user:hunter2@127.0.0.1:6379"}, "url contains a password"),
+        ({"password": "hunter2"}, "password_env"),
+        ({"password_env": "A", "password_file": "/x"}, "not both"),
+        ({"url": "http://127.0.0.1"}, "must start with redis://"),
+        ({"ttl_seconds": 0}, "ttl_seconds must be a positive int or null"),
+    ],
+)
 def test_bad_settings_are_config_errors_that_never_echo_a_secret(extra, fragment):
     with pytest.raises(ConfigError, match=fragment) as info:
         make_tier({"type": "redis", **BASE, **extra})

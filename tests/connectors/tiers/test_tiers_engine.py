@@ -181,10 +181,19 @@ def test_run_cli_second_run_serves_the_first_ones_disk_tier(tmp_path, capsys):
 
     # Every prompt once: a run can only get connector hits from what an earlier run stored.
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(
-        json.dumps({"arrival": 2 * i, "max_new_tokens": 4,
-                    "prompt_token_ids": [r.prompt_token_ids for r in doc_trace(rounds=1)][i]}) + "\n"
-        for i in range(4)))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "arrival": 2 * i,
+                    "max_new_tokens": 4,
+                    "prompt_token_ids": [r.prompt_token_ids for r in doc_trace(rounds=1)][i],
+                }
+            )
+            + "\n"
+            for i in range(4)
+        )
+    )
     args = ["run", "--trace", str(trace), "--tier", f"disk:{tmp_path / 'kv'}", "--json"]
     assert main([*args, "--no-baseline"]) == 0
     first = json.loads(capsys.readouterr().out)["metrics"]
@@ -196,7 +205,9 @@ def test_run_cli_second_run_serves_the_first_ones_disk_tier(tmp_path, capsys):
     assert second["metrics"]["connector_stats"]["disk_loads"] > 0
 
 
-@pytest.mark.parametrize("argv", [["--tier", "tape:/x"], ["--connector", "none", "--tier", "disk:/x"]])
+@pytest.mark.parametrize(
+    "argv", [["--tier", "tape:/x"], ["--connector", "none", "--tier", "disk:/x"]]
+)
 def test_run_cli_rejects_bad_tier_flags(argv, capsys):
     from kvconnector_core.cli import main
 
@@ -209,7 +220,9 @@ def test_published_event_stream_covers_every_medium(tmp_path):
     pytest.importorskip("zmq", reason="pyzmq is missing: pip install -e '.[test]'")
     from kvconnector_core.event_publisher import EventPublisherConfig, EventSubscriber
 
-    any_port = EventPublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    any_port = EventPublisherConfig(
+        endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*"
+    )
     config = EngineConfig(connector=offload(disk(tmp_path)), kv_events_publisher=any_port, **ENGINE)
     with Engine(config) as engine:
         pub = engine.event_publisher
@@ -226,8 +239,10 @@ def test_tiers_work_inside_a_multiconnector(tmp_path, baseline):
     """TTL pinning next to an offload connector with a disk tier: the tier serves, and its
     events come through the MultiConnector."""
     ttl = {"name": "ttl", "extra_config": {"ttl_seconds": 1000, "max_pinned_blocks": 2}}
-    multi = {"name": "MultiConnector",
-             "extra_config": {"connectors": [ttl, offload(disk(tmp_path))]}}
+    multi = {
+        "name": "MultiConnector",
+        "extra_config": {"connectors": [ttl, offload(disk(tmp_path))]},
+    }
     result = run(multi, doc_trace())
     assert result.outputs == baseline.outputs
     assert result.metrics.events.get("BlockStored[DISK]", 0) > 0
@@ -241,8 +256,11 @@ HYBRID_CPU_CHUNKS = 16  # a prefill step stores up to 12 chunks of both groups; 
 def run_model(preset: str, connector: dict | None, trace: list[TraceRequest]):
     from kvconnector_core.engine.models import get_model
 
-    config = EngineConfig(connector=connector, model=get_model(preset),
-                          **{**ENGINE, "num_gpu_blocks": 40, "max_model_len": 256})
+    config = EngineConfig(
+        connector=connector,
+        model=get_model(preset),
+        **{**ENGINE, "num_gpu_blocks": 40, "max_model_len": 256},
+    )
     with Engine(config) as engine:
         return engine.run(trace)
 
@@ -252,9 +270,16 @@ def long_doc_trace(tag: str = "h") -> list[TraceRequest]:
     needs the chunks of its last window, after chunks that left it were never stored."""
     rng = random.Random(1)
     docs = [[rng.randrange(1000) for _ in range(160)] for _ in range(3)]
-    return [TraceRequest(request_id=f"{tag}{r}-{d}", arrival=r * 60 + d * 2, max_new_tokens=4,
-                         prompt_token_ids=doc + [rng.randrange(1000) for _ in range(5)])
-            for r in range(2) for d, doc in enumerate(docs)]
+    return [
+        TraceRequest(
+            request_id=f"{tag}{r}-{d}",
+            arrival=r * 60 + d * 2,
+            max_new_tokens=4,
+            prompt_token_ids=doc + [rng.randrange(1000) for _ in range(5)],
+        )
+        for r in range(2)
+        for d, doc in enumerate(docs)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +291,9 @@ def hybrid_baselines():
 def test_hybrid_model_is_served_from_the_disk_tier(tmp_path, preset, hybrid_baselines):
     """Tier keys carry the group, lookups are window-aware: the second round of a hybrid
     model is served from disk (every group's chunks), with identical outputs."""
-    result = run_model(preset, offload(disk(tmp_path), num_cpu_blocks=HYBRID_CPU_CHUNKS), long_doc_trace())
+    result = run_model(
+        preset, offload(disk(tmp_path), num_cpu_blocks=HYBRID_CPU_CHUNKS), long_doc_trace()
+    )
     assert result.outputs == hybrid_baselines[preset].outputs
     stats = result.metrics.connector_stats
     assert stats["disk_loads"] > 0 and stats.get("disk_load_failures", 0) == 0
@@ -277,8 +304,9 @@ def test_hybrid_model_is_served_from_the_disk_tier(tmp_path, preset, hybrid_base
 
 
 @pytest.mark.redis
-def test_hybrid_model_engine_b_serves_engine_a_prefixes_through_redis(redis_node, hybrid_baselines,
-                                                                     request):
+def test_hybrid_model_engine_b_serves_engine_a_prefixes_through_redis(
+    redis_node, hybrid_baselines, request
+):
     preset = "tiny-hybrid"
     salt = request.node.name
     tier = offload(redis(redis_node.url, salt), num_cpu_blocks=HYBRID_CPU_CHUNKS)

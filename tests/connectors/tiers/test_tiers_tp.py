@@ -67,7 +67,10 @@ def test_one_worker_keys_and_frames_are_those_before_shards():
     assert key.name == f"{HASH.hex()}-g2"
     payload = b"kv bytes" * 10
     crc = zlib.crc32(payload, zlib.crc32((2).to_bytes(4, "big"), zlib.crc32(HASH)))
-    assert frame_value(key, payload) == b"KVT1" + len(payload).to_bytes(8, "big") + crc.to_bytes(4, "big") + payload
+    assert (
+        frame_value(key, payload)
+        == b"KVT1" + len(payload).to_bytes(8, "big") + crc.to_bytes(4, "big") + payload
+    )
 
 
 def test_a_shard_stored_under_another_ranks_key_fails_its_check():
@@ -80,20 +83,29 @@ def test_a_shard_stored_under_another_ranks_key_fails_its_check():
 def test_rank_and_pipeline_size_are_validated():
     with pytest.raises(ConfigError, match=r"rank must be a worker rank in \[0, 2\).*got 2"):
         KVConnectorConfig(name="cpu_offload", world_size=2, rank=2)
-    with pytest.raises(ConfigError, match="pipeline_parallel_size must be >= 1 and divide world_size=4, got 3"):
+    with pytest.raises(
+        ConfigError, match="pipeline_parallel_size must be >= 1 and divide world_size=4, got 3"
+    ):
         KVConnectorConfig(name="cpu_offload", world_size=4, pipeline_parallel_size=3)
 
 
 def _disk_extra(tmp_path) -> dict:
-    return {"num_cpu_blocks": 8,
-            "tiers": [{"type": "disk", "path": str(tmp_path / "t"), "capacity_bytes": 1 << 20}]}
+    return {
+        "num_cpu_blocks": 8,
+        "tiers": [{"type": "disk", "path": str(tmp_path / "t"), "capacity_bytes": 1 << 20}],
+    }
 
 
 def test_offload_with_tiers_under_tp_gives_each_worker_its_shard(tmp_path):
     """The ConfigError refusal is gone: a worker of rank r keys its values by r."""
     kv = EngineConfig(num_gpu_blocks=64, max_model_len=256).kv_cache_config()
-    config = KVConnectorConfig(name="cpu_offload", extra_config=_disk_extra(tmp_path), world_size=4,
-                               rank=3, pipeline_parallel_size=2)
+    config = KVConnectorConfig(
+        name="cpu_offload",
+        extra_config=_disk_extra(tmp_path),
+        world_size=4,
+        rank=3,
+        pipeline_parallel_size=2,
+    )
     worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv)
     sched = OffloadingConnector(config, KVConnectorRole.SCHEDULER, kv)
     try:
@@ -106,13 +118,23 @@ def test_offload_with_tiers_under_tp_gives_each_worker_its_shard(tmp_path):
 
 def test_multiconnector_children_inherit_rank_and_pipeline_size(tmp_path):
     kv = EngineConfig(num_gpu_blocks=64, max_model_len=256).kv_cache_config()
-    config = KVConnectorConfig(name="MultiConnector", world_size=4, rank=2, pipeline_parallel_size=2,
-                               extra_config={"connectors": [
-                                   {"name": "cpu_offload", "extra_config": _disk_extra(tmp_path)}]})
+    config = KVConnectorConfig(
+        name="MultiConnector",
+        world_size=4,
+        rank=2,
+        pipeline_parallel_size=2,
+        extra_config={
+            "connectors": [{"name": "cpu_offload", "extra_config": _disk_extra(tmp_path)}]
+        },
+    )
     multi = MultiConnector(config, KVConnectorRole.WORKER, kv)
     try:
         child = multi.worker_side.guards[0].connector
-        assert (child.config.world_size, child.config.rank, child.config.pipeline_parallel_size) == (4, 2, 2)
+        assert (
+            child.config.world_size,
+            child.config.rank,
+            child.config.pipeline_parallel_size,
+        ) == (4, 2, 2)
         assert child.worker_side.tiers.shard == Shard(2, 4, 2)
     finally:
         multi.shutdown()
@@ -137,8 +159,10 @@ def test_a_chunk_is_held_only_when_every_ranks_shard_is(kind, tmp_path, request)
     keys = _okeys(3)
     shards = Shard.all_of(2)
     # chunk 0: both shards; chunk 1: rank 0's only; chunk 2: rank 1's only
-    writer.store([(tier_key(keys[0], s), b"x") for s in shards]
-                 + [(tier_key(keys[1], shards[0]), b"x"), (tier_key(keys[2], shards[1]), b"x")])
+    writer.store(
+        [(tier_key(keys[0], s), b"x") for s in shards]
+        + [(tier_key(keys[1], shards[0]), b"x"), (tier_key(keys[2], shards[1]), b"x")]
+    )
     assert writer.flush(30)
     writer.close()
     tier = new_tier()
@@ -154,8 +178,10 @@ def test_a_chunk_is_held_only_when_every_ranks_shard_is(kind, tmp_path, request)
 
 def _planes(rank):
     """A rank's CPU buffer: two planes (K and V, say) of 4 slots, bytes unique to the rank."""
-    return (torch.arange(4 * 6, dtype=torch.uint8).view(4, 6) + 50 * rank,
-            torch.arange(4 * 5, dtype=torch.uint8).view(4, 5) + 7 + 50 * rank)
+    return (
+        torch.arange(4 * 6, dtype=torch.uint8).view(4, 6) + 50 * rank,
+        torch.arange(4 * 5, dtype=torch.uint8).view(4, 5) + 7 + 50 * rank,
+    )
 
 
 @pytest.mark.parametrize("kind", ["disk", pytest.param("redis", marks=pytest.mark.redis)])
@@ -170,8 +196,12 @@ def test_each_rank_loads_back_its_own_bytes(kind, world_size, tmp_path, request)
         worker = WorkerTiers([new_tier()], shard=Shard(rank, world_size))
         planes.append(_planes(rank))
         worker.bind_buffer(planes[-1])
-        worker.write([TierWrite(keys[0], [1], [keys[0][:-4]], None),
-                      TierWrite(keys[1], [2], [keys[1][:-4]], None)])
+        worker.write(
+            [
+                TierWrite(keys[0], [1], [keys[0][:-4]], None),
+                TierWrite(keys[1], [2], [keys[1][:-4]], None),
+            ]
+        )
         workers.append(worker)
     for worker in workers:
         assert worker.tiers[0].flush(30)
@@ -211,8 +241,10 @@ def test_a_shard_too_short_for_the_slot_is_a_failed_load(tmp_path):
 def test_each_rank_budgets_and_evicts_only_its_own_files(tmp_path):
     """Ranks share a directory; a rank restarting indexes only its own shard's files, so
     its size budget never evicts another rank's shard (which would kill the chunk)."""
+
     def rank_tier(rank, capacity):
         return DiskTier({"path": str(tmp_path), "capacity_bytes": capacity}, shard=Shard(rank, 2))
+
     key = _okeys(1)[0]
     with rank_tier(0, 1 << 20) as zero:
         zero.store([(tier_key(key, Shard(0, 2)), b"0" * 100)])
@@ -231,7 +263,9 @@ def test_each_rank_budgets_and_evicts_only_its_own_files(tmp_path):
 
 # --------------------------------------------------------------------- end to end
 def _tp_run(connector, world_size, trace, pipeline_parallel_size=1, before_run=None):
-    engine, tp = tp_engine(EngineConfig(connector=connector, **ENGINE), world_size, pipeline_parallel_size)
+    engine, tp = tp_engine(
+        EngineConfig(connector=connector, **ENGINE), world_size, pipeline_parallel_size
+    )
     try:
         if before_run is not None:
             before_run(engine, tp)
@@ -250,6 +284,7 @@ def tp_baseline():
         if world_size not in runs:
             runs[world_size] = _tp_run(None, world_size, doc_trace())
         return runs[world_size]
+
     return get
 
 
@@ -272,7 +307,9 @@ def test_tp_workers_are_served_their_own_shards_from_disk(tmp_path, tp_baseline,
     assert stats["disk_loads"] > 0 and stats.get("disk_load_failures", 0) == 0
     files = {p.name for p in tmp_path.rglob("*.kvb")}
     tp = world_size // pp
-    assert {f.rsplit("-r", 1)[1] for f in files} == {f"{r}of{tp}x{pp}.kvb" for r in range(world_size)}
+    assert {f.rsplit("-r", 1)[1] for f in files} == {
+        f"{r}of{tp}x{pp}.kvb" for r in range(world_size)
+    }
 
 
 def test_the_check_sees_a_rank_loading_another_ranks_shard(tmp_path, tp_baseline, monkeypatch):
@@ -292,6 +329,7 @@ def test_the_check_sees_a_rank_loading_another_ranks_shard(tmp_path, tp_baseline
 def _drop_shards_before_loading(rank):
     """Make rank ``rank``'s tier lose every value it is about to load, as if another
     engine's disk budget or Redis eviction took it between lookup and load."""
+
     def install(engine, tp):
         worker = (engine.worker_connector if rank == 0 else tp.connectors[rank - 1]).worker_side
         tier = worker.tiers.tiers[0]
@@ -304,12 +342,16 @@ def _drop_shards_before_loading(rank):
                 else:
                     tier._conn().delete(tier.redis_key(key))  # noqa: SLF001
             return load_into(keys, dests)
+
         tier.load_into = vanishing
+
     return install
 
 
 def test_a_shard_gone_before_its_load_is_recomputed_never_mixed(tmp_path, tp_baseline):
-    got = _tp_run(offload(_disk(tmp_path)), 2, doc_trace(), before_run=_drop_shards_before_loading(1))
+    got = _tp_run(
+        offload(_disk(tmp_path)), 2, doc_trace(), before_run=_drop_shards_before_loading(1)
+    )
     _assert_same_as(tp_baseline(2), got)
     stats = got[0].metrics.connector_stats
     assert stats["disk_load_failures"] > 0
@@ -335,7 +377,11 @@ def test_two_tp_engines_share_one_redis(redis_single, tp_baseline, request):
 
 @pytest.mark.redis
 def test_a_redis_shard_evicted_before_its_load_is_recomputed(redis_single, tp_baseline, request):
-    got = _tp_run(offload(_redis(redis_single.url, request.node.name)), 2, doc_trace(),
-                  before_run=_drop_shards_before_loading(0))
+    got = _tp_run(
+        offload(_redis(redis_single.url, request.node.name)),
+        2,
+        doc_trace(),
+        before_run=_drop_shards_before_loading(0),
+    )
     _assert_same_as(tp_baseline(2), got)
     assert got[0].metrics.connector_stats["redis_load_failures"] > 0

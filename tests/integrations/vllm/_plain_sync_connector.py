@@ -48,15 +48,19 @@ class PlainSyncConnector(KVConnectorBase_V1):
                 break
             hits += 1
         self.asked[request.request_id] = num_computed_tokens
-        return max(0, min(hits * self.block_size, request.num_tokens - 1 - num_computed_tokens)), False
+        return max(
+            0, min(hits * self.block_size, request.num_tokens - 1 - num_computed_tokens)
+        ), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         block_ids = blocks.get_block_ids()[0]
         start = self.asked.pop(request.request_id, 0)
         end = -(-(start + num_external_tokens) // self.block_size)
         if num_external_tokens > 0:
-            self.loads += [(bytes(request.block_hashes[i]), block_ids[i])
-                           for i in range(start // self.block_size, end)]
+            self.loads += [
+                (bytes(request.block_hashes[i]), block_ids[i])
+                for i in range(start // self.block_size, end)
+            ]
         self.planner.admit(request, block_ids, first_block=end)
 
     def build_connector_meta(self, scheduler_output):

@@ -86,7 +86,9 @@ def test_hma_load_errors_reported_before_the_receive_finishes_fail_that_receive(
 
     rig.connector.update_state_after_alloc = note_load
     worker = rig.workers[0]
-    worker.connector = worker.worker_side.guard.connector = _LateReceives(worker.connector, rig, bad)
+    worker.connector = worker.worker_side.guard.connector = _LateReceives(
+        worker.connector, rig, bad
+    )
     rid = rig.add(p, max_tokens=2)
     rig.run()  # byte-checks every block of every running request after each step
     assert bad and rig.stats.async_loads >= 1
@@ -102,8 +104,13 @@ sys.path.insert(0, str(Path(__file__).parents[3] / "examples" / "disk_connector"
 
 
 def _disk(path: Path) -> dict:
-    return {"kvconnector": {"name": "DiskConnector", "module_path": "disk_connector.connector",
-                            "extra_config": {"path": str(path)}}}
+    return {
+        "kvconnector": {
+            "name": "DiskConnector",
+            "module_path": "disk_connector.connector",
+            "extra_config": {"path": str(path)},
+        }
+    }
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -113,7 +120,9 @@ def test_disk_example_never_serves_stores_built_on_a_failed_load(tmp_path, async
     be deleted when the failure is reported. Under vLLM's async scheduling the report
     arrives after the next step's plan is built, so a rule keyed on "the last plan"
     deleted the wrong step's files, and a later request loaded the garbage."""
-    rig = VllmRig(_disk(tmp_path), layout="BLHNC", num_gpu_blocks=40, async_scheduling=async_scheduling)
+    rig = VllmRig(
+        _disk(tmp_path), layout="BLHNC", num_gpu_blocks=40, async_scheduling=async_scheduling
+    )
     prefix = prompt(61, 64)  # 4 blocks on disk
     rig.add(prefix + [7], max_tokens=1)
     rig.run()
@@ -168,6 +177,8 @@ def test_a_reused_request_id_gets_its_receive_reported_after_an_earlier_failed_l
         assert rig.status("same-id") == "FREED"
         assert_no_leak(rig)
         # first: the failed load was recomputed; then: the load served the prefix
-        assert rig.stats.scheduled_tokens["same-id"] == (67 + 1 if attempt == 0 else 67 + 1 + 67 - 64 + 1)
+        assert rig.stats.scheduled_tokens["same-id"] == (
+            67 + 1 if attempt == 0 else 67 + 1 + 67 - 64 + 1
+        )
     assert raised == ["same-id"] and rig.stats.async_loads >= 1
     rig.shutdown()

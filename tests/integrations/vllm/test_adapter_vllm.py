@@ -6,7 +6,10 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer",
+    reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`",
+)
 
 import torch  # noqa: E402
 from _harness import (  # noqa: E402
@@ -85,7 +88,9 @@ def test_third_party_entry_point_connector_loads_through_the_registry():
 def test_a_connector_states_its_preferred_layout_to_vllm():
     from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
 
-    preferring = {"kvconnector": {"name": "LayoutPreferringTTL", "module_path": "_layout_connector"}}
+    preferring = {
+        "kvconnector": {"name": "LayoutPreferringTTL", "module_path": "_layout_connector"}
+    }
     assert get_kv_connector_cache_layout(make_vllm_config(preferring)) == "BLHNC"
     assert get_kv_connector_cache_layout(make_vllm_config(offload())) is None
 
@@ -143,7 +148,8 @@ def test_tensor_parallel_workers_aggregate_jobs_and_delayed_frees(num_workers):
             freed_at = rig.stats.steps
             assert rig.free_blocks() == rig.kv_cache_config.num_blocks - 1
     assert pending_seen and freed_at is not None
-    assert not rig.connector.connector.scheduler_side._jobs  # every store job completed (both reported)
+    # every store job completed (both reported)
+    assert not rig.connector.connector.scheduler_side._jobs
     assert rig.scheduler.reset_prefix_cache() is True
     rig.wipe()
     rig.add(prompt(3, 64 + 3), max_tokens=1)
@@ -156,8 +162,11 @@ def test_tensor_parallel_workers_aggregate_jobs_and_delayed_frees(num_workers):
 # -------------------------------------------------------------------------- TTL
 def test_ttl_pins_survive_the_empty_step_after_a_finish():
     """vLLM runs an empty step after each finish; pins must survive it (48-token hit, not 0)."""
-    rig = VllmRig(connector("ttl", {"ttl_seconds": 1e6, "max_pinned_blocks": 4}), num_gpu_blocks=12,
-                  max_num_seqs=1)
+    rig = VllmRig(
+        connector("ttl", {"ttl_seconds": 1e6, "max_pinned_blocks": 4}),
+        num_gpu_blocks=12,
+        max_num_seqs=1,
+    )
     hot = prompt(7, 48)
     rig.add(hot + [1, 2, 3], max_tokens=1)
     rig.run()
@@ -196,7 +205,9 @@ def test_prefix_cache_reset_with_running_requests_succeeds_while_pins_are_held()
     assert rig.connector.connector.num_pinned_blocks == 3
     rig.add(hot + [3], max_tokens=8)
     rig.step()  # running now
-    assert rig.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    assert (
+        rig.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    )
     assert rig.connector.connector.num_pinned_blocks == 0
     rig.run()
     assert_no_leak(rig)
@@ -228,18 +239,31 @@ def test_stats_are_per_step_deltas_through_vllms_stats_protocol():
 
 
 def test_adapter_stats_protocol():
-    a = AdapterStats.from_kvconnector({"bytes_loaded": 10, "gauges": {"pinned": 2},
-                                       "children": {"ttl": {"pins": 1, "gauges": {"pinned": 5}}}})
+    a = AdapterStats.from_kvconnector(
+        {
+            "bytes_loaded": 10,
+            "gauges": {"pinned": 2},
+            "children": {"ttl": {"pins": 1, "gauges": {"pinned": 5}}},
+        }
+    )
     b = AdapterStats.from_kvconnector({"bytes_loaded": 5, "children": {"ttl": {"pins": 2}}})
-    assert a.aggregate(b).reduce() == {"bytes_loaded": 15, "children.ttl.pins": 3,
-                                       "gauges.pinned": 2, "gauges.children.ttl.pinned": 5}
+    assert a.aggregate(b).reduce() == {
+        "bytes_loaded": 15,
+        "children.ttl.pins": 3,
+        "gauges.pinned": 2,
+        "gauges.children.ttl.pinned": 5,
+    }
     assert AdapterStats.from_kvconnector(None).is_empty()
 
 
 # ------------------------------------------------------------------- randomized
-@pytest.mark.parametrize(("name", "extra"), [("offload", offload(24)), ("multi", multi(TTL, offload(24)))])
+@pytest.mark.parametrize(
+    ("name", "extra"), [("offload", offload(24)), ("multi", multi(TTL, offload(24)))]
+)
 def test_randomized_run_checks_every_block_byte_for_byte(name, extra):
-    rig = VllmRig(extra, layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64)
+    rig = VllmRig(
+        extra, layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64
+    )
     check_randomized_run(rig, seed=5, num_requests=96, min_layer_blocks=10_000)
 
 
@@ -278,7 +302,9 @@ def test_failed_loads_are_reported_and_recomputed_by_vllm():
     sched_side = rig.connector
     for adapter in (sched_side, *rig.workers):  # the wrapped connector, behind the guard
         guard = (adapter.scheduler_side or adapter.worker_side).guard
-        adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, load_failure_rate=1.0)
+        adapter.connector = guard.connector = FaultInjectingConnector(
+            adapter.connector, load_failure_rate=1.0
+        )
     rid = rig.add(p, max_tokens=2)
     rig.run()  # the checker verifies every block: the recomputed bytes are right
     # One failed load; vLLM then recomputes the prompt (the adapter answers its
@@ -289,12 +315,27 @@ def test_failed_loads_are_reported_and_recomputed_by_vllm():
     assert_no_leak(rig)
 
 
-@pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                                  "update_connector_output", "request_finished", "take_events",
-                                  "get_kv_connector_stats", "bind_connector_metadata", "handle_preemptions",
-                                  "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
-                                  "get_block_ids_with_load_errors", "build_connector_worker_meta",
-                                  "clear_connector_metadata"])
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "request_finished",
+        "take_events",
+        "get_kv_connector_stats",
+        "bind_connector_metadata",
+        "handle_preemptions",
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+        "clear_connector_metadata",
+    ],
+)
 def test_a_raising_hook_is_contained_inside_vllm(hook):
     """Through the guard, a connector hook that raises (every time) inside vLLM costs hits,
     never data: every request finishes, every block holds the right bytes, nothing leaks.
@@ -312,7 +353,9 @@ def test_a_raising_hook_is_contained_inside_vllm(hook):
     rig.wipe()
     for adapter in (rig.connector, *rig.workers):
         guard = (adapter.scheduler_side or adapter.worker_side).guard
-        adapter.connector = guard.connector = FaultInjectingConnector(adapter.connector, raise_in={hook})
+        adapter.connector = guard.connector = FaultInjectingConnector(
+            adapter.connector, raise_in={hook}
+        )
     for p in prompts:
         rig.add(p, max_tokens=2)
     rig.run()  # byte-checked every step
@@ -343,7 +386,9 @@ def test_connector_events_reach_vllm_as_vllm_events():
     assert stored and all(e.medium == "CPU" and e.block_size == 16 for e in stored)
     import msgspec
 
-    batch = msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=stored)), type=KVEventBatch)
+    batch = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=stored)), type=KVEventBatch
+    )
     assert batch.events == stored
 
 
@@ -362,8 +407,9 @@ def test_a_translation_that_copies_instead_of_viewing_is_caught(monkeypatch):
     stores would read stale bytes and loads land in the copy: the byte check must fail."""
     from kvconnector_core.integrations.vllm import worker
 
-    monkeypatch.setattr(worker, "block_dense_views",
-                        lambda name, t: {name: t.permute(0, 2, 1, 3).clone()})
+    monkeypatch.setattr(
+        worker, "block_dense_views", lambda name, t: {name: t.permute(0, 2, 1, 3).clone()}
+    )
     rig = VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)
     with pytest.raises(AssertionError, match="bytes differ"):
         _store_reset_load(rig, [prompt(1, 67)])
@@ -375,8 +421,11 @@ def test_a_translation_that_ignores_the_layout_is_caught(monkeypatch):
     from kvconnector_core.errors import ConnectorHookError
     from kvconnector_core.integrations.vllm import worker
 
-    monkeypatch.setattr(worker, "block_dense_views",
-                        lambda name, t: {f"{name}#h{i}": t[:, i] for i in range(t.shape[1])})
+    monkeypatch.setattr(
+        worker,
+        "block_dense_views",
+        lambda name, t: {f"{name}#h{i}": t[:, i] for i in range(t.shape[1])},
+    )
     with pytest.raises(ConnectorHookError, match="must be one contiguous chunk"):
         VllmRig(offload(64), layout="LBNHC", num_gpu_blocks=40)
 
@@ -388,7 +437,22 @@ def test_benchmark_runs_and_checks_both_sides_did_the_same_work():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vllm_adapter.py"), "--repeats", "1",
-                          "--requests", "40"], capture_output=True, text=True, timeout=600, cwd=root, check=False)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_vllm_adapter.py"),
+            "--repeats",
+            "1",
+            "--requests",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "| cpu_offload via KVConnectorAdapter |" in run.stdout and "Ratio ours / vLLM" in run.stdout
+    assert (
+        "| cpu_offload via KVConnectorAdapter |" in run.stdout and "Ratio ours / vLLM" in run.stdout
+    )

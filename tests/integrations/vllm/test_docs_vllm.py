@@ -22,7 +22,10 @@ def _block(name: str) -> str:
 
 def test_vllm_scheduler_block_builds_vllms_scheduler_with_a_kvconnector_connector(capsys):
     namespace: dict[str, object] = {}
-    exec(compile(_block("vllm-scheduler"), f"{DOC}:vllm-scheduler", "exec", dont_inherit=True), namespace)  # noqa: S102
+    exec(  # noqa: S102
+        compile(_block("vllm-scheduler"), f"{DOC}:vllm-scheduler", "exec", dont_inherit=True),
+        namespace,
+    )
     adapter = namespace["adapter"]
     assert type(adapter).__name__ == "KVConnectorAdapter"
     assert adapter.connector.name == "OffloadingConnector"

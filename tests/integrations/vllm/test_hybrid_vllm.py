@@ -62,6 +62,14 @@ def test_hybrid_loads_are_byte_exact_and_only_in_window(window):
 def test_hybrid_randomized_run_checks_every_block_of_both_groups_every_step():
     """Preemptions, async loads and prefix-cache drops under HMA; every full in-window
     block of both groups is checked byte for byte after every step."""
-    rig = VllmRig(offload(48), layout="LHBNC", num_gpu_blocks=40, max_num_seqs=6, max_num_batched_tokens=64,
-                  sliding_window=40, hma=True, kv_transfer=HMA)
+    rig = VllmRig(
+        offload(48),
+        layout="LHBNC",
+        num_gpu_blocks=40,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        sliding_window=40,
+        hma=True,
+        kv_transfer=HMA,
+    )
     check_randomized_run(rig, seed=7, num_requests=64, min_layer_blocks=5_000)

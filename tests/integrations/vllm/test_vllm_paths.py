@@ -14,7 +14,10 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer",
+    reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`",
+)
 
 from _harness import (  # noqa: E402
     VllmRig,
@@ -103,8 +106,17 @@ def test_failed_async_loads_under_hma_are_recomputed_not_a_crash():
     rig.shutdown()
 
 
-@pytest.mark.parametrize("hook", ["update_state_after_alloc", "build_connector_meta", "update_connector_output",
-                                  "bind_connector_metadata", "start_load_kv", "get_block_ids_with_load_errors"])
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "bind_connector_metadata",
+        "start_load_kv",
+        "get_block_ids_with_load_errors",
+    ],
+)
 def test_under_the_fail_policy_a_raising_hook_fails_requests_never_vllm(hook):
     """vLLM's default policy ``fail``: a load the guard turned into a failure ends its
     request with an error (vLLM's choice), the other requests complete, the scheduler
@@ -184,8 +196,12 @@ def test_a_prefix_cache_reset_right_after_a_finish_succeeds(num_workers, reset_r
     rid = rig.add(p, max_tokens=1)
     rig.step()
     assert rig.status(rid) == "FINISHED_LENGTH_CAPPED" and rig.connector.has_pending_block_frees()
-    assert rig.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests,
-                                            reset_connector=True) is True
+    assert (
+        rig.scheduler.reset_prefix_cache(
+            reset_running_requests=reset_running_requests, reset_connector=True
+        )
+        is True
+    )
     assert not rig.connector.has_pending_block_frees()
     rig.wipe()
     rig.run()  # the finished request leaves once its stores report
@@ -237,11 +253,18 @@ def test_a_pickled_plan_and_pickled_outputs_run_the_same():
 
 # ---------------------------------------------------------- vLLM's MultiConnector
 def _vllm_multi(*children):
-    child = {"kv_connector": "KVConnectorAdapter", "kv_connector_module_path": "kvconnector_core.integrations.vllm",
-             "kv_role": "kv_both"}
-    return {"kv_connector": "MultiConnector", "kv_connector_module_path": None,
-            "kv_connector_extra_config": {"connectors": [{**child, "kv_connector_extra_config": c}
-                                                         for c in children]}}
+    child = {
+        "kv_connector": "KVConnectorAdapter",
+        "kv_connector_module_path": "kvconnector_core.integrations.vllm",
+        "kv_role": "kv_both",
+    }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_connector_module_path": None,
+        "kv_connector_extra_config": {
+            "connectors": [{**child, "kv_connector_extra_config": c} for c in children]
+        },
+    }
 
 
 def test_vllms_own_multi_connector_runs_adapters():
@@ -308,7 +331,9 @@ def test_synchronous_hits_under_hma_are_recomputed(caplog):
 
 
 # ------------------------------------------------------------------------ events
-@pytest.mark.parametrize(("num_workers", "case"), [(1, "plain"), (2, "plain"), (2, "lag"), (2, "vanish")])
+@pytest.mark.parametrize(
+    ("num_workers", "case"), [(1, "plain"), (2, "plain"), (2, "lag"), (2, "vanish")]
+)
 def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, num_workers, case):
     """cpu_offload with a disk tier behind a small CPU tier: the tier's lookups answer
     "ask again" (None) to vLLM's scheduler, a prefix evicted from the CPU tier comes back
@@ -341,9 +366,17 @@ def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, 
     manager = rig.connector.connector.manager
 
     def where(p):  # (all 4 full blocks on disk for every rank, how many the CPU tier holds)
-        req = Request("probe", p, SamplingParams(max_tokens=1), pooling_params=None, mm_features=None,
-                      block_hasher=rig.hasher)
-        shards = [f"-r{r}of{num_workers}x1" for r in range(num_workers)] if num_workers > 1 else [""]
+        req = Request(
+            "probe",
+            p,
+            SamplingParams(max_tokens=1),
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=rig.hasher,
+        )
+        shards = (
+            [f"-r{r}of{num_workers}x1" for r in range(num_workers)] if num_workers > 1 else [""]
+        )
         names = {f"{bytes(h).hex()}-g0{shard}.kvb" for h in req.block_hashes for shard in shards}
         in_cpu = sum(manager.lookup((bytes(h) + bytes(4),)) for h in req.block_hashes)
         return names <= {f for _, _, files in os.walk(tmp_path) for f in files}, in_cpu
@@ -364,6 +397,7 @@ def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, 
         def slow_read(keys, dests):
             time.sleep(0.2)
             return read(keys, dests)
+
         tier1._get_into = slow_read  # noqa: SLF001
     if case == "vanish":
         load_into = tier1.load_into
@@ -372,6 +406,7 @@ def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, 
             for key in keys:
                 tier1._path(key).unlink(missing_ok=True)  # noqa: SLF001
             return load_into(keys, dests)
+
         tier1.load_into = vanishing
     first = rig.add(evicted[0], max_tokens=1)  # on disk, evicted from the CPU tier
     rig.run()
@@ -383,7 +418,9 @@ def test_a_disk_tier_serves_hits_and_its_events_reach_vllms_publisher(tmp_path, 
         return
     assert rig.stats.scheduled_tokens[first] == 67 - 64
     assert rig.stats.loaded_layer_blocks_checked == 4 * 4 * num_workers
-    media = {f"{type(e).__name__}:{getattr(e, 'medium', None)}" for b in published for e in b.events}
+    media = {
+        f"{type(e).__name__}:{getattr(e, 'medium', None)}" for b in published for e in b.events
+    }
     assert {"BlockStored:CPU", "BlockStored:GPU"} <= media, media
     if num_workers == 1:
         assert "BlockStored:DISK" in media, media
@@ -425,8 +462,12 @@ def test_a_resync_after_take_events_raises_reaches_vllms_publisher_decodable():
         rig.add(p, max_tokens=2)
     rig.run()
     assert faulty[0].num_injected_raises > 0
-    held = {h for e in rig.connector.connector.get_event_snapshot()
-            if type(e).__name__ == "BlockStored" for h in e.block_hashes}
+    held = {
+        h
+        for e in rig.connector.connector.get_event_snapshot()
+        if type(e).__name__ == "BlockStored"
+        for h in e.block_hashes
+    }
     assert held and replica == held
     assert_no_leak(rig)
     rig.shutdown()
@@ -445,8 +486,12 @@ def _randomized_with_aborts(rig: VllmRig, seed: int, num_requests: int) -> dict[
     statuses: dict[str, int] = {}
     live: list[str] = []
     for i in range(num_requests):
-        live.append(rig.add(rng.choice(prefixes) + prompt(2000 + i, rng.randrange(1, 40)),
-                            max_tokens=rng.randrange(1, 48)))
+        live.append(
+            rig.add(
+                rng.choice(prefixes) + prompt(2000 + i, rng.randrange(1, 40)),
+                max_tokens=rng.randrange(1, 48),
+            )
+        )
         for _ in range(rng.randrange(0, 3)):
             rig.step()
             loading = [r for r in live if rig.status(r) == "WAITING_FOR_REMOTE_KVS"]
@@ -472,14 +517,30 @@ def _randomized_with_aborts(rig: VllmRig, seed: int, num_requests: int) -> dict[
 def test_randomized_aborts_leak_nothing_and_corrupt_nothing(kv):
     from _harness import multi
 
-    extra, transfer = {"offload": (offload(24), None), "multi": (multi(TTL, offload(24)), None),
-                       "vllm_multi": ({}, _vllm_multi(TTL, offload(24)))}[kv]
-    rig = VllmRig(extra, layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
-                  kv_transfer=transfer)
+    extra, transfer = {
+        "offload": (offload(24), None),
+        "multi": (multi(TTL, offload(24)), None),
+        "vllm_multi": ({}, _vllm_multi(TTL, offload(24))),
+    }[kv]
+    rig = VllmRig(
+        extra,
+        layout="LHBNC",
+        num_gpu_blocks=20,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        kv_transfer=transfer,
+    )
     statuses = _randomized_with_aborts(rig, seed=11, num_requests=80)
     s = rig.stats
-    assert s.preemptions > 0 and s.async_loads > 0 and s.hit_tokens > 0 and s.loaded_layer_blocks_checked > 0
-    assert statuses.get("RUNNING", 0) > 0 and statuses.get("WAITING_FOR_REMOTE_KVS", 0) > 0, statuses
+    assert (
+        s.preemptions > 0
+        and s.async_loads > 0
+        and s.hit_tokens > 0
+        and s.loaded_layer_blocks_checked > 0
+    )
+    assert statuses.get("RUNNING", 0) > 0 and statuses.get("WAITING_FOR_REMOTE_KVS", 0) > 0, (
+        statuses
+    )
     assert_no_leak(rig)
     if kv == "vllm_multi":
         rig.connector.shutdown()
@@ -490,9 +551,18 @@ def test_randomized_aborts_leak_nothing_and_corrupt_nothing(kv):
 
 
 # ------------------------------------------------------- one worker of two failing
-@pytest.mark.parametrize("hook", ["bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
-                                  "save_kv_layer", "wait_for_save", "get_block_ids_with_load_errors",
-                                  "build_connector_worker_meta"])
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "bind_connector_metadata",
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+    ],
+)
 def test_one_tp_worker_raising_is_contained(hook):
     """Only the second of two TP workers raises: vLLM's KVOutputAggregator folds a failed
     and a good report of the same load or store; the request recomputes what did not
@@ -521,14 +591,28 @@ def test_async_scheduling_randomized_run_checks_every_block(kv):
     from _harness import check_randomized_run, multi
 
     extra = offload(24) if kv == "offload" else multi(TTL, offload(24))
-    rig = VllmRig(extra, layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
-                  async_scheduling=True)
+    rig = VllmRig(
+        extra,
+        layout="LHBNC",
+        num_gpu_blocks=20,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+    )
     assert type(rig.scheduler).__name__ == "AsyncScheduler"
     check_randomized_run(rig, seed=5, num_requests=96, min_layer_blocks=10_000)
 
 
-@pytest.mark.parametrize("hook", ["handle_preemptions", "start_load_kv", "save_kv_layer",
-                                  "get_block_ids_with_load_errors", "build_connector_worker_meta"])
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "handle_preemptions",
+        "start_load_kv",
+        "save_kv_layer",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+    ],
+)
 def test_async_scheduling_a_flaky_worker_hook_fails_its_own_steps_plan(hook):
     """A worker hook raising on 30% of its calls under async scheduling: the failure must
     reach the plan of the step that failed, not the plan built since (which released
@@ -536,8 +620,14 @@ def test_async_scheduling_a_flaky_worker_hook_fails_its_own_steps_plan(hook):
     asserted). Every block byte-checked each step, nothing leaked."""
     from _harness import check_randomized_run
 
-    rig = VllmRig(offload(24), layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
-                  async_scheduling=True)
+    rig = VllmRig(
+        offload(24),
+        layout="LHBNC",
+        num_gpu_blocks=20,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+    )
     faulty = _wrap_faulty(rig, raise_in={hook: 0.3}, seed=1)
     check_randomized_run(rig, seed=5, num_requests=48, min_layer_blocks=2_000)
     assert sum(f.num_injected["raises"] for f in faulty) > 0
@@ -553,8 +643,14 @@ def test_a_worker_whose_stores_always_fail_does_not_stall_vllm(hook, async_sched
     The worker now reports such frees sent once nothing of it is in flight."""
     from _harness import randomized
 
-    rig = VllmRig(offload(24), layout="LHBNC", num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
-                  async_scheduling=async_scheduling)
+    rig = VllmRig(
+        offload(24),
+        layout="LHBNC",
+        num_gpu_blocks=20,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )
     faulty = _wrap_faulty(rig, raise_in={hook})
     rig.run = functools.partial(rig.run, max_steps=2_000)  # stalled runs fail fast
     randomized(rig, seed=5, num_requests=48)  # byte-checked every step
