@@ -53,12 +53,15 @@ class StubModel:
         """What ``view`` (one layer of one block) must hold for this hash."""
         return self.pattern(block_hash, layer, view.numel(), worker).view(view.shape)
 
-    def write(self, block_id: int, block_hash: bytes | None, group: int = 0) -> None:
-        """Write a block's bytes in every layer of its group on every worker (-1 when the
-        block is not full, so it has no hash yet)."""
+    def write(self, block_id: int, block_hash: bytes | None, group: int = 0,
+              worker: int | None = None) -> None:
+        """Write a block's bytes in every layer of its group, on one worker or on all (-1
+        when the block is not full, so it has no hash yet)."""
         if block_id == 0:  # vLLM's null block (a sliding-window position out of the window)
             return
         for w, caches in enumerate(self.kv_caches):
+            if worker is not None and w != worker:
+                continue
             for layer, name in self.group_layers[group]:
                 view = caches[name][block_id]
                 if block_hash is None:
@@ -72,9 +75,12 @@ class StubModel:
             for t in caches.values():
                 t.zero_()
 
-    def forward(self, scheduler: Any, so: Any) -> tuple[list[str], list[list[int]]]:
-        """Compute a scheduler output's tokens: write the blocks they fill; one sampled
-        token per request whose prompt is done. Returns (request ids, sampled tokens)."""
+    def forward(self, scheduler: Any, so: Any,
+                worker: int = 0) -> tuple[list[str], list[list[int]]]:
+        """One worker's forward of a scheduler output: write the blocks its tokens fill, in
+        that worker's tensors only (each worker computes after its own load hooks, as in
+        vLLM). Returns (request ids, sampled tokens): one token per request whose prompt
+        is done."""
         req_ids, sampled = [], []
         bs = self.block_size
         for rid, n in so.num_scheduled_tokens.items():
@@ -84,8 +90,8 @@ class StubModel:
             for g, block_ids in enumerate(scheduler.kv_cache_manager.get_block_ids(rid)):
                 for i in range(start // bs, -(-end // bs)):
                     full = i < len(req.block_hashes) and (i + 1) * bs <= end
-                    self.write(block_ids[i], req.block_hashes[i] if full else None, g)
-                    if not full and (i + 1) * bs <= end:
+                    self.write(block_ids[i], req.block_hashes[i] if full else None, g, worker)
+                    if not full and (i + 1) * bs <= end and worker == 0:
                         self.unhashed.append((rid, g, i, block_ids[i]))
             req_ids.append(rid)
             sampled.append([1000 + len(req.output_token_ids)] if end >= req.num_tokens else [])

@@ -146,7 +146,6 @@ class VllmRig:
                                  raise_on_wrong=raise_on_wrong)
         self._async_ids: set[str] = set()  # requests seen waiting for an async load
         self._next_id = 0
-        self._last_forward: tuple[list[str], list[list[int]]] = ([], [])
         self._observe_connector()
 
     @classmethod
@@ -270,9 +269,7 @@ class VllmRig:
             layered = conn.has_connector_metadata()
             for name in self.layer_names if layered else ():
                 conn.wait_for_layer_load(name)
-            if w == 0:
-                self._last_forward = self.model.forward(self.scheduler, so)
-            req_ids, sampled = self._last_forward
+            req_ids, sampled = self.model.forward(self.scheduler, so, w)
             for name in self.layer_names if layered else ():
                 conn.save_kv_layer(name, self.kv_caches[w][name], None)
         return ModelRunnerOutput(req_ids=req_ids,
