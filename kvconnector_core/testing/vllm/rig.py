@@ -92,6 +92,8 @@ class VllmRig:
             connector plan built) before step N's output is processed.
         raise_on_wrong: the oracle raises AssertionError at the first wrong block (tests);
             False records wrong blocks for :meth:`check`'s report.
+        enable_prefix_caching: vLLM's prefix caching (off: every repeated prefix is the
+            connector's to load).
         **config_kw: :func:`~kvconnector_core.integrations.vllm.cpu_config.make_vllm_config`'s
             keywords (``hma``, ``load_failure_policy``, ``kv_transfer``, ``kv_events``,
             ``max_model_len``).
@@ -106,7 +108,8 @@ class VllmRig:
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  check_every_step: bool = True, sliding_window: int | None = None,
                  serialize: bool = False, async_scheduling: bool = False,
-                 raise_on_wrong: bool = True, **config_kw: Any) -> None:
+                 raise_on_wrong: bool = True, enable_prefix_caching: bool = True,
+                 **config_kw: Any) -> None:
         if layout not in LAYOUTS:
             msg = f"unknown KV cache layout {layout!r}; valid: {', '.join(LAYOUTS)}"
             raise ValueError(msg)
@@ -121,6 +124,7 @@ class VllmRig:
         self.check_every_step = check_every_step
         self.cfg.cache_config.kv_cache_layout = layout
         self.cfg.cache_config.num_gpu_blocks_override = num_gpu_blocks
+        self.cfg.cache_config.enable_prefix_caching = enable_prefix_caching
         self.layer_names = [f"model.layers.{i}.attn" for i in range(num_layers)]
         groups = self._groups(block_size, num_heads, head_size, sliding_window)
         self.group_layers = [[(self.layer_names.index(n), n) for n in g.layer_names]
@@ -145,6 +149,9 @@ class VllmRig:
         self.oracle = ByteOracle(self.model, self.scheduler, self.stats,
                                  raise_on_wrong=raise_on_wrong)
         self._async_ids: set[str] = set()  # requests seen waiting for an async load
+        self.sync_load_steps: list[int] = []
+        """Steps (from 0) whose plan carries a synchronous load (from vLLM's calls)."""
+        self._load_async: dict[str, bool] = {}
         self._next_id = 0
         self._observe_connector()
 
@@ -202,7 +209,9 @@ class VllmRig:
 
         def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> Any:
             self.oracle.note_lookup(request.request_id, num_computed_tokens)
-            return lookup(request, num_computed_tokens)
+            answer = lookup(request, num_computed_tokens)
+            self._load_async[request.request_id] = bool(answer[1])
+            return answer
 
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
             if num_external_tokens:
@@ -211,6 +220,8 @@ class VllmRig:
                 local = self.oracle.prefix_hits.get(request.request_id, 0)
                 n = num_external_tokens // self.block_size
                 self.stats.hit_tokens += num_external_tokens
+                if not self._load_async.get(request.request_id, False):
+                    self.sync_load_steps.append(self.stats.steps)
                 self.oracle.note_load([b.block_id for g in blocks.blocks
                                        for b in g[local:local + n]])
             alloc(request, blocks, num_external_tokens)
