@@ -273,7 +273,8 @@ class VllmRig:
             conn.handle_preemptions(so.kv_connector_metadata)
         if so.total_num_scheduled_tokens == 0:
             return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.cfg)
-        with set_forward_context(None, self.cfg), \
+        attn = self._forward_context_for(w)
+        with set_forward_context(attn, self.cfg), \
                 KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kvo:
             # The per-layer hooks, as vLLM's attention layers call them
             # (kv_transfer_utils.maybe_transfer_kv_layer): wait before, save after.
@@ -282,10 +283,20 @@ class VllmRig:
                 conn.wait_for_layer_load(name)
             req_ids, sampled = self.model.forward(self.scheduler, so, w)
             for name in self.layer_names if layered else ():
-                conn.save_kv_layer(name, self.kv_caches[w][name], None)
+                conn.save_kv_layer(name, self.kv_caches[w][name], attn[name])
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kvo)
+
+    def _forward_context_for(self, worker: int) -> dict[str, Any]:
+        """What vLLM's forward context holds during a worker's forward: per layer, the
+        attention metadata (a stub: the model computes nothing) and, in
+        ``no_compile_layers``, the attention layer with its ``kv_cache`` tensor, which
+        connectors such as vLLM's ExampleConnector load into."""
+        layers = self.cfg.compilation_config.static_forward_context
+        for name in self.layer_names:
+            layers[name] = _StubAttention(self.kv_caches[worker][name])
+        return dict.fromkeys(self.layer_names, _STUB_ATTN_METADATA)
 
     def step(self) -> Any:
         """One EngineCore-like step: schedule, the workers, update_from_output (with async
@@ -443,6 +454,16 @@ class VllmRig:
             self.connector.shutdown()
         for w in self.workers:
             w.shutdown()
+
+
+class _StubAttention:
+    """An attention layer as connectors see it in the forward context: its KV cache."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+
+_STUB_ATTN_METADATA = object()  # not MLA metadata: connectors index blocks, not flat slots
 
 
 def _copy(obj: Any) -> Any:
