@@ -6,6 +6,7 @@ Primitives: :func:`prompt`, :func:`randomized`, :func:`run_trace`, :data:`RIG_WO
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def randomized(rig: VllmRig, seed: int, num_requests: int, *, run: bool = True,
         rig.run()
 
 
-def run_trace(rig: VllmRig, trace: Trace | list[Any], *, max_steps: int = 100_000) -> None:
+def run_trace(rig: VllmRig, trace: Trace | Sequence[Any], *, max_steps: int = 100_000) -> None:
     """Add a trace's requests at their arrival steps (kvconnector's trace format: arrival
     in engine steps) and step until the last one was added; :meth:`~.rig.VllmRig.check`
     then runs the rest.
