@@ -10,7 +10,7 @@ import pytest
 if importlib.util.find_spec("vllm") is not None:
     pytest.skip("vLLM is installed here (the vLLM suite covers the rig)", allow_module_level=True)
 
-from kvconnector_core.cli import main  # noqa: E402
+from kvconnector_core.cli import main
 
 
 def test_importing_the_rig_names_the_install_command():

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
 
-from _harness import VllmRig, prompt  # noqa: E402
+from _harness import VllmRig, prompt
 
-from kvconnector_core.testing.vllm import adapter_config, with_faults  # noqa: E402
+from kvconnector_core.testing.vllm import adapter_config, with_faults
 
 PLAIN = {"kvconnector": {"name": "PlainSyncConnector", "module_path": "_plain_sync_connector"}}
 

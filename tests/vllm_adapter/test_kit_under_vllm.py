@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
 
-from kvconnector_core.connector import KVConnectorConfig  # noqa: E402
-from kvconnector_core.testing import ConnectorContract, DataCheck  # noqa: E402
-from kvconnector_core.testing.vllm.kit import (  # noqa: E402
+from kvconnector_core.connector import KVConnectorConfig
+from kvconnector_core.testing import ConnectorContract, DataCheck
+from kvconnector_core.testing.vllm.kit import (
     run_vllm_data_check,
     run_vllm_failed_load_check,
 )

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
 
-from kvconnector_core.testing.vllm import VllmRig, prompt  # noqa: E402
+from kvconnector_core.testing.vllm import VllmRig, prompt
 
 
 def _example(tmp_path) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
 
-from kvconnector_core.cli import main  # noqa: E402
+from kvconnector_core.cli import main
 
 DOCS_OFFLOAD = """{
   "kv_connector": "KVConnectorAdapter",
