@@ -52,10 +52,25 @@ class ConnectorContract:
     Attributes:
         connector_config: the config the tests create the connector from (required).
         registry: registry to resolve the name in; None = the default registry.
+        engine: ``"kvconnector"`` (the default) or ``"vllm"``: the engine-bound tests
+            (construction, lifecycle, empty step, delayed free, shutdown pins) run as
+            scenarios under vLLM 0.33's scheduler behind kvconnector's adapter
+            (:mod:`kvconnector_core.testing.vllm.kit`; needs vLLM); the others check the
+            connector's API and run the same under both.
     """
 
     connector_config: ClassVar[KVConnectorConfig]
     registry: ClassVar[ConnectorRegistry | None] = None
+    engine: ClassVar[str] = "kvconnector"
+
+    def _ran_in_vllm(self, scenario: str) -> bool:
+        """Under ``engine = "vllm"``, run ``scenario`` in the vLLM rig instead."""
+        if self.engine != "vllm":
+            return False
+        from kvconnector_core.testing.vllm.kit import run_vllm_contract_scenario
+
+        run_vllm_contract_scenario(self.connector_config, scenario)
+        return True
 
     # ------------------------------------------------------------- overridable
 
@@ -125,6 +140,8 @@ class ConnectorContract:
 
     def test_constructs_in_both_roles(self) -> None:
         """The connector can be created as scheduler and as worker, and knows its role."""
+        if self._ran_in_vllm("constructs"):
+            return
         sched, worker, _ = self._pair()
         try:
             assert sched.role is KVConnectorRole.SCHEDULER
@@ -166,6 +183,8 @@ class ConnectorContract:
 
     def test_matched_tokens_on_fresh_request(self) -> None:
         """A fresh request gets ``(int >= 0 | None, bool)``, the same answer when asked twice."""
+        if self._ran_in_vllm("lifecycle"):
+            return
         sched, worker, _ = self._pair()
         try:
             sched.bind_gpu_block_pool(factories.make_block_pool())
@@ -185,6 +204,8 @@ class ConnectorContract:
 
     def test_scheduler_lifecycle_of_one_request(self) -> None:
         """Admission, allocation, planning, output and finish run on real blocks."""
+        if self._ran_in_vllm("lifecycle"):
+            return
         sched, worker, kvc = self._pair()
         try:
             manager = factories.make_kv_cache_manager(kvc)
@@ -236,6 +257,8 @@ class ConnectorContract:
         The calls the connector receives are recorded and checked against
         :data:`WORKER_STEP_HOOKS`, so the test cannot drift from the order it promises.
         """
+        if self._ran_in_vllm("empty_step"):
+            return
         sched, worker, kvc = self._pair()
         try:
             sched.bind_gpu_block_pool(factories.make_block_pool(kvc.num_blocks))
@@ -281,6 +304,8 @@ class ConnectorContract:
         finishes, and empty steps follow until it is reported (at most
         :data:`MAX_DRAIN_STEPS`).
         """
+        if self._ran_in_vllm("delayed_free"):
+            return
         sched, worker, kvc = self._pair()
         try:
             _, request, block_ids = self._schedule_one_request(sched, worker, kvc)
@@ -311,6 +336,8 @@ class ConnectorContract:
         The second request hits the first one's prefix, so a pinning connector
         pins something; shutdown must release it (no leaked ``touch``).
         """
+        if self._ran_in_vllm("shutdown_pins"):
+            return
         sched, worker, kvc = self._pair()
         try:
             manager = factories.make_kv_cache_manager(kvc)
@@ -368,6 +395,8 @@ class ConnectorContract:
 
     def test_bind_gpu_block_pool_accepts_real_pool(self) -> None:
         """``bind_gpu_block_pool`` accepts the real BlockPool (which satisfies GPUBlockPoolView)."""
+        if self._ran_in_vllm("lifecycle"):
+            return
         from kvconnector_core.kv_cache.block_pool import GPUBlockPoolView
 
         sched, worker, _ = self._pair()

@@ -1,0 +1,113 @@
+"""The rig's stub model: writes a deterministic byte pattern per block hash, layer and rank.
+
+No weights and no arithmetic: a "forward" writes, into every layer of each block a step
+computes, bytes derived from the block's vLLM hash (and the layer and the worker, since TP
+ranks hold different shards). Any block a connector later loads, or vLLM serves from its
+prefix cache, can then be checked against its hash (:class:`~.check.ByteOracle`).
+
+Primitives: :class:`StubModel`, :data:`LAYOUTS`, :data:`EOS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["EOS", "LAYOUTS", "StubModel"]
+
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""vLLM 0.33's six KV cache layouts."""
+EOS = 2
+"""The stub model config's end-of-sequence token (never sampled: requests ignore EOS)."""
+
+
+class StubModel:
+    """Writes and predicts the bytes of KV blocks in vLLM's per-worker KV cache tensors.
+
+    Args:
+        kv_caches: per worker, vLLM's layer name -> KV cache tensor (``allocate_kv_cache``).
+        group_layers: per KV cache group, its layers as (index in the model, name).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, kv_caches: list[dict[str, torch.Tensor]],
+                 group_layers: list[list[tuple[int, str]]], block_size: int) -> None:
+        self.kv_caches = kv_caches
+        self.group_layers = group_layers
+        self.block_size = block_size
+        # async scheduling: blocks a step filled before their last token was known (so
+        # before their hash): (request id, group, block index, block id), written once known
+        self.unhashed: list[tuple[str, int, int, int]] = []
+
+    @staticmethod
+    def pattern(block_hash: bytes, layer: int, numel: int, worker: int = 0) -> torch.Tensor:
+        """The values a block with this hash holds in this layer on this worker."""
+        seed = torch.frombuffer(bytearray(bytes(block_hash)[:32]), dtype=torch.int8).clone()
+        seed[0] = seed[0] + layer
+        seed[1] = seed[1] + worker
+        return seed.repeat(-(-numel // seed.numel()))[:numel]
+
+    def expected(self, block_hash: bytes, layer: int, view: torch.Tensor,
+                 worker: int) -> torch.Tensor:
+        """What ``view`` (one layer of one block) must hold for this hash."""
+        return self.pattern(block_hash, layer, view.numel(), worker).view(view.shape)
+
+    def write(self, block_id: int, block_hash: bytes | None, group: int = 0,
+              worker: int | None = None) -> None:
+        """Write a block's bytes in every layer of its group, on one worker or on all (-1
+        when the block is not full, so it has no hash yet)."""
+        if block_id == 0:  # vLLM's null block (a sliding-window position out of the window)
+            return
+        for w, caches in enumerate(self.kv_caches):
+            if worker is not None and w != worker:
+                continue
+            for layer, name in self.group_layers[group]:
+                view = caches[name][block_id]
+                if block_hash is None:
+                    view.fill_(-1)
+                else:
+                    view.copy_(self.expected(block_hash, layer, view, w))
+
+    def wipe(self) -> None:
+        """Zero every KV byte (after a prefix-cache reset only loads can restore them)."""
+        for caches in self.kv_caches:
+            for t in caches.values():
+                t.zero_()
+
+    def forward(self, scheduler: Any, so: Any,
+                worker: int = 0) -> tuple[list[str], list[list[int]]]:
+        """One worker's forward of a scheduler output: write the blocks its tokens fill, in
+        that worker's tensors only (each worker computes after its own load hooks, as in
+        vLLM). Returns (request ids, sampled tokens): one token per request whose prompt
+        is done."""
+        req_ids, sampled = [], []
+        bs = self.block_size
+        for rid, n in so.num_scheduled_tokens.items():
+            req = scheduler.requests[rid]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            start = end - n
+            for g, block_ids in enumerate(scheduler.kv_cache_manager.get_block_ids(rid)):
+                for i in range(start // bs, -(-end // bs)):
+                    full = i < len(req.block_hashes) and (i + 1) * bs <= end
+                    self.write(block_ids[i], req.block_hashes[i] if full else None, g, worker)
+                    if not full and (i + 1) * bs <= end and worker == 0:
+                        self.unhashed.append((rid, g, i, block_ids[i]))
+            req_ids.append(rid)
+            sampled.append([1000 + len(req.output_token_ids)] if end >= req.num_tokens else [])
+        return req_ids, sampled
+
+    def write_hashed(self, scheduler: Any) -> None:
+        """Async scheduling: give blocks whose hash is now known their bytes (the model
+        wrote them in the step that filled them; the rig learns the hash later)."""
+        waiting = []
+        for rid, g, i, bid in self.unhashed:
+            req = scheduler.requests.get(rid)
+            ids = scheduler.kv_cache_manager.get_block_ids(rid)[g] if req is not None else []
+            if i >= len(ids) or ids[i] != bid:
+                continue  # freed or preempted: nothing to write
+            if i < len(req.block_hashes):
+                self.write(bid, req.block_hashes[i], g)
+            else:
+                waiting.append((rid, g, i, bid))
+        self.unhashed = waiting

@@ -1,0 +1,43 @@
+"""A quick subset of ``benchmarks/vllm_fault_sweep.py`` (the fault sweep inside vLLM): one
+seed of every (connector, fault) cell, every damage column at 0."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import vllm_fault_sweep as sweep
+
+QUICK_SEED = 2  # every cell 0 in the full sweep; seeds with open findings: benchmarks/RESULTS.md
+
+
+@pytest.fixture(autouse=True)
+def _cached_distributions(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions",
+                        importlib.metadata.packages_distributions)
+    sweep.cache_distributions()
+
+
+@pytest.mark.parametrize("connector", sweep.CONNECTORS)
+def test_quick_sweep_does_no_damage(connector):
+    runs = [sweep.run_one(connector, fault, QUICK_SEED) for fault in sweep.FAULTS]
+    assert [r for r in runs if r.failed] == []
+    assert sum(r.layer_blocks_checked for r in runs) > 0
+
+
+@pytest.mark.xfail(strict=False, reason="open sweep finding 2 (benchmarks/RESULTS.md): "
+                   "cpu_offload + disk tier, 2 workers, hybrid KV, late completions: one token "
+                   "row of a loaded block differs (5 of 6 re-runs)")
+@pytest.mark.parametrize("seed", [23, 24])
+def test_late_completions_with_two_workers_and_hybrid_kv_load_every_byte(seed):
+    run = sweep.run_one("offload_disk", "late", seed)
+    assert run.settings.startswith("sync-sched") and "2w hybrid" in run.settings
+    assert run.failed == [], run.detail
