@@ -30,7 +30,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from kvconnector_core.engine._synthetic import mixed, multi_turn_chat, private_prefixes, repeated_documents
+from kvconnector_core.engine._synthetic import (
+    mixed,
+    multi_turn_chat,
+    private_prefixes,
+    repeated_documents,
+)
 from kvconnector_core.engine._trace import (
     Trace,
     TraceFormatError,

@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvconnector_core.connector.base import ABSTRACT_HOOKS, KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorOutput, check_metadata_roundtrip
+from kvconnector_core.connector.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    check_metadata_roundtrip,
+)
 from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.testing import factories
 from kvconnector_core.testing.hook_order import WORKER_STEP_HOOKS, check_hook_order, record_calls
@@ -78,9 +82,11 @@ class ConnectorContract:
         """Return the KV cache layout the connector is created with."""
         return factories.make_kv_cache_config()
 
-    def make_connector(self, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> KVConnectorBase_V1:
+    def make_connector(self, role: KVConnectorRole,
+                       kv_cache_config: KVCacheConfig) -> KVConnectorBase_V1:
         """Create the connector under test for ``role``."""
-        return create_connector(self.connector_config, role, kv_cache_config, registry=self.registry)
+        return create_connector(self.connector_config, role, kv_cache_config,
+                                registry=self.registry)
 
     # ----------------------------------------------------------------- helpers
 
@@ -90,7 +96,8 @@ class ConnectorContract:
                 self.make_connector(KVConnectorRole.WORKER, kvc), kvc)
 
     @staticmethod
-    def _step(sched: KVConnectorBase_V1, worker: KVConnectorBase_V1, so: SchedulerOutput) -> KVConnectorOutput:
+    def _step(sched: KVConnectorBase_V1, worker: KVConnectorBase_V1,
+              so: SchedulerOutput) -> KVConnectorOutput:
         """Run one step's connector hooks on both sides, as the engine does; return the output."""
         meta = check_metadata_roundtrip(sched.build_connector_meta(so))
         worker.bind_connector_metadata(meta)
@@ -133,7 +140,8 @@ class ConnectorContract:
         request = factories.make_request(4 * factories.BLOCK_SIZE + 1)
         self._admit(sched, manager, request)
         block_ids = manager.get_block_ids(request.request_id)
-        self._step(sched, worker, factories.scheduler_output_for([(request, block_ids, request.num_tokens)]))
+        self._step(sched, worker,
+                   factories.scheduler_output_for([(request, block_ids, request.num_tokens)]))
         return manager, request, block_ids
 
     # ------------------------------------------------------------------- tests
@@ -166,7 +174,8 @@ class ConnectorContract:
             worker.shutdown()
 
     def test_build_meta_on_empty_step_roundtrips(self) -> None:
-        """``build_connector_meta`` on an empty step returns its ``metadata_type``, which survives msgpack."""
+        """``build_connector_meta`` on an empty step returns its ``metadata_type``, which
+        survives msgpack."""
         sched, worker, _ = self._pair()
         try:
             sched.bind_gpu_block_pool(factories.make_block_pool())
@@ -241,12 +250,15 @@ class ConnectorContract:
             cleared: set[str | None] = set()
             for event in sched.get_event_snapshot():
                 if isinstance(event, AllBlocksCleared):
-                    assert event.medium is not None, "a snapshot clears one medium, not every medium"
+                    assert event.medium is not None, (
+                        "a snapshot clears one medium, not every medium")
                     cleared.add(event.medium)
                 else:
-                    assert isinstance(event, BlockStored), f"a snapshot holds clears and stores only: {event!r}"
+                    assert isinstance(event, BlockStored), (
+                        f"a snapshot holds clears and stores only: {event!r}")
                     assert event.medium in cleared, (
-                        f"BlockStored for medium {event.medium!r} before AllBlocksCleared(medium={event.medium!r})")
+                        f"BlockStored for medium {event.medium!r} before "
+                        f"AllBlocksCleared(medium={event.medium!r})")
         finally:
             sched.shutdown()
             worker.shutdown()
@@ -265,7 +277,8 @@ class ConnectorContract:
             worker.register_kv_caches(factories.make_kv_caches(kvc))
             calls = record_calls(worker, WORKER_STEP_HOOKS)
             for _ in range(2):  # two steps: state must reset between them
-                meta = check_metadata_roundtrip(sched.build_connector_meta(factories.empty_scheduler_output()))
+                meta = check_metadata_roundtrip(
+                    sched.build_connector_meta(factories.empty_scheduler_output()))
                 worker.bind_connector_metadata(meta)
                 assert worker.has_connector_metadata()
                 worker.handle_preemptions(meta)
@@ -321,17 +334,20 @@ class ConnectorContract:
                 reported += request.request_id in out.finished_sending
             if delay:
                 assert reported == 1, (
-                    f"request_finished delayed the free of {request.request_id!r}, which was reported "
-                    f"{reported} times in finished_sending over {MAX_DRAIN_STEPS} steps (want exactly once)"
+                    f"request_finished delayed the free of {request.request_id!r}, which was "
+                    f"reported {reported} times in finished_sending over {MAX_DRAIN_STEPS} "
+                    "steps (want exactly once)"
                 )
             else:
-                assert reported == 0, "a request whose free was not delayed must not be reported as sent"
+                assert reported == 0, (
+                    "a request whose free was not delayed must not be reported as sent")
         finally:
             sched.shutdown()
             worker.shutdown()
 
     def test_shutdown_releases_every_gpu_pin(self) -> None:
-        """After both requests finish and ``shutdown`` runs, the pool's free-block count is back to its start.
+        """After both requests finish and ``shutdown`` runs, the pool's free-block count is
+        back to its start.
 
         The second request hits the first one's prefix, so a pinning connector
         pins something; shutdown must release it (no leaked ``touch``).
@@ -391,7 +407,8 @@ class ConnectorContract:
         assert after[0] == after[1], "the second shutdown changed the block pool"
         free, ref_counts = after[1]
         assert free == start and all(r == 0 for r in ref_counts), (
-            f"after two shutdowns: {free} free blocks (want {start}), ref counts {sorted(set(ref_counts))}")
+            f"after two shutdowns: {free} free blocks (want {start}), "
+            f"ref counts {sorted(set(ref_counts))}")
 
     def test_bind_gpu_block_pool_accepts_real_pool(self) -> None:
         """``bind_gpu_block_pool`` accepts the real BlockPool (which satisfies GPUBlockPoolView)."""

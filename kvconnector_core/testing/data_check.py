@@ -73,8 +73,8 @@ if TYPE_CHECKING:
 
     from kvconnector_core.connector.config import KVConnectorConfig
 
-__all__ = ["DataCheck", "DataCheckReport", "DataCheckWorkload", "data_check_workloads", "run_data_check",
-           "run_failed_load_check"]
+__all__ = ["DataCheck", "DataCheckReport", "DataCheckWorkload", "data_check_workloads",
+           "run_data_check", "run_failed_load_check"]
 
 FAILED_LOAD_STEPS = 4
 """How many steps with synchronous loads :func:`run_failed_load_check` fails, one run each."""
@@ -130,7 +130,8 @@ def _outputs_problems(baseline: RunResult, checked: RunResult) -> list[str]:
     return problems
 
 
-def _resolve(workload: DataCheckWorkload | str, layer_types: tuple[str, ...] | None = None) -> DataCheckWorkload:
+def _resolve(workload: DataCheckWorkload | str,
+             layer_types: tuple[str, ...] | None = None) -> DataCheckWorkload:
     if isinstance(workload, DataCheckWorkload):
         work = workload
     else:
@@ -197,12 +198,14 @@ def _check(connector: KVConnectorConfig, work: DataCheckWorkload,
             + (f"; only {report.injected_raises} of these raises were injected faults"
                if report.injected_raises else ""))
     if visible := visible_failed_stores(engine):
-        report.problems.append(f"{visible} lookup(s) claimed blocks whose store failed (injected): a "
-                               f"failed store must never become visible to lookups")
+        report.problems.append(f"{visible} lookup(s) claimed blocks whose store failed "
+                               "(injected): a failed store must never become visible to "
+                               "lookups")
     return report
 
 
-def run_failed_load_check(connector: KVConnectorConfig, workload: DataCheckWorkload | str = "chained_prefixes",
+def run_failed_load_check(connector: KVConnectorConfig,
+                          workload: DataCheckWorkload | str = "chained_prefixes",
                           *, layer_types: tuple[str, ...] | None = None,
                           max_steps: int = FAILED_LOAD_STEPS) -> DataCheckReport:
     """:func:`run_data_check` with ``start_load_kv`` raising once, in a step with
@@ -234,7 +237,8 @@ def run_failed_load_check(connector: KVConnectorConfig, workload: DataCheckWorkl
             break  # fewer than n + 1 steps with synchronous loads: the last run had no fault
         if not report.ok:
             report.problems = [f"start_load_kv raised (injected) in step {armed[0]}, the step with "
-                               f"synchronous loads number {n + 1}: {problem}" for problem in report.problems]
+                               f"synchronous loads number {n + 1}: {problem}"
+                               for problem in report.problems]
             break
     return report
 
@@ -295,7 +299,8 @@ class DataCheck:
         if self.connector_config.name == "FaultInjector":
             import pytest  # the kit's pytest part; run_data_check works without pytest
 
-            pytest.skip("connector_config injects faults already; test_failed_sync_loads needs the bare connector")
+            pytest.skip("connector_config injects faults already; test_failed_sync_loads needs "
+                        "the bare connector")
         if self.engine == "vllm":
             from kvconnector_core.testing.vllm.kit import run_vllm_failed_load_check
 
