@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvconnector_core.connector.hookspecs import hookimpl
+from kvconnector_core.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from kvconnector_core.connector.registry import ConnectorRegistry
+    from kvconnector_core.plugins.registry import ConnectorRegistry
 
 __all__ = ["kvconnector_register_connectors"]
 

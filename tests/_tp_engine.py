@@ -24,8 +24,8 @@ import msgspec
 
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.metadata import KVConnectorOutput
-from kvconnector_core.connector.registry import create_connector
 from kvconnector_core.engine.engine import Engine, EngineConfig
+from kvconnector_core.plugins.registry import create_connector
 from kvconnector_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvconnector_core.worker.model_runner import ModelRunner
 

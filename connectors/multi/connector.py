@@ -61,10 +61,8 @@ from connectors.multi.config import MultiSettings
 from connectors.multi.records import MultiKVConnectorMetadata
 from connectors.multi.scheduler import MultiSchedulerSide
 from connectors.multi.worker import MultiWorkerSide
-from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
+from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole, RoleSplitConnector
 from kvconnector_core.connector.metadata import KVConnectorMetadata
-from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
-from kvconnector_core.connector.roles import RoleSplitConnector
 from kvconnector_core.errors import (
     ConfigError,
     DuplicateConnectorError,
@@ -73,6 +71,7 @@ from kvconnector_core.errors import (
     ShutdownError,
     UnknownConnectorError,
 )
+from kvconnector_core.plugins.registry import ConnectorRegistry, create_connector
 
 if TYPE_CHECKING:
     from connectors.multi.policy import LoaderSelectionPolicy

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnector_core.errors import ConnectorHookError
 
 if TYPE_CHECKING:
-    from kvconnector_core.connector._guard_base import GuardBase
+    from kvconnector_core.connector.guard import GuardBase
 
 __all__ = ["STANDARD_STAT_KEYS", "aggregate_stats", "call_each", "new_hook_errors"]
 

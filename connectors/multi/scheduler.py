@@ -26,6 +26,7 @@ from connectors.multi.records import (
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
 )
+from kvconnector_core.connector.base import KVConnectorSchedulerSide
 from kvconnector_core.connector.guard import GuardedScheduler
 from kvconnector_core.connector.metadata import (
     KVConnectorMetadata,
@@ -33,7 +34,6 @@ from kvconnector_core.connector.metadata import (
     decode_metadata,
     encode_metadata,
 )
-from kvconnector_core.connector.roles import KVConnectorSchedulerSide
 
 if TYPE_CHECKING:
     from connectors.multi.policy import LoaderSelectionPolicy

@@ -23,13 +23,13 @@ from connectors.multi.records import (
     MultiKVConnectorWorkerMetadata,
     MultiLoad,
 )
+from kvconnector_core.connector.base import KVConnectorWorkerSide
 from kvconnector_core.connector.guard import GuardedWorker
 from kvconnector_core.connector.metadata import (
     KVConnectorMetadata,
     KVConnectorTransferResults,
     decode_metadata,
 )
-from kvconnector_core.connector.roles import KVConnectorWorkerSide
 from kvconnector_core.errors import ConnectorHookError, InvariantError
 
 if TYPE_CHECKING:

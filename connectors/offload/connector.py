@@ -6,7 +6,7 @@ key is the chained hash of its last block (which identifies the whole prefix) pl
 group index (4 bytes), so hybrid models offload per group. See ``docs/offload.md`` for
 the config keys and the sliding-window rules.
 
-The connector is a :class:`~kvconnector_core.connector.roles.RoleSplitConnector`: the
+The connector is a :class:`~kvconnector_core.connector.base.RoleSplitConnector`: the
 scheduler-role instance is an :class:`~connectors.offload.scheduler.OffloadSchedulerSide`
 (plans loads and stores over the CPU slots, learns completions), the worker-role instance
 an :class:`~connectors.offload.worker.OffloadWorkerSide` (moves the bytes). They
@@ -29,7 +29,7 @@ from connectors.offload.records import (
 from connectors.offload.scheduler import OffloadSchedulerSide
 from connectors.offload.tiers import Shard
 from connectors.offload.worker import OffloadWorkerSide
-from kvconnector_core.connector.roles import RoleSplitConnector
+from kvconnector_core.connector.base import RoleSplitConnector
 from kvconnector_core.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ from connectors.offload.lookup import needed_chunks
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata
 from connectors.offload.scheduler_state import JobRecord, ReqState, SchedulerState
 from connectors.offload.store_planner import StorePlanner
-from kvconnector_core.connector.roles import KVConnectorSchedulerSide
+from kvconnector_core.connector.base import KVConnectorSchedulerSide
 
 if TYPE_CHECKING:
     from connectors.offload.config import OffloadConfig

@@ -32,8 +32,8 @@ from connectors.offload.records import (
 )
 from connectors.offload.tiers.base import make_tiers
 from connectors.offload.tiers.worker import WorkerTiers
+from kvconnector_core.connector.base import KVConnectorWorkerSide
 from kvconnector_core.connector.metadata import KVConnectorMetadata, KVConnectorTransferResults
-from kvconnector_core.connector.roles import KVConnectorWorkerSide
 from kvconnector_core.errors import ConfigError, InvariantError
 
 if TYPE_CHECKING:

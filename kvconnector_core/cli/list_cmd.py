@@ -46,8 +46,8 @@ def collect(registry: Any = None) -> dict[str, Any]:
     Args:
         registry: a ConnectorRegistry; default: the default registry (loads the plugins).
     """
-    from kvconnector_core.connector.registry import get_registry
     from kvconnector_core.errors import DuplicateConnectorError
+    from kvconnector_core.plugins.registry import get_registry
 
     reg = registry if registry is not None else get_registry()
     connectors, holders = _connectors(reg)

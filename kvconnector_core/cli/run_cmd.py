@@ -129,8 +129,8 @@ def _connector_name(args: argparse.Namespace) -> str | None:
     Raises:
         ConfigError: ``--tier`` / ``--cpu-blocks`` with ``--connector none``.
     """
-    from kvconnector_core.connector.registry import get_registry
     from kvconnector_core.errors import ConfigError
+    from kvconnector_core.plugins.registry import get_registry
 
     name = args.connector
     if name is None:
@@ -155,8 +155,8 @@ def _connector_config(args: argparse.Namespace, num_gpu_blocks: int) -> Any:
     """
     from kvconnector_core.connector.config import KVConnectorConfig, load_connector_config
     from kvconnector_core.connector.demo import DemoOptions, demo_extra_config
-    from kvconnector_core.connector.registry import get_registry
     from kvconnector_core.errors import ConfigError, UnknownConnectorError
+    from kvconnector_core.plugins.registry import get_registry
 
     if args.config:
         if args.tier or args.cpu_blocks is not None:

@@ -85,7 +85,7 @@ class Engine:
         self.kv_cache_config = config.kv_cache_config()
         self.scheduler_connector = self.worker_connector = None
         if config.connector is not None:
-            from kvconnector_core.connector.registry import create_connector
+            from kvconnector_core.plugins.registry import create_connector
 
             # The connector builds KV events only if this engine consumes them.
             connector = msgspec.structs.replace(config.connector,

@@ -29,7 +29,7 @@ from kvconnector_core.connector.metadata import (
     KVConnectorOutput,
     check_metadata_roundtrip,
 )
-from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
+from kvconnector_core.plugins.registry import ConnectorRegistry, create_connector
 from kvconnector_core.testing import factories
 from kvconnector_core.testing.hook_order import WORKER_STEP_HOOKS, check_hook_order, record_calls
 

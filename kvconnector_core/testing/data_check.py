@@ -334,7 +334,7 @@ class DataCheck:
         ``supports_multiple_kv_cache_groups``, else the engine must refuse it (ConfigError).
         Under vLLM: the rig's hybrid model with ``KVConnectorAdapterHMA``, if declared."""
         from kvconnector_core.connector.base import KVConnectorRole
-        from kvconnector_core.connector.registry import create_connector
+        from kvconnector_core.plugins.registry import create_connector
 
         work = data_check_workloads()["hybrid"]
         one_group = data_check_workloads()["block_aligned"].engine_config(None).kv_cache_config()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvconnector_core.connector.base import KVConnectorBase_V1, KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
+from kvconnector_core.plugins.registry import ConnectorRegistry, create_connector
 
 if TYPE_CHECKING:
     import torch

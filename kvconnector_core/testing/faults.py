@@ -599,7 +599,7 @@ class FaultInjector(FaultInjectingConnector):
 
     def __init__(self, config: KVConnectorConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        from kvconnector_core.connector.registry import create_connector
+        from kvconnector_core.plugins.registry import create_connector
 
         extra = dict(config.extra_config)
         if "inner" not in extra:

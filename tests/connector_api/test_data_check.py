@@ -109,7 +109,7 @@ def test_cpu_offload_scheduler_side_stats_do_not_raise() -> None:
     (its stats live on the worker side); an AttributeError there would be logged with a
     traceback at the end of every run."""
     from kvconnector_core.connector.base import KVConnectorRole
-    from kvconnector_core.connector.registry import create_connector
+    from kvconnector_core.plugins.registry import create_connector
     from kvconnector_core.testing import make_kv_cache_config
 
     config = KVConnectorConfig(name="cpu_offload", extra_config={"num_cpu_blocks": 8})

@@ -17,10 +17,10 @@ from kvconnector_core.connector.base import (
     RoleSplitConnector,
 )
 from kvconnector_core.connector.config import KVConnectorConfig
-from kvconnector_core.connector.registry import create_connector
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.models import get_model
 from kvconnector_core.errors import ConfigError
+from kvconnector_core.plugins.registry import create_connector
 from kvconnector_core.testing import fault_injection_config
 
 REFERENCE = KVConnectorConfig(name="ReferenceConnector", module_path="_reference_connector")

@@ -14,10 +14,10 @@ from kvconnector_core.cli import main, run_cmd
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import load_connector_config
 from kvconnector_core.connector.demo import DemoOptions
-from kvconnector_core.connector.registry import ConnectorRegistry, create_connector
 from kvconnector_core.connector.settings import ConnectorSettings, convert_settings
 from kvconnector_core.engine.engine import RunMetrics, RunResult
 from kvconnector_core.errors import ConfigError
+from kvconnector_core.plugins.registry import ConnectorRegistry, create_connector
 from kvconnector_core.testing import RecordingConnector, make_kv_cache_config
 
 
@@ -192,7 +192,7 @@ def test_cli_takes_demo_settings_from_the_connector(monkeypatch, capsys):
     assert "num_cpu_blocks" not in inspect.getsource(run_cmd)
     registry = ConnectorRegistry()
     registry.add(DemoConnector)
-    monkeypatch.setattr("kvconnector_core.connector.registry.get_registry", lambda: registry)
+    monkeypatch.setattr("kvconnector_core.plugins.registry.get_registry", lambda: registry)
     from kvconnector_core.engine.engine import Engine
 
     seen = []

@@ -10,7 +10,7 @@ import pytest
 from disk_connector import DiskConnector
 
 from kvconnector_core.connector import KVConnectorConfig
-from kvconnector_core.connector.registry import get_registry
+from kvconnector_core.plugins.registry import get_registry
 from kvconnector_core.testing import (
     ConnectorContract,
     DataCheck,

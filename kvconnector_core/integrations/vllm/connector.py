@@ -47,7 +47,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
 from kvconnector_core.connector.base import KVConnectorRole
-from kvconnector_core.connector.registry import create_connector, get_connector_class
 from kvconnector_core.errors import ConfigError, InvariantError
 from kvconnector_core.integrations.vllm.config import (
     connector_config_from_vllm,
@@ -61,6 +60,7 @@ from kvconnector_core.integrations.vllm.records import (
 )
 from kvconnector_core.integrations.vllm.scheduler import AdapterScheduler
 from kvconnector_core.integrations.vllm.worker import AdapterWorker
+from kvconnector_core.plugins.registry import create_connector, get_connector_class
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,6 @@ from connectors.offload.transfer.jobs import Job
 from kvconnector_core.connector.base import KVConnectorRole
 from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.connector.metadata import check_metadata_roundtrip, encode_metadata
-from kvconnector_core.connector.registry import create_connector
 from kvconnector_core.engine.engine import Engine, EngineConfig
 from kvconnector_core.engine.workloads import TraceRequest
 from kvconnector_core.errors import ConfigError
@@ -23,6 +22,7 @@ from kvconnector_core.kv_cache.kv_cache_spec import (
     KVCacheGroupSpec,
 )
 from kvconnector_core.kv_events import BlockRemoved, BlockStored, to_external_hash
+from kvconnector_core.plugins.registry import create_connector
 from kvconnector_core.testing import FaultInjectingConnector
 from kvconnector_core.testing.faults import FaultMetadata
 
@@ -110,7 +110,7 @@ def test_capacity_from_bytes_and_chunk_size_from_tokens() -> None:
 
 
 def test_registered_under_both_names() -> None:
-    from kvconnector_core.connector.registry import create_connector
+    from kvconnector_core.plugins.registry import create_connector
 
     for name in ("OffloadingConnector", "cpu_offload"):
         conn = create_connector(
