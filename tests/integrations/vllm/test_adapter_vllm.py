@@ -149,7 +149,7 @@ def test_tensor_parallel_workers_aggregate_jobs_and_delayed_frees(num_workers):
             assert rig.free_blocks() == rig.kv_cache_config.num_blocks - 1
     assert pending_seen and freed_at is not None
     # every store job completed (both reported)
-    assert not rig.connector.connector.scheduler_side._jobs
+    assert not rig.connector.connector.scheduler_side.state.jobs
     assert rig.scheduler.reset_prefix_cache() is True
     rig.wipe()
     rig.add(prompt(3, 64 + 3), max_tokens=1)

@@ -210,7 +210,7 @@ def test_a_prefix_cache_reset_right_after_a_finish_succeeds(num_workers, reset_r
     rig.run()  # byte-checked: nothing of the forgotten stores is served
     assert rig.stats.scheduled_tokens[again] == 67
     assert_no_leak(rig)
-    assert not rig.connector.connector.scheduler_side._jobs  # noqa: SLF001
+    assert not rig.connector.connector.scheduler_side.state.jobs
     rig.shutdown()
 
 
@@ -572,7 +572,8 @@ def test_one_tp_worker_raising_is_contained(hook):
     _stored_then_reset(rig, prompts)
     _wrap_faulty(rig)  # every side speaks the injector's plan; only worker 1 raises
     faulty = rig.workers[1].connector
-    faulty._hook_faults = {f.hook: f for f in hook_faults({hook})}  # noqa: SLF001
+    for fault in hook_faults({hook}):
+        faulty.arm_hook_fault(fault)
     for p in prompts:
         rig.add(p, max_tokens=2)
     rig.run()
