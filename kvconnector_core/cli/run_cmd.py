@@ -34,11 +34,12 @@ MAX_NUM_CPU_BLOCKS = 2**26
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of ``kvconnector run``."""
-    from kvconnector_core.engine.workloads import WORKLOADS
+    from kvconnector_core.cli import run_watch
+    from kvconnector_core.engine.workload_sizes import describe_workloads
 
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", metavar="NAME",
-                     help=f"built-in workload: {', '.join(sorted(WORKLOADS))} "
+                     help=f"built-in workload: {describe_workloads()} "
                           f"(default {DEFAULT_WORKLOAD!r})")
     src.add_argument("--trace", metavar="FILE",
                      help="JSONL trace file, one request per line: arrival (engine steps), "
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="build and count the connector run's KV events (the report's "
                              "'KV events' row); on with --publish-events, off otherwise (as "
                              "in vLLM, events cost time only when someone consumes them)")
+    run_watch.add_arguments(parser)
 
 
 def _check_sources(args: argparse.Namespace) -> str | None:
@@ -172,8 +174,8 @@ def _publisher(args: argparse.Namespace) -> Any:
 def main(args: argparse.Namespace) -> int:
     """Run ``kvconnector run``; see :data:`HELP`."""
     import torch
-    from tqdm import tqdm
 
+    from kvconnector_core.cli.run_watch import RunWatch, wants_metrics
     from kvconnector_core.engine.engine import DEVICES, Engine, EngineConfig
     from kvconnector_core.engine.models import DEFAULT_MODEL, get_model
     from kvconnector_core.engine.report import compare_outputs, format_report, report_dict
@@ -223,20 +225,23 @@ def main(args: argparse.Namespace) -> int:
         else:
             num_gpu_blocks = args.num_gpu_blocks
         connector = _connector_config(args, num_gpu_blocks)
+        watch = RunWatch.from_args(args)
         base = dict(model=model, num_gpu_blocks=num_gpu_blocks,
                     max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
                     device=args.device, max_model_len=max_model_len,
                     reserve_full_output=args.reserve_full_output)
         runs = [("connector" if connector else "no connector",
                  EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args),
-                              enable_kv_cache_events=True if args.kv_events else None))]
+                              enable_kv_cache_events=True if args.kv_events or wants_metrics(args)
+                              else None))]
         if not args.no_baseline and connector is not None:
             runs.append(("baseline", EngineConfig(**base)))
+        watch.announce(trace, args.device, len(runs))
         results = []
         for label, config in runs:
-            with Engine(config) as engine, tqdm(total=len(trace), desc=f"{trace.name} ({label})",
-                                                unit="req", file=sys.stderr, leave=False) as bar:
-                results.append(engine.run(trace, progress=bar.update))
+            with Engine(config) as engine, watch.progress(engine, trace, label) as progress:
+                results.append(engine.run(trace, progress=progress))
+        watch.finish()
     except KVConnectorError as exc:
         return _fail(str(exc))
     except OSError as exc:  # the trace file vanished or cannot be read
