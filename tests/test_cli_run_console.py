@@ -68,3 +68,15 @@ def test_log_lines_never_share_the_progress_bars_line(tmp_path):
     for line in logged:
         assert line.rsplit("\r", 1)[-1].startswith("connector "), repr(line)
     assert "ETA" in proc.stderr
+
+
+def test_readme_gives_each_workloads_size():
+    """The README's workload table states the sizes the named workloads have."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name, size in WORKLOAD_SIZES.items():
+        row = f"| `{name}`"
+        line = next(line for line in readme.splitlines() if line.startswith(row))
+        cells = [c.strip().replace(",", "") for c in line.split("|")[2:5]]
+        assert cells == [str(size.requests), str(size.prompt_tokens), str(size.output_tokens)]
