@@ -175,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``kvconnector run``; see :data:`HELP`."""
     import torch
 
-    from kvconnector_core.cli.run_watch import RunWatch, wants_metrics
+    from kvconnector_core.cli.run_watch import RunWatch
     from kvconnector_core.engine.engine import DEVICES, Engine, EngineConfig
     from kvconnector_core.engine.models import DEFAULT_MODEL, get_model
     from kvconnector_core.engine.report import compare_outputs, format_report, report_dict
@@ -232,8 +232,7 @@ def main(args: argparse.Namespace) -> int:
                     reserve_full_output=args.reserve_full_output)
         runs = [("connector" if connector else "no connector",
                  EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args),
-                              enable_kv_cache_events=True if args.kv_events or wants_metrics(args)
-                              else None))]
+                              enable_kv_cache_events=watch.kv_events(args.kv_events)))]
         if not args.no_baseline and connector is not None:
             runs.append(("baseline", EngineConfig(**base)))
         watch.announce(trace, args.device, len(runs))

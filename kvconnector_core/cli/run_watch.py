@@ -7,8 +7,7 @@
   while it runs; ``--metrics FILE``: the exposition text written at the end
   (:class:`~kvconnector_core.metrics.EngineMetrics`; ``docs/metrics.md``).
 
-Primitives: :data:`LONG_RUN_S`, :func:`add_arguments`, :func:`wants_metrics`,
-:class:`RunWatch`.
+Primitives: :data:`LONG_RUN_S`, :func:`add_arguments`, :class:`RunWatch`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
     from kvconnector_core.engine.workloads import Trace
     from kvconnector_core.metrics import EngineMetrics
 
-__all__ = ["LONG_RUN_S", "RunWatch", "add_arguments", "wants_metrics"]
+__all__ = ["LONG_RUN_S", "RunWatch", "add_arguments"]
 
 LONG_RUN_S = 60.0
 """A run estimated to take longer is announced before it starts."""
@@ -47,11 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                         help="address --metrics-port binds (default 127.0.0.1; 0.0.0.0 for "
                              "every interface)")
-
-
-def wants_metrics(args: argparse.Namespace) -> bool:
-    """Whether ``--metrics`` or ``--metrics-port`` was given."""
-    return args.metrics is not None or args.metrics_port is not None
 
 
 class RunWatch:
@@ -80,6 +74,17 @@ class RunWatch:
     def from_args(cls, args: argparse.Namespace) -> RunWatch:
         """The watch the ``kvconnector run`` flags ask for."""
         return cls(args.metrics, args.metrics_port, args.metrics_host)
+
+    @property
+    def wants_metrics(self) -> bool:
+        """Whether ``--metrics`` or ``--metrics-port`` was given."""
+        return self.metrics_file is not None or self.metrics_port is not None
+
+    def kv_events(self, asked: bool) -> bool | None:
+        """``EngineConfig.enable_kv_cache_events`` of the watched run: on when ``asked``
+        (``--kv-events``) or with metrics (the eviction series count ``BlockRemoved``
+        events); None otherwise (the engine's default: on only with a publisher)."""
+        return True if asked or self.wants_metrics else None
 
     def announce(self, trace: Trace, device: str, runs: int) -> None:
         """Say on stderr when ``runs`` runs of ``trace`` should take over a minute."""
@@ -128,7 +133,7 @@ class RunWatch:
         if self._engine is not None:
             return engine is self._engine
         self._engine = engine
-        if self.metrics_file is None and self.metrics_port is None:
+        if not self.wants_metrics:
             return True
         from kvconnector_core.metrics import EngineMetrics
 
