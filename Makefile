@@ -72,7 +72,7 @@ $(VLLM_STAMP): pyproject.toml examples/ttl_connector/pyproject.toml $(VLLM_REQS)
 		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
 	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_REQS)
-	$(VLLM_PY) -m pip install -q msgspec pluggy pytest hypothesis tqdm
+	$(VLLM_PY) -m pip install -q msgspec pluggy pytest hypothesis tqdm prometheus-client numpy
 	$(VLLM_PY) -m pip install -q --no-deps -e . -e examples/ttl_connector
 	touch $(VLLM_STAMP)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 from collections.abc import Sequence
 
 __all__ = ["main"]
@@ -41,9 +40,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvconnector`` console script."""
-    # torch warns on import when the optional NumPy is absent; nothing here uses NumPy,
-    # and a warning on every command hides the ones that matter.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     parser = _build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "_handler", None)

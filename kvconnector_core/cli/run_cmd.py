@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the command imports torch only when it runs
+    from kvconnector_core.cli.run_watch import RunWatch
     from kvconnector_core.engine.engine import EngineConfig, RunResult
     from kvconnector_core.engine.workloads import Trace
     from kvconnector_core.worker.model import ModelConfig
@@ -40,11 +41,12 @@ MAX_NUM_CPU_BLOCKS = 2**26
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of ``kvconnector run``."""
-    from kvconnector_core.engine.workloads import WORKLOADS
+    from kvconnector_core.cli import run_watch
+    from kvconnector_core.engine.workload_sizes import describe_workloads
 
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", metavar="NAME",
-                     help=f"built-in workload: {', '.join(sorted(WORKLOADS))} "
+                     help=f"built-in workload: {describe_workloads()} "
                           f"(default {DEFAULT_WORKLOAD!r})")
     src.add_argument("--trace", metavar="FILE",
                      help="JSONL trace file, one request per line: arrival (engine steps), "
@@ -92,6 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="build and count the connector run's KV events (the report's "
                              "'KV events' row); on with --publish-events, off otherwise (as "
                              "in vLLM, events cost time only when someone consumes them)")
+    run_watch.add_arguments(parser)
 
 
 def _check_sources(args: argparse.Namespace) -> str | None:
@@ -263,7 +266,7 @@ def _num_gpu_blocks(args: argparse.Namespace, trace: Trace, sizing: EngineConfig
     return int(args.num_gpu_blocks)
 
 
-def _runs(args: argparse.Namespace, model: ModelConfig, trace: Trace
+def _runs(args: argparse.Namespace, model: ModelConfig, trace: Trace, watch: RunWatch
           ) -> list[tuple[str, EngineConfig]]:
     """The runs to make, labelled: with the connector, then the baseline (if any).
 
@@ -284,7 +287,7 @@ def _runs(args: argparse.Namespace, model: ModelConfig, trace: Trace
                 reserve_full_output=args.reserve_full_output)
     runs = [("connector" if connector else "no connector",
              EngineConfig(**base, connector=connector, kv_events_publisher=_publisher(args),
-                          enable_kv_cache_events=True if args.kv_events else None))]
+                          enable_kv_cache_events=watch.kv_events(args.kv_events)))]
     if not args.no_baseline and connector is not None:
         runs.append(("baseline", EngineConfig(**base)))
     return runs
@@ -296,18 +299,20 @@ def _run_all(args: argparse.Namespace) -> list[RunResult]:
     Raises:
         _UsageError, KVConnectorError, OSError: see :func:`main`.
     """
-    from tqdm import tqdm
-
+    from kvconnector_core.cli.run_watch import RunWatch
     from kvconnector_core.engine.engine import Engine
     from kvconnector_core.engine.models import DEFAULT_MODEL, get_model
 
     model = get_model(DEFAULT_MODEL if args.model is None else args.model)
     trace = _load_trace(args, model.vocab_size)
+    watch = RunWatch.from_args(args)
+    runs = _runs(args, model, trace, watch)
+    watch.announce(trace, args.device, len(runs))
     results = []
-    for label, config in _runs(args, model, trace):
-        with Engine(config) as engine, tqdm(total=len(trace), desc=f"{trace.name} ({label})",
-                                            unit="req", file=sys.stderr, leave=False) as bar:
-            results.append(engine.run(trace, progress=bar.update))
+    for label, config in runs:
+        with Engine(config) as engine, watch.progress(engine, trace, label) as progress:
+            results.append(engine.run(trace, progress=progress))
+    watch.finish()
     return results
 
 

@@ -8,7 +8,7 @@ import random
 from kvconnector_core.engine._trace import Trace, TraceRequest, _sorted_trace
 from kvconnector_core.errors import ConfigError
 
-__all__ = ["mixed", "multi_turn_chat", "private_prefixes", "repeated_documents"]
+__all__ = ["mixed", "multi_turn_chat", "private_prefixes", "repeated_documents", "repeated_prompts"]
 
 
 def _check_positive(**values: int) -> None:
@@ -210,16 +210,71 @@ def private_prefixes(
     return _sorted_trace(name, requests)
 
 
-def mixed(seed: int = 0, vocab: int = 1000, *, scale: int = 1, name: str = "mixed") -> Trace:
-    """Chat, documents and private prefixes together, merged by arrival.
+def repeated_prompts(
+    seed: int = 0,
+    prompt_lens: tuple[int, ...] = (64, 128, 88),
+    repeats: int = 2,
+    max_new_tokens: int = 4,
+    vocab: int = 1000,
+    *,
+    arrival_interval: float = 2.0,
+    repeat_interval: float = 20.0,
+    name: str = "repeats",
+) -> Trace:
+    """Prompts sent again unchanged: full-prompt hits.
 
-    The three parts use seeds derived from ``seed`` and keep their id prefixes (``chat-``,
-    ``doc-``, ``priv-``), so ids stay unique.
+    A repeated prompt is served from the cache up to its last token, so the hit of a
+    block-aligned prompt (the defaults 64 and 128 are multiples of the 16-token block; 88
+    is not) ends part-way into its last block, at ``len - 1``: a connector that skips the
+    block a hit ends in part-way leaves that block unloaded, and the outputs differ from a
+    run without it.
+
+    Args:
+        seed: RNG seed.
+        prompt_lens: one prompt per length.
+        repeats: how many times each prompt is sent (the first one stores it).
+        max_new_tokens: tokens generated per request.
+        vocab: token ids are drawn from ``[0, vocab)``.
+        arrival_interval: steps between the prompts' first requests.
+        repeat_interval: steps between the sends of one prompt.
+        name: name of the returned trace.
+
+    Returns:
+        ``len(prompt_lens) * repeats`` requests with ids ``rep-p<prompt>-r<send>``.
+
+    Raises:
+        ConfigError: a size is out of range.
+    """
+    _check_positive(repeats=repeats, max_new_tokens=max_new_tokens, vocab=vocab,
+                    num_prompts=len(prompt_lens), shortest_prompt=min(prompt_lens, default=1))
+    _check_non_negative(arrival_interval=arrival_interval, repeat_interval=repeat_interval)
+    rng = random.Random(seed)
+    requests = [
+        TraceRequest(arrival=p * arrival_interval + r * repeat_interval,
+                     prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
+                     request_id=f"rep-p{p}-r{r}")
+        for p, prompt in enumerate([_tokens(rng, n, vocab) for n in prompt_lens])
+        for r in range(repeats)
+    ]
+    return _sorted_trace(name, requests)
+
+
+def mixed(seed: int = 0, vocab: int = 1000, *, scale: int = 1, full_prompt_hits: bool = False,
+          name: str = "mixed") -> Trace:
+    """Chat, documents and private prefixes (and repeated prompts) together, merged by arrival.
+
+    The parts use seeds derived from ``seed`` and keep their id prefixes (``chat-``,
+    ``doc-``, ``priv-``, ``rep-``), so ids stay unique. With ``full_prompt_hits`` (the
+    named workload ``mixed``, the default of ``kvconnector run``), :func:`repeated_prompts`
+    adds full-prompt hits that end part-way into a block, so that run catches a connector
+    that skips that block.
 
     Args:
         seed: RNG seed.
         vocab: token ids are drawn from ``[0, vocab)``.
-        scale: multiplies the number of users/documents of each part.
+        scale: multiplies the number of users/documents of each part (and the repeats).
+        full_prompt_hits: add :func:`repeated_prompts` (off by default, so the traces
+            benchmarks derive from this generator stay as they were).
         name: name of the returned trace.
 
     Returns:
@@ -240,5 +295,7 @@ def mixed(seed: int = 0, vocab: int = 1000, *, scale: int = 1, name: str = "mixe
                          requests_per_user=2, suffix_len=24, max_new_tokens=12, vocab=vocab,
                          identical_prefix_tokens=True, arrival_interval=5.0),
     ]
+    if full_prompt_hits:
+        parts.append(repeated_prompts(seed * 3 + 3, repeats=2 * scale, vocab=vocab))
     merged = list(heapq.merge(*(p.requests for p in parts), key=lambda r: r.arrival))
     return Trace(name=name, requests=merged)

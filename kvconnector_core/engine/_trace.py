@@ -117,8 +117,8 @@ def load_trace_jsonl(path: str | Path, vocab_size: int | None = None) -> Trace:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         TraceFormatError: a line is not valid JSON, misses or mistypes a field, has an
-            unknown field, reuses a ``request_id`` (the message names both lines), or has
-            a token id outside ``[0, vocab_size)``; the message names the file, the
+            unknown field, has an empty ``request_id`` or reuses one (the message names both
+            lines), or has a token id outside ``[0, vocab_size)``; the message names the file, the
             1-based line number and the field.
     """
     path = Path(path)
@@ -141,6 +141,11 @@ def load_trace_jsonl(path: str | Path, vocab_size: int | None = None) -> Trace:
                 msg = f"{path}:{line_number}: not a JSON object: {exc}"
                 raise TraceFormatError(msg, path=str(path), line_number=line_number) from None
             if req.request_id is not None:
+                if not req.request_id.strip():
+                    msg = (f"{path}:{line_number}: request_id is empty; give a non-blank id or "
+                           "leave the field out (the engine then assigns one) - at `$.request_id`")
+                    raise TraceFormatError(msg, path=str(path), line_number=line_number,
+                                           field="$.request_id")
                 if req.request_id in seen_ids:
                     msg = (f"{path}:{line_number}: duplicate request_id {req.request_id!r} "
                            f"(first used on line {seen_ids[req.request_id]}) - at "

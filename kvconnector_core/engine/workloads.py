@@ -17,7 +17,10 @@ Primitives:
 - :func:`repeated_documents` -- documents asked about several times, interleaved.
 - :func:`private_prefixes` -- per-user prefixes salted with ``cache_salt`` (no sharing
   across users, even for identical tokens).
-- :func:`mixed` -- the three above, merged by arrival (the default of ``kvconnector run``).
+- :func:`repeated_prompts` -- prompts sent again unchanged (full-prompt hits that end
+  part-way into a block).
+- :func:`mixed` -- the three above (and optionally repeated prompts), merged by arrival;
+  as the named workload ``mixed`` (the default of ``kvconnector run``) with the repeats.
 - :data:`WORKLOADS`, :func:`get_workload` -- named defaults.
 - :func:`load_trace_jsonl`, :func:`dump_trace_jsonl` -- one request per JSON line.
 
@@ -35,6 +38,7 @@ from kvconnector_core.engine._synthetic import (
     multi_turn_chat,
     private_prefixes,
     repeated_documents,
+    repeated_prompts,
 )
 from kvconnector_core.engine._trace import (
     Trace,
@@ -58,6 +62,7 @@ __all__ = [
     "multi_turn_chat",
     "private_prefixes",
     "repeated_documents",
+    "repeated_prompts",
 ]
 
 
@@ -92,7 +97,7 @@ WORKLOADS: dict[str, Callable[[int], Trace]] = {
     "chat": functools.partial(multi_turn_chat, name="chat"),
     "documents": functools.partial(repeated_documents, name="documents"),
     "private": functools.partial(private_prefixes, name="private"),
-    "mixed": functools.partial(mixed, name="mixed"),
+    "mixed": functools.partial(mixed, full_prompt_hits=True, name="mixed"),
     "chat_large": _chat_large,
 }
 

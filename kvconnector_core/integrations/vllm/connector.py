@@ -157,6 +157,17 @@ class KVConnectorAdapter(VllmConnectorBase):
         """Rebuild stats shipped as ``to_dict()`` (vLLM's logger does this per interval)."""
         return AdapterStats() if data is None else AdapterStats(data=data)
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """The wrapped connector's Prometheus series on vLLM's registry (see
+        :mod:`kvconnector_core.integrations.vllm.prom_metrics` and docs/metrics.md)."""
+        from kvconnector_core.integrations.vllm import prom_metrics
+
+        return prom_metrics.build_prom_metrics(vllm_config, metric_types, labelnames,
+                                               per_engine_labelvalues)
+
     def has_pending_block_frees(self) -> bool:
         """True while a finished request's blocks wait for its stores: vLLM then waits
         for them instead of preempting when an allocation fails."""

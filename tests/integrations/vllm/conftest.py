@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 # Warnings raised inside third-party code that vLLM imports (torch's deprecations
-# hit by vLLM's module-level torch.compile, requests' missing optional charset
-# detector) are not ours to fix; warnings from kvconnector's code stay errors.
+# hit by vLLM's module-level torch.compile) are not ours to fix; warnings from
+# kvconnector's code stay errors. (requests' RequestsDependencyWarning cannot occur:
+# requirements/vllm-0.33-cpu.txt pins charset-normalizer.)
 WARNINGS = (
-    "ignore:Unable to find acceptable character detection dependency",
     "ignore::DeprecationWarning:torch",
     "ignore::DeprecationWarning:vllm",
     "ignore::FutureWarning:torch",
