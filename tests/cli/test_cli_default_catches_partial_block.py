@@ -45,6 +45,7 @@ def test_default_run_fails_a_connector_that_skips_the_partial_block(registered, 
 def test_default_workload_has_block_aligned_full_prompt_repeats():
     """The default workload sends block-aligned prompts (16-token blocks) again unchanged."""
     requests = get_workload("mixed").requests
-    prompts = [tuple(r.prompt_token_ids) for r in requests if (r.request_id or "").startswith("rep-")]
+    prompts = [tuple(r.prompt_token_ids) for r in requests
+               if (r.request_id or "").startswith("rep-")]
     assert len(prompts) > len(set(prompts))
     assert any(len(p) % 16 == 0 for p in prompts) and any(len(p) % 16 for p in prompts)

@@ -59,11 +59,13 @@ def test_log_lines_never_share_the_progress_bars_line(tmp_path):
     path = tmp_path / "faulty.json"
     path.write_text(json.dumps(config.to_dict()))
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvconnector_core.cli import main; sys.exit(main())",
+        [sys.executable, "-c",
+         "import sys; from kvconnector_core.cli import main; sys.exit(main())",
          "run", "--workload", "private", "--config", str(path), "--no-baseline"],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr
-    logged = [line for line in proc.stderr.split("\n") if "raised in get_kv_connector_stats" in line]
+    logged = [line for line in proc.stderr.split("\n")
+              if "raised in get_kv_connector_stats" in line]
     assert logged, proc.stderr
     for line in logged:
         assert line.rsplit("\r", 1)[-1].startswith("connector "), repr(line)

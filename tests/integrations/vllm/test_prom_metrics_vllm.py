@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
+pytest.importorskip("vllm.distributed.kv_transfer",
+                    reason="vLLM 0.33 is not installed in this environment; run `make test-vllm`")
 
 from _harness import VllmRig, multi, offload, randomized  # noqa: E402
 from prometheus_client import REGISTRY  # noqa: E402
