@@ -12,6 +12,7 @@ from __future__ import annotations
 from connectors.offload.manager.arc import ARCCachePolicy
 from connectors.offload.manager.lru import LRUCachePolicy
 from connectors.offload.manager.policy import CachePolicy
+from kvconnector_core._suggest import did_you_mean
 from kvconnector_core.errors import ConfigError
 
 __all__ = [
@@ -65,7 +66,9 @@ def get_cache_policy(name: str) -> type[CachePolicy]:
     """
     cls = _POLICIES.get(str(name).lower())
     if cls is None:
-        known = ", ".join(repr(p) for p in available_cache_policies())
-        msg = f"unknown cache policy {name!r}; known policies: {known}"
+        known = available_cache_policies()
+        hint = did_you_mean(str(name), known)
+        msg = (f"unknown cache policy {name!r}{hint}; known policies: "
+               f"{', '.join(repr(p) for p in known)}")
         raise ConfigError(msg)
     return cls
