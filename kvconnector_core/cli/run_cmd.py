@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvconnector_core.cli._trace_args import add_trace_format_arguments
+
 __all__ = ["HELP", "add_arguments", "main"]
 
 HELP = "Run a workload through the engine with a connector and compare its outputs with a run without it."
@@ -43,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", metavar="FILE",
                      help="JSONL trace file, one request per line: arrival (engine steps), "
                           "prompt_token_ids (ids in [0, vocab)), max_new_tokens, optional "
-                          "cache_salt and request_id")
+                          "cache_salt and request_id; or a Mooncake trace (docs/offload.md)")
+    add_trace_format_arguments(parser)
     conn = parser.add_mutually_exclusive_group()
     conn.add_argument("--connector", metavar="NAME",
                       help=f"registered connector name (default {DEFAULT_CONNECTOR!r} if "
@@ -174,10 +177,11 @@ def main(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from kvconnector_core.engine._trace import load_trace
     from kvconnector_core.engine.engine import DEVICES, Engine, EngineConfig
     from kvconnector_core.engine.models import DEFAULT_MODEL, get_model
     from kvconnector_core.engine.report import compare_outputs, format_report, report_dict
-    from kvconnector_core.engine.workloads import get_workload, load_trace_jsonl
+    from kvconnector_core.engine.workloads import get_workload
     from kvconnector_core.errors import KVConnectorError
 
     if args.device not in DEVICES:
@@ -194,7 +198,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         model = get_model(DEFAULT_MODEL if args.model is None else args.model)
         vocab = model.vocab_size
-        trace = (load_trace_jsonl(args.trace, vocab_size=vocab) if args.trace is not None
+        trace = (load_trace(args.trace, args.trace_format, vocab_size=vocab,
+                            tokens_per_id=args.tokens_per_id, limit=args.limit,
+                            sample=args.sample, seed=args.seed) if args.trace is not None
                  else get_workload(DEFAULT_WORKLOAD if args.workload is None else args.workload,
                                    args.seed))
         if not trace.requests:

@@ -48,9 +48,14 @@ class LRUCachePolicy(CachePolicy):
             access.rank = self._next_rank
         return access.rank
 
-    def _set_rank(self, key: OffloadKey, rank: Rank) -> None:
-        self._ranks[key] = rank
-        heapq.heappush(self._heap, (rank, key))
+    def _push(self, updated: list[tuple[Rank, OffloadKey]]) -> None:
+        # Rebuilding is linear: cheaper than one push per key for a long prefix.
+        if len(updated) >= max(64, len(self._ranks) // 4):
+            self._rebuild()
+        else:
+            for item in updated:
+                heapq.heappush(self._heap, item)
+            self._compact()
 
     def insert(self, key: OffloadKey, entry: SlotEntry, access: RequestAccess | None = None
                ) -> None:
@@ -60,10 +65,11 @@ class LRUCachePolicy(CachePolicy):
         position = access.position.get(key) if access is not None else None
         if access is None or position is None:
             self._next_rank += 1
-            self._set_rank(key, (self._next_rank, 0))
+            rank = (self._next_rank, 0)
         else:
-            self._set_rank(key, (self._request_rank(access), -position))
-        self._compact()
+            rank = (self._request_rank(access), -position)
+        self._ranks[key] = rank
+        heapq.heappush(self._heap, (rank, key))  # compacted by the next evict()
 
     def remove(self, key: OffloadKey) -> None:
         """See :meth:`CachePolicy.remove`."""
@@ -72,12 +78,16 @@ class LRUCachePolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`CachePolicy.touch`; each held key gets the next rank, tail first."""
-        entries = self._entries
+        entries, ranks = self._entries, self._ranks
+        rank = self._next_rank
+        updated: list[tuple[Rank, OffloadKey]] = []
         for key in reversed(keys):
             if key in entries:
-                self._next_rank += 1
-                self._set_rank(key, (self._next_rank, 0))
-        self._compact()
+                rank += 1
+                ranks[key] = (rank, 0)
+                updated.append(((rank, 0), key))
+        self._next_rank = rank
+        self._push(updated)
 
     def on_access(self, keys: Sequence[OffloadKey], access: RequestAccess | None = None
                   ) -> None:
@@ -88,19 +98,23 @@ class LRUCachePolicy(CachePolicy):
             self.touch(keys)
             return
         request_rank = self._request_rank(access)
+        updated: list[tuple[Rank, OffloadKey]] = []
+        ranks, position = self._ranks, access.position
         for key in keys:
-            position = access.position.get(key)
-            if position is None or key not in self._entries:
+            pos = position.get(key)
+            if pos is None or key not in self._entries:
                 continue
-            rank = (request_rank, -position)
-            if self._ranks[key] < rank:
-                self._set_rank(key, rank)
-        self._compact()
+            rank = (request_rank, -pos)
+            if ranks[key] < rank:
+                ranks[key] = rank
+                updated.append((rank, key))
+        self._push(updated)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> Victims | None:
         """See :meth:`CachePolicy.evict`; the ``n`` lowest ranks that are evictable."""
         if n <= 0:
             return []
+        self._compact()
         heap, ranks, entries = self._heap, self._ranks, self._entries
         picked: list[tuple[Rank, OffloadKey]] = []
         kept: list[tuple[Rank, OffloadKey]] = []
@@ -128,8 +142,11 @@ class LRUCachePolicy(CachePolicy):
     def _compact(self) -> None:
         # Stale heap entries accumulate on every re-rank: rebuild when they dominate.
         if len(self._heap) > 2 * len(self._ranks) + 64:
-            self._heap = [(rank, key) for key, rank in self._ranks.items()]
-            heapq.heapify(self._heap)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(rank, key) for key, rank in self._ranks.items()]
+        heapq.heapify(self._heap)
 
     def clear(self) -> None:
         """See :meth:`CachePolicy.clear`."""
