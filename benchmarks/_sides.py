@@ -98,10 +98,11 @@ class Side:
     def offload_runner(self, num_blocks: int, policy: str) -> Callable[..., int]:
         """A fresh CPU offloading manager, wrapped as ``run(keys, req_id, local=0) -> hits``.
 
-        ``keys`` come from :meth:`offload_keys`. ``run`` performs one request's offload protocol the way the implementation's own
-        connector drives its manager: the first ``local`` keys are GPU prefix-cache hits;
-        look up the leading ready keys after them, pin and release them as a load,
-        record the use, store the rest (keys already held are skipped by the manager).
+        ``keys`` come from :meth:`offload_keys`. ``run`` performs one request's offload
+        protocol the way the implementation's own connector drives its manager: the first
+        ``local`` keys are GPU prefix-cache hits; look up the leading ready keys after them,
+        pin and release them as a load, record the use, store the rest (keys already held
+        are skipped by the manager).
         """
         raise NotImplementedError
 

@@ -260,7 +260,7 @@ def test_register_custom_policy(monkeypatch: pytest.MonkeyPatch) -> None:
         register_cache_policy("bad", dict)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------ ARC driven by stores
+# ------------------------------------------------------------------------- ARC driven by stores
 def _stored(m: CPUOffloadingManager, *ids: int) -> None:
     out = m.prepare_store(ks(*ids))
     assert out is not None
