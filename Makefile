@@ -13,12 +13,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test bench clean lint
 
-$(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml examples/disk_connector/pyproject.toml
+$(STAMP): pyproject.toml examples/ttl_connector/pyproject.toml examples/disk_connector/pyproject.toml \
+		examples/s3fifo_policy/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" \
 		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
 		|| { echo "could not install $(TORCH); set TORCH_INDEX (CPU wheels) or TORCH=torch (GPU machine)"; exit 1; }
-	$(PY) -m pip install -q -e '.[test]' -e examples/ttl_connector -e examples/disk_connector
+	$(PY) -m pip install -q -e '.[test]' -e examples/ttl_connector -e examples/disk_connector \
+		-e examples/s3fifo_policy
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,7 +35,8 @@ test: $(STAMP)
 
 # ruff and mypy --strict on the library and the example connectors (settings in
 # pyproject.toml; the tools are pinned in requirements/lint.txt).
-LINT_PATHS := kvconnector_core connectors examples/ttl_connector/ttl_connector examples/disk_connector/disk_connector
+LINT_PATHS := kvconnector_core connectors examples/ttl_connector/ttl_connector examples/disk_connector/disk_connector \
+	examples/s3fifo_policy/s3fifo_policy
 LINT_STAMP := $(VENV)/.lint-installed
 
 $(LINT_STAMP): requirements/lint.txt $(STAMP)

@@ -98,10 +98,11 @@ class Side:
     def offload_runner(self, num_blocks: int, policy: str) -> Callable[..., int]:
         """A fresh CPU offloading manager, wrapped as ``run(keys, req_id, local=0) -> hits``.
 
-        ``keys`` come from :meth:`offload_keys`. ``run`` performs one request's offload protocol the way the implementation's own
-        connector drives its manager: the first ``local`` keys are GPU prefix-cache hits;
-        look up the leading ready keys after them, pin and release them as a load,
-        record the use, store the rest (keys already held are skipped by the manager).
+        ``keys`` come from :meth:`offload_keys`. ``run`` performs one request's offload
+        protocol the way the implementation's own connector drives its manager: the first
+        ``local`` keys are GPU prefix-cache hits; look up the leading ready keys after them,
+        pin and release them as a load, record the use, store the rest (keys already held
+        are skipped by the manager).
         """
         raise NotImplementedError
 
@@ -160,7 +161,7 @@ class KvconnectorSide(Side):
         return kv_events, kv_events.encode_event_batch, kv_events.decode_event_batch
 
     def offload_runner(self, num_blocks: int, policy: str) -> Callable[..., int]:
-        from connectors.offload.manager import CPUOffloadingManager
+        from connectors.offload.manager import CPUOffloadingManager, RequestAccess
 
         m = CPUOffloadingManager(num_blocks, cache_policy=policy)
 
@@ -169,27 +170,19 @@ class KvconnectorSide(Side):
             # (update_state_after_alloc; a use now), offer for storing the keys after the
             # load, or all of them when nothing loads (build_connector_meta: held keys are
             # a use, the others are stored), and commit the recency of every key it
-            # loaded, stored or found held when it finishes (request_finished).
+            # loaded, stored or offered when it finishes (request_finished).
+            access = RequestAccess(position={k: i + 1 for i, k in enumerate(keys)})
             hits = m.lookup(keys[local:])
             loaded = keys[local:local + hits]
             if hits:
-                m.prepare_load(loaded)
-                m.record_access(loaded)
+                m.prepare_load(loaded, access)
                 m.complete_load(loaded)
-            offered = keys[local + hits:] if hits else keys
-            out = m.prepare_store(offered)
-            recorded = set(loaded)
-            if out is not None:
-                if out.reused_keys:
-                    m.record_access(out.reused_keys)
-                    recorded.update(out.reused_keys)
-                if out.keys_to_store:
-                    m.complete_store(out.keys_to_store)
-                reused = recorded.copy()
-                recorded.update(out.keys_to_store)
-            else:
-                reused = recorded
-            m.finish_request([k for k in keys if k in recorded], reused)
+            out = m.prepare_store(keys[local + hits:] if hits else keys, access)
+            if out is not None and out.keys_to_store:
+                m.complete_store(out.keys_to_store)
+            if access.seen:
+                m.finish_request(sorted(access.seen, key=access.position.__getitem__),
+                                 access.reused, access.stored_only)
             return hits
 
         return run

@@ -20,7 +20,7 @@ from connectors.offload.scheduler_state import JobRecord
 from kvconnector_core.errors import InvariantError
 
 if TYPE_CHECKING:
-    from connectors.offload.manager import OffloadKey
+    from connectors.offload.manager import OffloadKey, RequestAccess
     from connectors.offload.records import TierRead
     from connectors.offload.scheduler_state import ReqState, SchedulerState
     from connectors.offload.tiers.scheduler import SchedulerTiers
@@ -224,24 +224,27 @@ class LoadPlanner:
                 pairs.append((block.block_id, key, j % group.factor))
         return where, pairs
 
+    def _access(self, state: ReqState, where: _Where, keys: list[OffloadKey]
+                ) -> RequestAccess | None:
+        """Recency (vLLM 0.33): loaded chunks are a reuse, ranked now (LRU) and committed
+        when the request finishes; None with recency ``"hits_only"``."""
+        if self._state.hits_only:
+            return None
+        state.access.position.update((k, where[k][1] + 1) for k in keys)
+        return state.access
+
     def _load_job(self, state: ReqState, where: _Where, pairs: _Pairs) -> TransferJobSpec:
         """Pin the CPU chunks, reserve slots for promoted ones, and record the job."""
         st, request = self._state, state.request
         rid, sub, tiers = request.request_id, st.sub_blocks_per_chunk, st.tiers
         cpu_keys = [k for k in where if tiers is None or tiers.in_cpu(k)]
         promoted = [k for k in where if tiers is not None and not tiers.in_cpu(k)]
-        spec = st.manager.prepare_load(cpu_keys)
+        spec = st.manager.prepare_load(cpu_keys, self._access(state, where, cpu_keys))
         slot_of = dict(zip(cpu_keys, spec.block_ids, strict=True))
         reads: list[TierRead] = []
         if promoted and tiers is not None:
             reads = self._promote(tiers, state, where, promoted, cpu_keys)
             slot_of.update((r.key, r.cpu_block_ids[0] // sub) for r in reads)
-        if not st.hits_only:
-            # Recency (vLLM 0.33): loaded chunks are a reuse, recorded now (LRU ranks them
-            # at once) and committed when the request finishes.
-            st.manager.record_access(cpu_keys)
-            state.reused.update(cpu_keys)
-            state.seen.update((k, where[k][::-1]) for k in cpu_keys)
         job = TransferJobSpec(st.new_job_id(), rid, [gpu for gpu, _, _ in pairs],
                               [slot_of[key] * sub + k for _, key, k in pairs], reads)
         st.jobs[job.job_id] = JobRecord(rid, tuple(cpu_keys), is_store=False,

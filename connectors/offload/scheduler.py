@@ -270,9 +270,11 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         st, rid = self.state, request.request_id
         self.load_planner.forget(rid)
         state = st.reqs.get(rid)
-        if state is not None and state.seen:
-            seen = state.seen
-            st.manager.finish_request(sorted(seen, key=seen.__getitem__), state.reused)
+        if state is not None and state.access.seen:
+            access = state.access
+            position = access.position
+            keys = sorted(access.seen, key=lambda k: (position[k], k[-4:]))  # then group
+            st.manager.finish_request(keys, access.reused, access.stored_only)
         elif state is not None and state.hit_tokens >= st.keys.chunk_tokens:
             self._touch_hits(state)
         if state is None or not state.store_jobs:

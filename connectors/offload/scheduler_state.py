@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from connectors.offload.events import ChunkInfo, GroupedEvents
 from connectors.offload.fence import StoreFence
-from connectors.offload.manager import CPUOffloadingManager, OffloadKey
+from connectors.offload.manager import CPUOffloadingManager, OffloadKey, RequestAccess
 from connectors.offload.tiers.base import make_tiers
 from connectors.offload.tiers.records import Shard
 from connectors.offload.tiers.scheduler import SchedulerTiers
@@ -55,11 +55,9 @@ class ReqState:
         store_jobs: its store jobs in flight.
         finished: ``request_finished`` came while stores were in flight (delayed free).
         forgotten: the guard said forget it: no new loads or stores.
-        seen: recency, committed when the request finishes (as vLLM 0.33 does): every key
-            it loaded, stored or offered while held, with its (chunk, group) for prefix
-            order.
-        reused: which keys of ``seen`` were reuses (loads and keys found held) rather than
-            its own stores.
+        access: recency, committed when the request finishes (as vLLM 0.33 does): every
+            key it loaded or offered, which were reuses and which its own stores; its
+            ``position`` holds each key's chunk-end position for prefix order.
         hit_tokens: recency ``"hits_only"``: tokens the last admission hit (GPU prefix
             plus external load); their whole chunks are touched when the request
             finishes, and nothing else.
@@ -71,8 +69,7 @@ class ReqState:
     store_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     forgotten: bool = False
-    seen: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
-    reused: set[OffloadKey] = field(default_factory=set)
+    access: RequestAccess = field(default_factory=RequestAccess)
     hit_tokens: int = 0
 
 

@@ -18,7 +18,7 @@ from connectors.offload.records import TransferJobSpec
 from connectors.offload.scheduler_state import NULL_BLOCK_ID, JobRecord
 
 if TYPE_CHECKING:
-    from connectors.offload.manager import OffloadKey, PrepareStoreOutput
+    from connectors.offload.manager import OffloadKey, PrepareStoreOutput, RequestAccess
     from connectors.offload.scheduler_state import ReqState, SchedulerState
     from kvconnector_core.scheduler.output import SchedulerOutput
 
@@ -161,7 +161,8 @@ class StorePlanner:
                   for c in chunks]
         if not wanted:
             return None
-        out = st.manager.prepare_store([key for _, _, key in wanted])
+        access = self._access(state, wanted)
+        out = st.manager.prepare_store([key for _, _, key in wanted], access)
         st.events.translate(st.manager)  # evictions, before a re-stored key's info is replaced
         if out is None:
             logger.debug("CPU tier full: store of %d chunks of %s retried next step",
@@ -170,19 +171,18 @@ class StorePlanner:
         where: _Where = {key: (g, c) for g, c, key in wanted}
         for g, chunks in enumerate(ranges):
             state.next_chunk[g] = max(state.next_chunk[g], chunks.stop)
-        if not st.hits_only:  # recency "hits_only": stores and held keys are no use
-            self._note_recency(state, out, where)
         if not out.keys_to_store:
             return None
         return self._store_job(state, out, where)
 
-    def _note_recency(self, state: ReqState, out: PrepareStoreOutput, where: _Where) -> None:
-        """Keys found held are a reuse (recorded now); every key offered is seen."""
-        if out.reused_keys:
-            self._state.manager.record_access(out.reused_keys)
-            state.reused.update(out.reused_keys)
-            state.seen.update((k, where[k][::-1]) for k in out.reused_keys)
-        state.seen.update((k, where[k][::-1]) for k in out.keys_to_store)
+    def _access(self, state: ReqState, wanted: list[tuple[int, int, OffloadKey]]
+                ) -> RequestAccess | None:
+        """The request's recency record with the offered chunks' positions, or None with
+        recency ``"hits_only"`` (stores and held keys are no use there)."""
+        if self._state.hits_only:
+            return None
+        state.access.position.update((key, c + 1) for _, c, key in wanted)
+        return state.access
 
     def _store_job(self, state: ReqState, out: PrepareStoreOutput, where: _Where
                    ) -> TransferJobSpec:

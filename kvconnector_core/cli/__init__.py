@@ -19,6 +19,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "run": "kvconnector_core.cli.run_cmd",
     "list": "kvconnector_core.cli.list_cmd",
     "events": "kvconnector_core.cli.events_cmd",
+    "simulate": "kvconnector_core.cli.simulate_cmd",
     "vllm-check": "kvconnector_core.cli.vllm_check_cmd",
 }
 

@@ -36,7 +36,9 @@ def collect(registry: Any = None) -> dict[str, Any]:
     """Return the listing as plain data.
 
     Returns:
-        ``{"connectors": [...], "conflicts": [...], "errors": [...], "skipped": [...]}``.
+        ``{"connectors": [...], "conflicts": [...], "cache_policies": [...], "errors":
+        [...], "skipped": [...]}``; ``errors`` includes the cache-policy plugins that
+        failed.
         Each connector has ``conflicted_names`` (its names that do not resolve because
         another class claims them) and ``usable`` (False when its own name is one).
         Each conflict has the ``name``, the registered ``holder`` (class,
@@ -51,19 +53,42 @@ def collect(registry: Any = None) -> dict[str, Any]:
 
     reg = registry if registry is not None else get_registry()
     connectors, holders = _connectors(reg)
+    policies, policy_errors = _cache_policies()
     return {
         "connectors": connectors,
         "conflicts": _conflicts(reg, holders),
+        "cache_policies": policies,
         "errors": [
             {"entry_point": f.plugin.entry_point, "distribution": f.plugin.distribution,
              "version": f.plugin.version, "error": f.message}
             for f in reg.errors if not isinstance(f.error, DuplicateConnectorError)
-        ],
+        ] + policy_errors,
         "skipped": [
             {"entry_point": p.entry_point, "distribution": p.distribution, "reason": reason}
             for p, reason in reg.skipped
         ],
     }
+
+
+def _cache_policies() -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
+    """The offload tier's cache policies (name, class, plugin) and the policy plugins
+    that failed, as rows of ``errors``."""
+    from connectors.offload.manager import registry as policies
+
+    rows = [{"name": name, "class": f"{cls.__module__}.{cls.__qualname__}",
+             "plugin": policies.policy_sources()[name]}
+            for name in policies.available_cache_policies()
+            for cls in [policies.get_cache_policy(name)]]
+    errors = [{"entry_point": f"{e.plugin} (cache policy plugin {e.value})",
+               "distribution": None, "version": None, "error": e.error}
+              for e in policies.policy_plugin_errors()]
+    return rows, errors
+
+
+def _policy_table(policies: list[dict[str, str]]) -> str:
+    rows = [["NAME", "CLASS", "PLUGIN"]]
+    rows += [[p["name"], p["class"], p["plugin"]] for p in policies]
+    return "\ncache policies (offload cache_policy):\n" + _table(rows) + "\n"
 
 
 def _connectors(reg: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -124,6 +149,7 @@ def _text(data: dict[str, Any]) -> str:
     rows += [[c["name"], ",".join(c["aliases"]) or "-", c["class"], c["distribution"] or "-",
               c["version"] or "-", _status(c)] for c in data["connectors"]]
     lines = [_table(rows) if data["connectors"] else "no connectors found"]
+    lines.append(_policy_table(data["cache_policies"]).rstrip("\n"))
     if data["conflicts"]:
         lines.append("\nconflicts (these names do not resolve until one claimant is removed):")
         for c in data["conflicts"]:

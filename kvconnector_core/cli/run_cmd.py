@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # the command imports torch only when it runs
     from kvconnector_core.engine.workloads import Trace
     from kvconnector_core.worker.model import ModelConfig
 
+from kvconnector_core.cli._trace_args import add_trace_format_arguments
+
 __all__ = ["HELP", "add_arguments", "main"]
 
 HELP = ("Run a workload through the engine with a connector and compare its outputs with a run "
@@ -51,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", metavar="FILE",
                      help="JSONL trace file, one request per line: arrival (engine steps), "
                           "prompt_token_ids (ids in [0, vocab)), max_new_tokens, optional "
-                          "cache_salt and request_id")
+                          "cache_salt and request_id; or a Mooncake trace (docs/offload.md)")
+    add_trace_format_arguments(parser)
     conn = parser.add_mutually_exclusive_group()
     conn.add_argument("--connector", metavar="NAME",
                       help=f"registered connector name (default {DEFAULT_CONNECTOR!r} if "
@@ -216,10 +219,13 @@ def _load_trace(args: argparse.Namespace, vocab_size: int) -> Trace:
     Raises:
         _UsageError: the trace has no requests.
     """
-    from kvconnector_core.engine.workloads import get_workload, load_trace_jsonl
+    from kvconnector_core.engine._trace import load_trace
+    from kvconnector_core.engine.workloads import get_workload
 
     if args.trace is not None:
-        trace = load_trace_jsonl(args.trace, vocab_size=vocab_size)
+        trace = load_trace(args.trace, args.trace_format, vocab_size=vocab_size,
+                           tokens_per_id=args.tokens_per_id, limit=args.limit,
+                           sample=args.sample, seed=args.seed)
     else:
         trace = get_workload(DEFAULT_WORKLOAD if args.workload is None else args.workload,
                              args.seed)

@@ -18,22 +18,32 @@ A plugin is a module (or any object) with functions decorated by
 The built-in connectors register through the same hook (``connectors._plugin``).
 
 Primitives: :data:`hookimpl`, :data:`hookspec`, :data:`PROJECT_NAME`,
-:func:`kvconnector_register_connectors`.
+:data:`CACHE_POLICY_GROUP`, :func:`kvconnector_register_connectors`,
+:func:`kvconnector_register_cache_policies`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
     from kvconnector_core.plugins.registry import ConnectorRegistry
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec", "kvconnector_register_connectors"]
+__all__ = [
+    "CACHE_POLICY_GROUP",
+    "PROJECT_NAME",
+    "hookimpl",
+    "hookspec",
+    "kvconnector_register_cache_policies",
+    "kvconnector_register_connectors",
+]
 
 PROJECT_NAME = "kvconnector"
 """The pluggy project name, which is also the entry-point group."""
+CACHE_POLICY_GROUP = f"{PROJECT_NAME}.cache_policies"
+"""Entry-point group of cache-policy plugins (see :func:`kvconnector_register_cache_policies`)."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 """Marks hook specifications (framework use)."""
@@ -55,4 +65,18 @@ def kvconnector_register_connectors(registry: ConnectorRegistry) -> None:
 
     Args:
         registry: the registry to add connector classes to.
+    """
+
+
+@hookspec
+def kvconnector_register_cache_policies(registry: Any) -> None:
+    """Register cache policies of the CPU offload tier (entry-point group
+    ``kvconnector.cache_policies``).
+
+    Call ``registry.add(name, PolicyClass)`` for each policy (a subclass of
+    ``connectors.offload.manager.CachePolicy``, built as ``PolicyClass(capacity)``);
+    users select it by ``cache_policy`` in the offload connector's settings. Return nothing.
+
+    Args:
+        registry: the cache-policy registry.
     """

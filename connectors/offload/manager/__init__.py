@@ -4,7 +4,8 @@ The manager (:mod:`.cpu`) owns slots, ref counts and events; a cache policy owns
 key -> :class:`SlotEntry` map of one tier and its eviction order.
 
 Primitives:
-    OffloadKey / SlotEntry / CachePolicy   the policy interface (:mod:`.policy`)
+    OffloadKey / SlotEntry / RequestAccess / CachePolicy
+                                           the policy interface (:mod:`.policy`)
     LRUCachePolicy                         least recently used (:mod:`.lru`)
     ARCCachePolicy                         adaptive replacement cache (:mod:`.arc`)
     register_cache_policy / get_cache_policy / available_cache_policies
@@ -24,7 +25,7 @@ from connectors.offload.manager.cpu import (
     PrepareStoreOutput,
 )
 from connectors.offload.manager.lru import LRUCachePolicy
-from connectors.offload.manager.policy import CachePolicy, OffloadKey, SlotEntry
+from connectors.offload.manager.policy import CachePolicy, OffloadKey, RequestAccess, SlotEntry
 from connectors.offload.manager.registry import (
     available_cache_policies,
     get_cache_policy,
@@ -41,6 +42,7 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "RequestAccess",
     "SlotEntry",
     "available_cache_policies",
     "get_cache_policy",

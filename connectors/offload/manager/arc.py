@@ -6,7 +6,13 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from itertools import islice
 
-from connectors.offload.manager.policy import CachePolicy, OffloadKey, SlotEntry, Victims
+from connectors.offload.manager.policy import (
+    CachePolicy,
+    OffloadKey,
+    RequestAccess,
+    SlotEntry,
+    Victims,
+)
 
 __all__ = ["ARCCachePolicy"]
 
@@ -43,9 +49,9 @@ class ARCCachePolicy(CachePolicy):
         self.target = 0.0
         self._t1: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
         self._t2: OrderedDict[OffloadKey, SlotEntry] = OrderedDict()
-        # Ghost key -> whether a store miss already adapted the target on it.
-        self._b1: OrderedDict[OffloadKey, bool] = OrderedDict()
-        self._b2: OrderedDict[OffloadKey, bool] = OrderedDict()
+        # Ghost keys, oldest first (the values are unused).
+        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
 
     # Read-only views for tests and diagnostics.
     @property
@@ -73,7 +79,8 @@ class ARCCachePolicy(CachePolicy):
         entry = self._t1.get(key)
         return entry if entry is not None else self._t2.get(key)
 
-    def insert(self, key: OffloadKey, entry: SlotEntry) -> None:
+    def insert(self, key: OffloadKey, entry: SlotEntry, access: RequestAccess | None = None
+               ) -> None:
         """See :meth:`CachePolicy.insert`; a new key enters T1 and leaves the ghosts."""
         self._t1[key] = entry
         self._b1.pop(key, None)
@@ -101,12 +108,12 @@ class ARCCachePolicy(CachePolicy):
             else:
                 self._ghost_hit(key)
 
-    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]
-                            ) -> None:
+    def on_request_finished(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey],
+                            stored: Collection[OffloadKey] | None = None) -> None:
         """See :meth:`CachePolicy.on_request_finished`; vLLM 0.33's rule, tail first: a
-        reused key is promoted (T1 -> T2, or to T2's end); a key the request only stored
-        moves to the end of its own list (a store is not a second use); ghosts are left
-        alone (the target adapts on store misses only)."""
+        key the request only stored moves to the end of its own list (a store is not a
+        second use); a reused key is promoted (T1 -> T2, or to T2's end); other keys
+        (offered, not stored) and ghosts are left alone."""
         t1, t2 = self._t1, self._t2
         for key in reversed(keys):
             if key in reused:
@@ -115,25 +122,19 @@ class ARCCachePolicy(CachePolicy):
                     t2[key] = entry
                 elif key in t2:
                     t2.move_to_end(key)
+            elif stored is not None and key not in stored:
+                continue
             elif key in t1:
                 t1.move_to_end(key)
             elif key in t2:
                 t2.move_to_end(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
-        """See :meth:`CachePolicy.on_store_miss`; adapts the target on ghost keys.
-
-        A ghost adapts the target once through store misses: a store that is refused
-        and offered again next step is one re-reference, not one per retry (vLLM 0.33
-        dedupes per request for the same reason).
-        """
-        for key in keys:
-            ghost = self._b1 if key in self._b1 else self._b2 if key in self._b2 else None
-            if ghost is not None and ghost[key]:
-                ghost.move_to_end(key)
-                continue
-            if self._ghost_hit(key):
-                (self._b1 if key in self._b1 else self._b2)[key] = True
+        """See :meth:`CachePolicy.on_store_miss`; adapts the target on ghost keys, tail of
+        the prefix first, as vLLM 0.33 does. The manager reports a request's miss once
+        (its ``missed`` set), so a store refused and offered again adapts once."""
+        for key in reversed(keys):
+            self._ghost_hit(key)
 
     def _ghost_hit(self, key: OffloadKey) -> bool:
         """Adapt the target if ``key`` is a ghost (classic ARC's cases II and III)."""
@@ -186,18 +187,18 @@ class ARCCachePolicy(CachePolicy):
         for from_t1, key in picks:
             live, ghost = (self._t1, self._b1) if from_t1 else (self._t2, self._b2)
             victims.append((key, live.pop(key)))
-            ghost[key] = False
+            ghost[key] = None
         for ghost in (self._b1, self._b2):
             while len(ghost) > self.capacity:
                 ghost.popitem(last=False)
         return victims
 
     def _take(self, keys: list[OffloadKey], live: OrderedDict[OffloadKey, SlotEntry],
-              ghost: OrderedDict[OffloadKey, bool]) -> Victims:
+              ghost: OrderedDict[OffloadKey, None]) -> Victims:
         # Evict ``keys`` (all in ``live``) into ``ghost``, then bound the ghost list.
         pop = live.pop
         victims: Victims = [(key, pop(key)) for key in keys]
-        ghost.update(dict.fromkeys(keys, False))
+        ghost.update(dict.fromkeys(keys))
         while len(ghost) > self.capacity:
             ghost.popitem(last=False)
         return victims

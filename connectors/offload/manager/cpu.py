@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 import msgspec
 
-from connectors.offload.manager.policy import OffloadKey, SlotEntry
+from connectors.offload.manager.policy import OffloadKey, RequestAccess, SlotEntry
 from connectors.offload.manager.registry import get_cache_policy
 from kvconnector_core.errors import ConfigError, InvariantError
 
@@ -91,8 +91,10 @@ class OffloadingManager(ABC):
         """Return how many leading ``keys`` are held and ready to load."""
 
     @abstractmethod
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
-        """Pin ``keys`` (all held and ready) until :meth:`complete_load`.
+    def prepare_load(self, keys: Sequence[OffloadKey], access: RequestAccess | None = None
+                     ) -> LoadStoreSpec:
+        """Pin ``keys`` (all held and ready) until :meth:`complete_load`; a reuse for
+        ``access`` (recorded as a use now, see :meth:`record_access`) when given.
 
         Returns:
             The slots of ``keys``, in key order.
@@ -109,24 +111,34 @@ class OffloadingManager(ABC):
         while they were held), head of the prefix first; see :meth:`finish_request`."""
 
     def finish_request(  # noqa: B027 - optional hook, a no-op by default
-            self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+            self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey],
+            stored: Collection[OffloadKey] | None = None) -> None:
         """Commit a finished request's recency, the way vLLM 0.33's manager does.
 
         Args:
             keys: every key the request loaded, stored, or offered while it was held
-                ready, head of the prefix first.
+                ready, head of the prefix first (a :class:`RequestAccess`'s ``seen``).
             reused: those of ``keys`` it loaded or found held.
+            stored: those it only stored (None: every key of ``keys`` not in ``reused``).
         """
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027
         """Unpin ``keys`` after their load finished (successfully or not)."""
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], access: RequestAccess | None = None
+                      ) -> PrepareStoreOutput | None:
         """Reserve slots for the ``keys`` not yet held, evicting if needed.
 
         Keys already held are never stored again, and every key passed in is protected
         from this call's evictions.
+
+        Args:
+            keys: the keys offered, head of the prefix first.
+            access: the offering request's record (updated, also when the store is
+                refused): the keys found held ready are reuses, recorded as a use now;
+                the policy learns from each of its store misses once. None: no
+                request record, every miss is reported.
 
         Returns:
             The plan, or None (nothing changed) when not enough space can be freed.
@@ -230,13 +242,16 @@ class CPUOffloadingManager(OffloadingManager):
         return hits
 
     # ------------------------------------------------------------------ loads
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
+    def prepare_load(self, keys: Sequence[OffloadKey], access: RequestAccess | None = None
+                     ) -> LoadStoreSpec:
         """See :meth:`OffloadingManager.prepare_load`."""
         entries = [self._ready_entry(key) for key in keys]  # validate all before pinning
         for entry in entries:
             if entry.ref_cnt == 0:
                 self._num_evictable -= 1
             entry.ref_cnt += 1
+        if access is not None:
+            self._observe(access, keys, keys)
         return LoadStoreSpec(block_ids=tuple(e.slot_id for e in entries), medium=self.medium)
 
     def _ready_entry(self, key: OffloadKey) -> SlotEntry:
@@ -253,11 +268,24 @@ class CPUOffloadingManager(OffloadingManager):
 
     def record_access(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`OffloadingManager.record_access`."""
-        self.policy.on_access(keys)
+        self.policy.on_access(keys, None)
 
-    def finish_request(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey]) -> None:
+    def _observe(self, access: RequestAccess, keys: Sequence[OffloadKey],
+                 reused: Sequence[OffloadKey]) -> None:
+        # vLLM 0.33's per-request record: the policy sees a key's first use by a request
+        # at once (LRU ranks it), the rest waits for finish_request.
+        seen = access.seen
+        new = [k for k in keys if k not in seen]
+        if new:
+            seen.update(dict.fromkeys(new))
+            self.policy.on_access(new, access)
+        inserted = access.inserted
+        access.reused.update(k for k in reused if k not in inserted)
+
+    def finish_request(self, keys: Sequence[OffloadKey], reused: Collection[OffloadKey],
+                       stored: Collection[OffloadKey] | None = None) -> None:
         """See :meth:`OffloadingManager.finish_request`."""
-        self.policy.on_request_finished(keys, reused)
+        self.policy.on_request_finished(keys, reused, stored)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`OffloadingManager.complete_load`.
@@ -276,7 +304,8 @@ class CPUOffloadingManager(OffloadingManager):
                 self._num_evictable += 1
 
     # ------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], access: RequestAccess | None = None
+                      ) -> PrepareStoreOutput | None:
         """See :meth:`OffloadingManager.prepare_store`."""
         held = self._held
         get = held.get
@@ -292,8 +321,11 @@ class CPUOffloadingManager(OffloadingManager):
             new_keys = list(dict.fromkeys(new_keys))
         self.num_stores_skipped += len(keys) - len(new_keys)
         # Before evicting, and also when the store is then refused (as vLLM 0.33 does):
-        # an adaptive policy learns from the keys it no longer holds.
-        self.policy.on_store_miss(new_keys)
+        # an adaptive policy learns from the keys it no longer holds, once per request.
+        if access is None:
+            self.policy.on_store_miss(new_keys)
+        else:
+            self._note_offer(access, keys, new_keys, reused)
         need = len(new_keys) - self.num_free_blocks
         evicted: list[OffloadKey] = []
         if need > 0:
@@ -315,13 +347,30 @@ class CPUOffloadingManager(OffloadingManager):
         for key, slot_id in zip(new_keys, slot_ids):
             entry = SlotEntry(slot_id, -1)
             held[key] = entry
-            insert(key, entry)
+            insert(key, entry, access)
+        if access is not None:
+            access.inserted.update(new_keys)
         return PrepareStoreOutput(
             keys_to_store=tuple(new_keys),
             store_spec=LoadStoreSpec(block_ids=tuple(slot_ids), medium=self.medium),
             evicted_keys=tuple(evicted),
             reused_keys=tuple(reused),
         )
+
+    def _note_offer(self, access: RequestAccess, keys: Sequence[OffloadKey],
+                    new_keys: list[OffloadKey], reused: list[OffloadKey]) -> None:
+        # Before any refusal: the misses the request has not reported yet, then the
+        # offered keys that are absent or held ready, in offer order.
+        missed = access.missed
+        fresh = [k for k in new_keys if k not in missed]
+        if fresh:
+            self.policy.on_store_miss(fresh)
+            missed.update(fresh)
+        if reused:
+            recorded = {*new_keys, *reused}
+            self._observe(access, [k for k in keys if k in recorded], reused)
+        else:
+            self._observe(access, new_keys, ())
 
     def _allocate_slots(self, n: int) -> list[int]:
         # Fresh slots first (ascending), then the most recently freed ones.

@@ -9,6 +9,7 @@ from connectors.offload.manager import (
     CachePolicy,
     CPUOffloadingManager,
     LRUCachePolicy,
+    RequestAccess,
     SlotEntry,
     get_cache_policy,
     register_cache_policy,
@@ -259,7 +260,7 @@ def test_register_custom_policy(monkeypatch: pytest.MonkeyPatch) -> None:
         register_cache_policy("bad", dict)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------ ARC driven by stores
+# ------------------------------------------------------------------------- ARC driven by stores
 def _stored(m: CPUOffloadingManager, *ids: int) -> None:
     out = m.prepare_store(ks(*ids))
     assert out is not None
@@ -302,16 +303,20 @@ def test_policy_on_store_miss_default_is_a_no_op() -> None:
 
 
 def test_arc_store_miss_adapts_once_per_ghost_across_retries() -> None:
-    """A refused store retried next step is one re-reference: the target moves once."""
+    """A refused store retried next step is one re-reference: the target moves once
+    (per request, as vLLM 0.33 dedupes; another request's miss is another reference)."""
     m = CPUOffloadingManager(2, "arc")
     policy = m.policy
     assert isinstance(policy, ARCCachePolicy)
     _stored(m, 1, 2)
     _stored(m, 3)  # evicts 1 -> B1
     m.prepare_load(ks(2, 3))  # pin everything: storing 1 again is refused
-    assert m.prepare_store(ks(1)) is None
-    assert m.prepare_store(ks(1)) is None  # the retry
+    access = RequestAccess()
+    assert m.prepare_store(ks(1), access) is None
+    assert m.prepare_store(ks(1), access) is None  # the retry
     assert policy.target == pytest.approx(1.0)
+    assert m.prepare_store(ks(1), RequestAccess()) is None  # another request
+    assert policy.target == pytest.approx(2.0)
 
 
 # --------------------------------------------------- request-scoped recency (vLLM 0.33)
