@@ -42,7 +42,7 @@ def _run(extra: dict[str, Any]) -> tuple[dict[str, float], KVConnectorProm]:
     prom = KVConnectorProm(rig.cfg, LABELS, ENGINE)  # vLLM's own: calls build_prom_metrics
     own: dict[str, float] = {}
     for adapter in (rig.connector, *rig.workers):
-        side = adapter._sched if adapter._sched is not None else adapter._worker  # noqa: SLF001
+        side = (adapter.scheduler_side or adapter.worker_side).guard
         forward = side.get_kv_connector_stats
 
         def spy(forward=forward):
