@@ -5,7 +5,7 @@ with secondary tiers in a tier too); ``update_state_after_alloc`` records the re
 and plans its load (:meth:`CPUOffloadingManager.prepare_load`), moving only the blocks
 the engine allocated.
 
-Primitives: :class:`LoadPlanner`.
+Primitives: :class:`ChunkLoadPlanner`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvconnector_core.kv_cache.kv_cache_manager import KVCacheBlocks
     from kvconnector_core.request import Request
 
-__all__ = ["LoadPlanner"]
+__all__ = ["ChunkLoadPlanner"]
 
 # A load's blocks: load key -> (group, chunk), in order, and per GPU block to load its
 # (GPU block id, chunk key, sub-block of the chunk).
@@ -35,7 +35,7 @@ _Where = dict["OffloadKey", tuple[int, int]]
 _Pairs = list[tuple[int, "OffloadKey", int]]
 
 
-class LoadPlanner:
+class ChunkLoadPlanner:
     """The scheduler side's lookups and load plans (see the module docstring).
 
     Args:

@@ -24,8 +24,8 @@ Failure contract (``docs/failure-contract.md``): ``forget_requests`` drops a req
 unsent loads and makes its stores in flight fail when they complete; ``plan_failed``
 releases a plan's loads or stores and re-sends its delayed frees.
 
-The side owns a :class:`~connectors.offload.load_planner.LoadPlanner` (lookups, load
-plans) and a :class:`~connectors.offload.store_planner.StorePlanner` (store plans), both
+The side owns a :class:`~connectors.offload.load_planner.ChunkLoadPlanner` (lookups, load
+plans) and a :class:`~connectors.offload.store_planner.ChunkStorePlanner` (store plans), both
 working on its :class:`~connectors.offload.scheduler_state.SchedulerState`; it completes
 jobs, finishes, forgets and fails requests and hands out events itself.
 
@@ -37,11 +37,11 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from connectors.offload.load_planner import LoadPlanner
+from connectors.offload.load_planner import ChunkLoadPlanner
 from connectors.offload.lookup import needed_chunks
 from connectors.offload.records import OffloadingConnectorMetadata, OffloadWorkerMetadata
 from connectors.offload.scheduler_state import JobRecord, ReqState, SchedulerState
-from connectors.offload.store_planner import StorePlanner
+from connectors.offload.store_planner import ChunkStorePlanner
 from kvconnector_core.connector.base import KVConnectorSchedulerSide
 
 if TYPE_CHECKING:
@@ -76,8 +76,8 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
         self.config = config
         self.offload_config = offload_config
         self.state = SchedulerState(config, offload_config)
-        self.load_planner = LoadPlanner(self.state, loads=config.is_kv_consumer)
-        self.store_planner = StorePlanner(self.state, stores=config.is_kv_producer)
+        self.load_planner = ChunkLoadPlanner(self.state, loads=config.is_kv_consumer)
+        self.store_planner = ChunkStorePlanner(self.state, stores=config.is_kv_producer)
         self._job_reports: dict[int, tuple[int, bool]] = {}  # job -> (worker reports, all ok)
         # Store jobs whose data cannot be trusted (forgotten requests): failed on completion.
         self._poisoned: set[int] = set()
@@ -101,13 +101,13 @@ class OffloadSchedulerSide(KVConnectorSchedulerSide):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Tokens loadable from the CPU tier beyond the local hit (always async); see
-        :meth:`LoadPlanner.matched_tokens`."""
+        :meth:`ChunkLoadPlanner.matched_tokens`."""
         return self.load_planner.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Record the request and plan its load if it has one; see
-        :meth:`LoadPlanner.plan_load`.
+        :meth:`ChunkLoadPlanner.plan_load`.
 
         Raises:
             InvariantError: ``num_external_tokens`` is not a whole number of GPU blocks

@@ -2,8 +2,8 @@
 
 The scheduler side (:class:`~connectors.offload.scheduler.OffloadSchedulerSide`) owns one
 :class:`SchedulerState` and hands it to its load planner
-(:class:`~connectors.offload.load_planner.LoadPlanner`) and store planner
-(:class:`~connectors.offload.store_planner.StorePlanner`): the CPU tier's manager, the
+(:class:`~connectors.offload.load_planner.ChunkLoadPlanner`) and store planner
+(:class:`~connectors.offload.store_planner.ChunkStorePlanner`): the CPU tier's manager, the
 per-request records (:class:`ReqState`), the jobs in flight (:class:`JobRecord`), what the
 next plan sends, and the store fence. :class:`ChunkKeys` computes the O(1) key and the
 description of a chunk.

@@ -5,7 +5,12 @@ block tables and plans the stores of the chunks each request completes
 (:meth:`CPUOffloadingManager.prepare_store`). O(new blocks) per request: block ids are
 appended, keys computed only for the chunks completed now.
 
-Primitives: :class:`StorePlanner`.
+It is not the public :class:`kvconnector_core.connector.planning.StorePlanner`, which
+follows one KV cache group a block at a time: this one plans multi-block chunks over every
+group, skips sliding-window blocks that left the window, fences the blocks it stores, and
+resets preempted requests.
+
+Primitives: :class:`ChunkStorePlanner`.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ if TYPE_CHECKING:
     from connectors.offload.scheduler_state import ReqState, SchedulerState
     from kvconnector_core.scheduler.output import SchedulerOutput
 
-__all__ = ["StorePlanner"]
+__all__ = ["ChunkStorePlanner"]
 
 logger = logging.getLogger(__name__)
 
 _Where = dict["OffloadKey", tuple[int, int]]  # stored key -> (group, chunk)
 
 
-class StorePlanner:
+class ChunkStorePlanner:
     """The scheduler side's store plans (see the module docstring).
 
     Args:

@@ -1,6 +1,6 @@
 """Edge cases of the offload connector's scheduler-side load and store planning.
 
-Each test pins one decision of ``LoadPlanner`` / ``StorePlanner`` that the engine-level
+Each test pins one decision of ``ChunkLoadPlanner`` / ``ChunkStorePlanner`` that the engine-level
 tests do not reach: the role gate, chunk boundaries of a hit and of a store, and what
 the worker is told to copy.
 """
