@@ -1,4 +1,4 @@
-"""The engine's settings: :class:`EngineConfig` (re-exported by ``engine``)."""
+"""The engine's settings: :class:`EngineConfig` (imported from ``engine``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The records of a run (re-exported by ``engine``) and the folding of connector stats into them."""
+"""The records of a run (imported from ``engine``) and the folding of connector stats into them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The synthetic workload generators (re-exported by ``workloads``, which documents them)."""
+"""The synthetic workload generators; ``workloads`` documents them and names the defaults."""
 
 from __future__ import annotations
 

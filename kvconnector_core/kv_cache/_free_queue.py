@@ -1,4 +1,4 @@
-"""KV blocks and the LRU free queue of the block pool (re-exported by ``block_pool``).
+"""KV blocks and the LRU free queue of the block pool (imported from ``block_pool``).
 
 The eviction-order contract the queue implements is in ``block_pool``'s module docstring.
 """

@@ -1,4 +1,4 @@
-"""The block pool's prefix-hash map (re-exported by ``block_pool``)."""
+"""The block pool's prefix-hash map: block hash -> cached blocks (imported from ``block_pool``)."""
 
 from __future__ import annotations
 
