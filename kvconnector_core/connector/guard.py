@@ -579,7 +579,6 @@ class GuardedWorker(GuardBase):
         """``get_block_ids_with_load_errors`` raised this step: which loads failed is unknown."""
         self._has_plan = False
         self._sync_loads = True  # whether this step may have synchronous loads (begin_step)
-        self._skip_saves = False  # the engine says this step computes on a failed load
         # load errors read before wait_for_save, returned with the step's own call
         self._early_errors: set[int] = set()
         # finished_req_ids a raising get_transfer_results did not take: passed again.
@@ -605,7 +604,7 @@ class GuardedWorker(GuardBase):
         plan ``clear_connector_metadata`` could not unbind (the next bind replaces it)."""
         return bool(self._unseen_finished) or self._uncleared
 
-    def begin_step(self, *, sync_loads: bool = True, skip_saves: bool = False) -> None:
+    def begin_step(self, *, sync_loads: bool = True) -> None:
         """Reset the per-step failure flags; a quarantined connector's loads and stores
         fail every step (the scheduler recomputes and drops them).
 
@@ -613,13 +612,9 @@ class GuardedWorker(GuardBase):
             sync_loads: whether the step may have synchronous loads (the forward then
                 reads blocks being loaded, and a failed load fails the step's stores);
                 True when unknown.
-            skip_saves: the engine knows this step computes on a failed load already
-                (vLLM's async scheduling runs a step planned before an earlier step's
-                failure was known): no save hook is called and the stores fail.
         """
         self.loads_failed = self.stores_failed = self.quarantined
         self._sync_loads = sync_loads
-        self._skip_saves = skip_saves
         self._early_errors = set()
         if self._streaks:  # a hook that did not raise in the last step ends its streak
             for hook in [h for h in self._streaks if h not in self._raised_now]:
@@ -684,7 +679,7 @@ class GuardedWorker(GuardBase):
         """Save one layer; a raise fails the step's stores (later layers are not saved).
         Skipped once a synchronous load of the step failed (the layer holds KV computed
         on it)."""
-        if self._skip_saves or (self.loads_failed and self._sync_loads):
+        if self.loads_failed and self._sync_loads:
             self.stores_failed = True
         elif self._has_plan and not self.stores_failed:
             try:
@@ -695,8 +690,7 @@ class GuardedWorker(GuardBase):
 
     def _saves_poisoned(self) -> bool:
         """A synchronous load of this step failed, so what the step computed is wrong."""
-        return self._skip_saves or (
-            self._sync_loads and (self.loads_failed or bool(self._early_errors)))
+        return self._sync_loads and (self.loads_failed or bool(self._early_errors))
 
     def wait_for_save(self) -> None:
         """End the step's saves (run even after a failed save_kv_layer: the connector may

@@ -90,30 +90,23 @@ class AdapterMetadata(VllmMetadata):
     Attributes:
         inner: the wrapped connector's plan (None when its ``build_connector_meta``
             raised: the guard then skips the step's loads and stores).
-        failed_recving: requests whose asynchronous load the scheduler side already
-            knows failed (the connector raised while planning it); the worker reports
-            them finished and failed, so vLLM stops waiting and recomputes.
-        invalid_block_ids: blocks of synchronous loads that will not happen, for the
-            same reason; the worker reports them as load errors.
+        failed_recving: requests whose load the scheduler side already knows failed
+            (the connector raised while planning it); the worker reports them finished
+            and failed, so vLLM stops waiting and recomputes.
         step: the scheduler side's step number of this plan; the worker names it in
             its report, so that a failure reaches the plan of its own step (with
             async scheduling the next plan is built before a step is reported).
         delayed_frees: finished requests whose blocks vLLM holds for the connector's
             stores, not reported sent yet (the worker reports them itself when its
             step's stores failed and it has nothing in flight).
-        reported_step: the last step whose report the scheduler side had processed when
-            it built this plan (a report that carries flags names its step): a worker
-            whose synchronous load failed in a later step knows this step was planned
-            without knowing it, and computes on the failed load too.
-        sync_load_blocks: the blocks this step's synchronous loads write (the block
-            each ends in part-way included); the forward reads them, so when the worker's
-            loads fail this step, it reports them as load errors in this same step
-            (vLLM then rolls the requests back before it counts their tokens computed).
         async_loads: the requests whose asynchronous load this plan carries (a request
             id the worker remembers from an earlier request's failed load is new again).
-        load_blocks: with several KV cache groups (HMA), the asynchronous loads planned
-            this step and every block each writes (all groups): the worker maps load
-            errors by block to the receives they hit, whenever they are reported.
+        sync_recving: the requests whose synchronous load this plan carries; vLLM waits
+            for them as receives, so the worker completes them this step and reports
+            them finished (failed when its loads failed).
+        load_blocks: with several KV cache groups (HMA), the loads planned this step
+            and every block each writes (all groups): the worker maps load errors by
+            block to the receives they hit, whenever they are reported.
         unreported_sends: finished requests vLLM keeps until their ``finished_sending``
             (a delayed free), not reported yet; the worker reports a send only for
             these, once each (vLLM asserts on a report for a request it dropped, and a
@@ -122,14 +115,12 @@ class AdapterMetadata(VllmMetadata):
 
     inner: Any = None
     failed_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
     step: int = 0
     delayed_frees: set[str] = field(default_factory=set)
     unreported_sends: set[str] = field(default_factory=set)
     load_blocks: dict[str, set[int]] = field(default_factory=dict)
     async_loads: set[str] = field(default_factory=set)
-    sync_load_blocks: set[int] = field(default_factory=set)
-    reported_step: int = 0
+    sync_recving: set[str] = field(default_factory=set)
 
 
 @dataclass

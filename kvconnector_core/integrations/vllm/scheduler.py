@@ -9,12 +9,20 @@ its step), the loads that will not happen (the connector raised while planning t
 :class:`~.records.AdapterMetadata` tells the worker to report them failed) and the
 finished requests whose free the connector delayed.
 
+Every load goes to vLLM as an asynchronous receive, the connector's synchronous ones
+included: vLLM caches a synchronous load's blocks when it allocates them, so another
+request could hit them (and, under async scheduling, compute on them) before a failed
+load is reported, and vLLM keeps such a request's tokens
+(``Scheduler._update_requests_with_invalid_blocks``). A receive's blocks are cached only
+once it is reported, and the worker side reports a synchronous load in the step that ran
+it (:attr:`~.records.AdapterMetadata.sync_recving`). The cost is the step the request
+waits for its report.
+
 Primitives: :class:`AdapterScheduler`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,13 +42,11 @@ if TYPE_CHECKING:
 
 __all__ = ["AdapterScheduler"]
 
-logger = logging.getLogger(__name__)
-
 _MAX_PLANS_IN_FLIGHT = 64
 """Plans kept for their step's report (vLLM has at most a few steps in flight)."""
 
 _Load = tuple[bool, list[int]]
-"""A planned load: (asynchronous?, the block ids it writes)."""
+"""A planned load: (asynchronous for the connector?, the block ids it writes)."""
 
 
 class AdapterScheduler:
@@ -63,12 +69,10 @@ class AdapterScheduler:
         self._block_size = groups[0].kv_cache_spec.block_size if groups else 1
         # vLLM takes load errors by block id only with one KV cache group.
         self._several_groups = len(groups) > 1
-        self._warned_sync_hma = False
         self._kv_cache_manager: Any = None
         # Plans by step, until their step's report: with async scheduling (vLLM's
         # default) the next plan is built before a step's output is processed.
         self._step = 0
-        self._reported_step = 0  # the newest step a report named (see AdapterMetadata)
         self._plans: OrderedDict[int, tuple[Any, dict[str, _Load]]] = OrderedDict()
         # rid -> (asynchronous?, the local hit the connector was asked with), until the
         # request's admission (or its end): a deferred asynchronous load is admitted
@@ -78,7 +82,6 @@ class AdapterScheduler:
         self._step_load_blocks: dict[str, set[int]] = {}  # HMA: rid -> every block its load writes
         # loads that will not happen because planning them raised (the next plan's)
         self._unplanned_recving: set[str] = set()
-        self._unplanned_blocks: set[int] = set()
         # Finished requests whose free the wrapped connector delayed, until reported sent
         # (or their blocks were released for a prefix-cache reset).
         self._delayed_frees: dict[str, Any] = {}
@@ -91,6 +94,9 @@ class AdapterScheduler:
         # re-admits them; they recompute instead (as kvconnector's scheduler does),
         # so a persistently failing tier cannot livelock them.
         self._recompute_only: set[str] = set()
+        # Loads vLLM waits for, by request: the blocks each writes (first group), until
+        # its receive is reported; a load error in them fails the request's load.
+        self._receiving: dict[str, set[int]] = {}
 
     def has_pending_block_frees(self) -> bool:
         """True while a finished request's blocks wait for its stores."""
@@ -149,22 +155,13 @@ class AdapterScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load,
-        and for a synchronous hit when the model has several KV cache groups (vLLM could
-        not be told which of its blocks failed to load)."""
+        """Forwarded (vLLM's Request is passed as is); ``(0, False)`` after a failed load.
+        A hit is always answered asynchronous (see the module docstring)."""
         if request.request_id in self._recompute_only:
             return 0, False
         num, is_async = self.guard.get_num_new_matched_tokens(request, num_computed_tokens)
-        if num and not is_async and self._several_groups:
-            if not self._warned_sync_hma:
-                self._warned_sync_hma = True
-                logger.error("connector %r answered a synchronous load under vLLM's hybrid KV "
-                             "cache manager, where a failed one cannot be reported; its "
-                             "synchronous hits are recomputed instead (load asynchronously to "
-                             "serve them)", self._name)
-            return 0, False
         self._answers[request.request_id] = (bool(is_async), num_computed_tokens)
-        return num, is_async
+        return num, bool(num)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -180,7 +177,7 @@ class AdapterScheduler:
             self._fail_loads({request.request_id: load})
             return
         self._step_loads[request.request_id] = load
-        if is_async and self._several_groups:
+        if self._several_groups:
             # The worker maps load errors to this receive by these blocks (vLLM's
             # null block stands for positions out of a sliding window: never loaded).
             self._step_load_blocks[request.request_id] = {
@@ -194,11 +191,9 @@ class AdapterScheduler:
 
         The load starts where the local hit the connector was asked with ends: vLLM 0.33
         presents a block-aligned local hit and, when it admits an external hit, keeps
-        exactly that local prefix. The blocks' hashes cannot tell it: vLLM hashes a
-        synchronous load's blocks (and those the step computes) when it allocates them.
-        Without an answer (a deferred asynchronous load whose ask was dropped), the first
-        block without a hash starts it: asynchronous loads' blocks are hashed only once
-        they arrived.
+        exactly that local prefix. Without an answer (a deferred load whose ask was
+        dropped), the first block without a hash starts it: a receive's blocks are hashed
+        only once it arrived.
         """
         bs = self._block_size
         if local_tokens is None:
@@ -210,11 +205,7 @@ class AdapterScheduler:
 
     def _fail_loads(self, loads: dict[str, _Load]) -> None:
         """Have the worker report these loads failed (next plan): vLLM must not wait for them."""
-        for rid, (is_async, block_ids) in loads.items():
-            if is_async:
-                self._unplanned_recving.add(rid)
-            else:
-                self._unplanned_blocks.update(block_ids)
+        self._unplanned_recving.update(loads)
 
     # ------------------------------------------------------------ plans and reports
 
@@ -226,24 +217,32 @@ class AdapterScheduler:
         loads, self._step_loads = self._step_loads, {}
         if plan is None:  # the step's loads are never planned: they fail now
             # vLLM frees (and may reuse) a failed receive's blocks, so the connector must
-            # never run the load later: an asynchronous one would still go out with its
-            # next plan (the guard forgets only the step's scheduled requests).
-            self.guard.forget_requests({rid for rid, (is_async, _) in loads.items() if is_async})
+            # never run the load later: it would still go out with its next plan (the
+            # guard forgets only the step's scheduled requests, and a receive is not).
+            self.guard.forget_requests(set(loads))
             self._fail_loads(loads)
             loads = {}
+        for rid, (_, block_ids) in loads.items():
+            self._receiving[rid] = set(block_ids)
         self._step += 1
         self._plans[self._step] = (plan, loads)
         while len(self._plans) > _MAX_PLANS_IN_FLIGHT:  # reports without flags never name a step
             self._plans.popitem(last=False)
-        sync_blocks = {b for is_async, ids in loads.values() if not is_async for b in ids}
-        meta = AdapterMetadata(plan, self._unplanned_recving, self._unplanned_blocks,
-                               step=self._step, load_blocks=self._step_load_blocks,
-                               sync_load_blocks=sync_blocks, reported_step=self._reported_step,
+        # Failed loads are reported with a plan the connector built: a load it kept pending
+        # when planning raised goes out with that plan, and must run while the request
+        # still holds its blocks (vLLM frees them once it learns the receive failed). A
+        # quarantined connector builds no plan again.
+        failed: set[str] = set()
+        if plan is not None or self.guard.quarantined:
+            failed, self._unplanned_recving = self._unplanned_recving, set()
+        meta = AdapterMetadata(plan, failed, step=self._step,
+                               load_blocks=self._step_load_blocks,
                                async_loads={rid for rid, (is_async, _) in loads.items()
                                             if is_async},
+                               sync_recving={rid for rid, (is_async, _) in loads.items()
+                                             if not is_async},
                                delayed_frees=set(self._delayed_frees),
                                unreported_sends=set(self._unreported_sends))
-        self._unplanned_recving, self._unplanned_blocks = set(), set()
         self._step_load_blocks = {}
         return meta
 
@@ -253,7 +252,7 @@ class AdapterScheduler:
         for rid in out.finished_sending:
             self._delayed_frees.pop(rid, None)
         self._unreported_sends -= out.finished_sending
-        self._recompute_only |= out.failed_recving
+        self._note_failed_loads(out)
         events = connector_output.kv_cache_events
         if events is not None:
             self._worker_events += events.aggregate().get_all_events()
@@ -263,9 +262,20 @@ class AdapterScheduler:
             # The worker could not run the step's loads: the connector may never report
             # the asynchronous ones it has not reported yet (as kvconnector's scheduler
             # does, they fail; reported next step). The synchronous ones the worker
-            # reported invalid in that step already (AdapterMetadata.sync_load_blocks).
+            # reported failed in that step already (AdapterMetadata.sync_recving).
             self._fail_loads({rid: load for rid, load in loads.items()
                               if load[0] and rid not in out.finished_recving})
+
+    def _note_failed_loads(self, out: Any) -> None:
+        """Requests whose load failed (a failed receive, or a load error in its blocks)
+        recompute when vLLM admits them again, instead of loading again."""
+        self._recompute_only |= out.failed_recving
+        invalid = out.invalid_block_ids
+        if invalid:
+            self._recompute_only.update(
+                rid for rid, block_ids in self._receiving.items() if block_ids & invalid)
+        for rid in out.finished_recving:
+            self._receiving.pop(rid, None)
 
     def _plan_of(self, worker_meta: Any) -> tuple[Any, dict[str, _Load]]:
         """The plan and loads of the step a report names (its worker metadata carries the
@@ -274,7 +284,6 @@ class AdapterScheduler:
         step = worker_meta.step if isinstance(worker_meta, AdapterWorkerMetadata) else None
         if step is None:
             return None, {}
-        self._reported_step = max(self._reported_step, step)
         found = self._plans.get(step, (None, {}))
         while self._plans and next(iter(self._plans)) <= step:
             self._plans.popitem(last=False)
@@ -284,6 +293,7 @@ class AdapterScheduler:
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Forwarded; a delayed free is remembered until it is reported sent."""
         self._recompute_only.discard(request.request_id)
+        self._receiving.pop(request.request_id, None)
         self._answers.pop(request.request_id, None)
         delay, params = self.guard.request_finished(request, block_ids)
         if delay:

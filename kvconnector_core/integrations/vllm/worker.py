@@ -4,8 +4,10 @@
 loads, saves, results, load errors, events, worker metadata, clear) to the wrapped
 connector through its :class:`~kvconnector_core.connector.guard.GuardedWorker`, and
 reports the loads the scheduler role already knows failed (carried in
-:class:`~.records.AdapterMetadata`) as failed receives / load errors, so that vLLM
-never waits for them.
+:class:`~.records.AdapterMetadata`) as failed receives, so that vLLM never waits for
+them. The connector's synchronous loads reach vLLM as receives (see
+:mod:`~kvconnector_core.integrations.vllm.scheduler`): the worker completes them in
+``start_load_kv`` and reports them finished in the same step.
 
 Primitives: :class:`AdapterWorker`.
 """
@@ -36,8 +38,9 @@ if TYPE_CHECKING:
 __all__ = ["AdapterWorker"]
 
 _MAX_REPORTED_RECVING = 100_000
-"""Request ids remembered to drop a second report of a receive: a load failed by the
-adapter that the connector also reports later (vLLM asserts on it)."""
+"""Request ids remembered to drop a second report of a receive: a load the adapter
+reported (failed, or synchronous) that the connector also reports later (vLLM asserts on
+it)."""
 
 
 def _remember(seen: OrderedDict[str, None], ids: set[str]) -> None:
@@ -65,17 +68,16 @@ class AdapterWorker:
         self._meta: Any = None  # the plan bound for this step (vLLM's record)
         self._step_begun = False
         self._step_invalid: set[int] = set()
-        # the step of a failed synchronous load the scheduler side may not know of yet
-        self._failed_sync_step: int | None = None
+        self._layer_names: list[str] = []  # vLLM's attention layers (register_kv_caches)
         # HMA: the asynchronous loads in flight and the blocks each writes, and those a
         # load error already hit (reported failed when their receive finishes)
         self._recving_blocks: dict[str, set[int]] = {}
         self._poisoned_recving: set[str] = set()
-        # Receives the adapter reported failed for the connector: a later report of the
-        # same request by the connector is dropped (vLLM asserts on a report for a request
-        # it has forgotten, and such a request never loads again: it recomputes).
-        # Bounded, oldest dropped.
-        self._failed_for_connector: OrderedDict[str, None] = OrderedDict()
+        # Receives the adapter reported for the connector (failed ones, and synchronous
+        # loads): a later report of the same request by the connector is dropped (vLLM
+        # asserts on a report for a request it has forgotten or already runs). Bounded,
+        # oldest dropped.
+        self._reported_for_connector: OrderedDict[str, None] = OrderedDict()
         # Sends reported, until the scheduler side's plans stop listing them as unreported
         # (vLLM then dropped the request; a later request may reuse its id).
         self._reported_sent: set[str] = set()
@@ -85,6 +87,7 @@ class AdapterWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Hand vLLM's per-layer tensors over as block-dense views (no copies; see
         :mod:`~kvconnector_core.integrations.vllm.layouts`)."""
+        self._layer_names = list(kv_caches)
         views: dict[str, torch.Tensor] = {}
         for name, tensor in kv_caches.items():
             views.update(block_dense_views(name, tensor))
@@ -92,29 +95,17 @@ class AdapterWorker:
 
     # ------------------------------------------------------------ step start and end
 
-    def _begin_step(self, meta: Any) -> None:
+    def _begin_step(self) -> None:
+        # vLLM computes nothing on a load in the step that runs it (every load is a
+        # receive to vLLM), so the guard treats each step's loads as asynchronous.
         if not self._step_begun:
             self._step_begun = True
-            sync = not isinstance(meta, AdapterMetadata) or bool(meta.sync_load_blocks)
-            self.guard.begin_step(sync_loads=sync, skip_saves=self._plans_before_failure(meta))
-
-    def _plans_before_failure(self, meta: Any) -> bool:
-        """Whether this step was planned before the scheduler side learned of a failed
-        synchronous load of an earlier step (vLLM's async scheduling plans a step ahead):
-        its requests may still compute on the failed load's blocks, so its saves must
-        not run. Once a plan shows the failure's report was processed, saves resume."""
-        failed = self._failed_sync_step
-        if failed is None or not isinstance(meta, AdapterMetadata):
-            return False
-        if meta.reported_step >= failed:
-            self._failed_sync_step = None
-            return False
-        return True
+            self.guard.begin_step(sync_loads=False)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Bind the wrapped plan (none when the scheduler side failed to build one)."""
         self._meta = connector_metadata
-        self._begin_step(connector_metadata)
+        self._begin_step()
         if connector_metadata.inner is not None:
             self.guard.bind_connector_metadata(connector_metadata.inner)
 
@@ -126,15 +117,25 @@ class AdapterWorker:
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Forwarded with the wrapped plan (vLLM calls it before the bind)."""
-        self._begin_step(kv_connector_metadata)
+        self._begin_step()
         if kv_connector_metadata.inner is not None:
             self.guard.handle_preemptions(kv_connector_metadata.inner)
 
     # ------------------------------------------------------------ loads and saves
 
     def start_load_kv(self, forward_context: Any) -> None:
-        """Forwarded."""
+        """Forwarded; with synchronous loads planned, every layer is then waited for.
+
+        vLLM waits for each layer during the forward, before it starts a step without
+        synchronous loads (to vLLM there are none), and not at all in a step without a
+        forward; a connector that loads layer by layer in ``wait_for_layer_load`` must
+        still finish the loads this step reports received.
+        """
         self.guard.start_load_kv(forward_context)
+        meta = self._meta
+        if isinstance(meta, AdapterMetadata) and meta.sync_recving:
+            for name in self._layer_names:
+                self.guard.wait_for_layer_load(name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Forwarded."""
@@ -164,16 +165,17 @@ class AdapterWorker:
         plan = meta if isinstance(meta, AdapterMetadata) else AdapterMetadata()
         # vLLM takes a request id again once the request with it is gone: a new load
         # under a remembered id is another request's, and its report must pass.
-        for rid in plan.async_loads:
-            self._failed_for_connector.pop(rid, None)
+        for rid in plan.async_loads | plan.sync_recving:
+            self._reported_for_connector.pop(rid, None)
         res = guard.get_transfer_results(set(finished_req_ids))
-        self._read_load_errors(plan)
+        self._step_invalid = set(guard.get_block_ids_with_load_errors())
         failed = set(res.finished_recving if guard.load_errors_unknown else res.failed_recving)
-        recving = {r for r in res.finished_recving if r not in self._failed_for_connector}
-        recving |= plan.failed_recving
+        recving = {r for r in res.finished_recving if r not in self._reported_for_connector}
+        recving |= plan.failed_recving | plan.sync_recving
         failed |= plan.failed_recving
-        self._step_invalid |= plan.invalid_block_ids
-        _remember(self._failed_for_connector, plan.failed_recving)
+        if guard.loads_failed:  # the step's synchronous loads did not all run
+            failed |= plan.sync_recving
+        _remember(self._reported_for_connector, plan.failed_recving | plan.sync_recving)
         if self._several_groups:
             failed |= self._hma_failed_receives(meta, recving)
         sending = set(res.finished_sending)
@@ -183,26 +185,13 @@ class AdapterWorker:
         return VllmTransferResults(finished_sending=sending, finished_recving=recving,
                                    failed_recving=failed & recving)
 
-    def _read_load_errors(self, plan: AdapterMetadata) -> None:
-        """The step's load errors, the blocks of its synchronous loads included when the
-        worker's loads failed (the forward ran on them: vLLM must not count them); a
-        failed synchronous load's step is remembered for :meth:`_plans_before_failure`."""
-        guard = self.guard
-        self._step_invalid = set(guard.get_block_ids_with_load_errors())
-        if not plan.sync_load_blocks:
-            return
-        if guard.loads_failed:
-            self._step_invalid |= plan.sync_load_blocks
-        if (guard.loads_failed or self._step_invalid) and self._failed_sync_step is None:
-            self._failed_sync_step = plan.step
-
     def _hma_failed_receives(self, meta: Any, recving: set[str]) -> set[str]:
         """With several KV cache groups: the receives of ``recving`` that a load error hit.
 
         vLLM 0.33 raises on any load error reported by block id when the model has
         several KV cache groups (``Scheduler._handle_invalid_blocks``); a failed receive
         is the only report it takes. Every load is asynchronous there (the scheduler
-        side refuses synchronous ones), and the plan names each load's blocks, so an
+        side presents synchronous ones as receives), and the plan names each load's blocks, so an
         error is charged to the receives holding its blocks, whether it comes in the
         step their receive finishes or earlier. A block no receive in flight holds
         fails them all (costs hits, never data).

@@ -23,7 +23,9 @@ class Stats:
         empty_steps: steps that scheduled no token.
         finished: requests finished (any reason).
         preemptions: preemptions.
-        async_loads: requests seen waiting for an asynchronous load.
+        async_loads: requests seen waiting for their KV (``WAITING_FOR_REMOTE_KVS``):
+            asynchronous loads, and every load of a kvconnector connector behind the
+            adapter (it presents synchronous loads as receives).
         hit_tokens: tokens the connector said it would load.
         layer_blocks_checked: layer-blocks byte-checked (on every worker, every check).
         loaded_layer_blocks_checked: of those, blocks a connector load wrote (first check).
@@ -75,7 +77,7 @@ class RigReport(msgspec.Struct, kw_only=True):
         exceptions: exceptions that escaped into vLLM (type and message).
         steps: steps run.
         preemptions: preemptions.
-        async_loads: requests that waited for an asynchronous load.
+        async_loads: requests that waited for their KV (see :class:`Stats`).
     """
 
     connector: str

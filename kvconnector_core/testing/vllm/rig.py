@@ -150,7 +150,9 @@ class VllmRig:
                                  raise_on_wrong=raise_on_wrong)
         self._async_ids: set[str] = set()  # requests seen waiting for an async load
         self.sync_load_steps: list[int] = []
-        """Steps (from 0) whose plan carries a synchronous load (from vLLM's calls)."""
+        """Steps (from 0) whose plan carries a synchronous load: one vLLM was answered as
+        synchronous, or (behind kvconnector's adapter, which answers every load to vLLM as
+        a receive) one the wrapped connector answered as synchronous."""
         self._load_async: dict[str, bool] = {}
         self._next_id = 0
         self._observe_connector()
@@ -327,6 +329,8 @@ class VllmRig:
 
     def _schedule_and_execute(self) -> tuple[Any, Any]:
         so = self.scheduler.schedule()
+        if getattr(so.kv_connector_metadata, "sync_recving", None):  # the adapter's plan
+            self.sync_load_steps.append(self.stats.steps)
         self.stats.steps += 1
         if so.total_num_scheduled_tokens == 0:
             self.stats.empty_steps += 1

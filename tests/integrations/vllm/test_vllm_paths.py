@@ -302,10 +302,10 @@ def test_vllms_own_multi_connector_runs_adapters():
         w.shutdown()
 
 
-def test_synchronous_hits_under_hma_are_recomputed(caplog):
-    """Under HMA vLLM cannot be told which blocks of a synchronous load failed, so the
-    adapter turns a synchronous hit into a miss (logged once): the request recomputes,
-    and every block still holds the right bytes."""
+def test_synchronous_hits_under_hma_are_served_byte_exact():
+    """Under HMA vLLM takes load errors only as failed receives; the adapter presents a
+    synchronous load as a receive too, reported in the step that ran it, so synchronous
+    hits are served there (the rig checks every block they load)."""
     rig = VllmRig(offload(128), num_gpu_blocks=64, sliding_window=40, hma=True, kv_transfer=HMA)
     prompts = [prompt(39, 99), prompt(40, 70)]
     _stored_then_reset(rig, prompts)
@@ -320,12 +320,11 @@ def test_synchronous_hits_under_hma_are_recomputed(caplog):
 
     guard.get_num_new_matched_tokens = synchronous
     rids = [rig.add(p, max_tokens=2) for p in prompts]
-    with caplog.at_level("ERROR", logger="kvconnector_core.integrations.vllm.scheduler"):
-        rig.run()
+    rig.run()
     assert max(answers) > 0  # the connector had hits
-    assert rig.stats.hit_tokens == 0
-    assert [rig.stats.scheduled_tokens[r] for r in rids] == [99 + 1, 70 + 1]
-    assert len([r for r in caplog.records if "synchronous load" in r.getMessage()]) == 1
+    assert rig.stats.hit_tokens == sum(answers) > 0
+    assert rig.stats.loaded_layer_blocks_checked > 0
+    assert all(rig.stats.scheduled_tokens[r] < len(p) + 1 for r, p in zip(rids, prompts))
     assert_no_leak(rig)
     rig.shutdown()
 
