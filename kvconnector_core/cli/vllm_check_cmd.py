@@ -32,6 +32,7 @@ _RANDOMIZED_REQUESTS = 48
 _MODEL_LEN_CAP = 2048  # the stub model config's max_position_embeddings
 _SETTING_KEYS = {"load_errors": "load_failure_rate", "store_errors": "store_failure_rate",
                  "late": "completion_delay_steps", "seed": "seed"}
+_SETTING_SPECS = ("load_errors=RATE", "store_errors=RATE", "late=STEPS", "seed=N")
 
 
 class UsageError(Exception):
@@ -96,8 +97,9 @@ def parse_faults(specs: list[str]) -> dict[str, Any] | None:
                     fault["at_step"] = int(step)
                 raise_in.append(fault)
             else:
-                valid = ", ".join([*sorted(FAULT_HOOKS), *(f"{k}=N" for k in _SETTING_KEYS)])
-                msg = f"--faults {spec!r} names no hook or setting; valid: {valid}"
+                valid = ", ".join(sorted(FAULT_HOOKS))
+                msg = (f"--faults {spec!r} names no hook or setting; valid: HOOK, HOOK=RATE or "
+                       f"HOOK@STEP with HOOK one of {valid}; or {', '.join(_SETTING_SPECS)}")
                 raise UsageError(msg)
         except ValueError:
             msg = f"--faults {spec!r}: {value or step!r} is not a number"
@@ -164,7 +166,17 @@ def _build(rig_pkg: Any, config: dict[str, Any], layout: str, kwargs: dict[str, 
         return rig_pkg.VllmRig.from_kv_transfer_config(config, layout=layout, **kwargs)
     except Exception as exc:  # noqa: BLE001 - vLLM rejects configs with many exception types
         msg = f"the kv-transfer-config was rejected ({type(exc).__name__}): {_one_line(exc)}"
-        raise UsageError(msg[:400]) from None
+        if "kv_connector_module_path" not in config:
+            msg = f"{msg[:300]}; {_known_connectors()}"
+        raise UsageError(msg[:600]) from None
+
+
+def _known_connectors() -> str:
+    """What a config may name without a module path: vLLM's registered connectors."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    names = sorted(KVConnectorFactory._registry)  # noqa: SLF001 - vLLM lists them nowhere else
+    return f"vLLM's connectors: {', '.join(names)} (others by kv_connector_module_path)"
 
 
 def _got(value: object) -> str:
@@ -199,18 +211,20 @@ def _check_one(rig_pkg: Any, config: dict[str, Any], layout: str, args: argparse
 
 
 def _run(args: argparse.Namespace) -> int:
-    faults = parse_faults(args.faults)
-    rig_pkg = _import_rig()
-    layouts = _layouts(args.layouts, rig_pkg.LAYOUTS)
     from kvconnector_core.errors import KVConnectorError
+    from kvconnector_core.testing import kv_transfer_config as configs
 
+    # Input errors first: importing vLLM prints its own notices before any message.
+    faults = parse_faults(args.faults)
+    layouts = _layouts(args.layouts, configs.LAYOUTS)
     try:
-        config = rig_pkg.parse_kv_transfer_config(args.kv_transfer_config)
+        config = configs.parse_kv_transfer_config(args.kv_transfer_config)
         if faults is not None:
-            config = rig_pkg.with_faults(config, faults)
+            config = configs.with_faults(config, faults)
         trace = _trace(args)
     except KVConnectorError as exc:
         raise UsageError(str(exc)) from None
+    rig_pkg = _import_rig()
     reports = [_check_one(rig_pkg, config, layout, args, trace) for layout in layouts]
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))

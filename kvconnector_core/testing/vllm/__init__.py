@@ -62,8 +62,8 @@ def _require_vllm() -> None:
 
 _require_vllm()
 
-from kvconnector_core.testing.vllm.check import ByteOracle  # noqa: E402
-from kvconnector_core.testing.vllm.config import (  # noqa: E402
+from kvconnector_core.testing.kv_transfer_config import (  # noqa: E402
+    LAYOUTS,
     adapter_config,
     connector,
     multi,
@@ -71,7 +71,8 @@ from kvconnector_core.testing.vllm.config import (  # noqa: E402
     parse_kv_transfer_config,
     with_faults,
 )
-from kvconnector_core.testing.vllm.model import LAYOUTS, StubModel  # noqa: E402
+from kvconnector_core.testing.vllm.check import ByteOracle  # noqa: E402
+from kvconnector_core.testing.vllm.model import StubModel  # noqa: E402
 from kvconnector_core.testing.vllm.report import RigReport, Stats  # noqa: E402
 from kvconnector_core.testing.vllm.rig import VllmRig, assert_no_leak  # noqa: E402
 from kvconnector_core.testing.vllm.workloads import prompt, randomized, run_trace  # noqa: E402

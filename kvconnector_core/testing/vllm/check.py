@@ -53,9 +53,10 @@ class WrongBlock(msgspec.Struct, frozen=True):
 
     def describe(self) -> str:
         """One line naming the block."""
+        differ = "byte differs" if self.wrong_bytes == 1 else "bytes differ"
         return (f"request {self.request_id} block #{self.block_index} (id {self.block_id}, hash "
                 f"{self.block_hash}) layer {self.layer} worker {self.worker}: {self.wrong_bytes} "
-                f"bytes differ from what the model wrote for its hash ({self.kind} block)")
+                f"{differ} from what the model wrote for its hash ({self.kind} block)")
 
 
 class ByteOracle:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvconnector_core.testing.data_check import FAILED_LOAD_STEPS, DataCheckReport
 from kvconnector_core.testing.fault_settings import FaultSettings, HookFault
-from kvconnector_core.testing.vllm.config import adapter_config, with_faults
+from kvconnector_core.testing.kv_transfer_config import adapter_config, with_faults
 from kvconnector_core.testing.vllm.report import RigReport
 from kvconnector_core.testing.vllm.rig import VllmRig
 from kvconnector_core.testing.vllm.workloads import prompt, run_trace

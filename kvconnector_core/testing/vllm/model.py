@@ -5,7 +5,7 @@ computes, bytes derived from the block's vLLM hash (and the layer and the worker
 ranks hold different shards). Any block a connector later loads, or vLLM serves from its
 prefix cache, can then be checked against its hash (:class:`~.check.ByteOracle`).
 
-Primitives: :class:`StubModel`, :data:`LAYOUTS`, :data:`EOS`.
+Primitives: :class:`StubModel`, :data:`EOS`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["EOS", "LAYOUTS", "StubModel"]
+__all__ = ["EOS", "StubModel"]
 
-LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-"""vLLM 0.33's six KV cache layouts."""
 EOS = 2
 """The stub model config's end-of-sequence token (never sampled: requests ignore EOS)."""
 

@@ -54,9 +54,9 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import (
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvconnector_core.integrations.vllm.cpu_config import make_vllm_config
+from kvconnector_core.testing.kv_transfer_config import LAYOUTS, parse_kv_transfer_config
 from kvconnector_core.testing.vllm.check import ByteOracle
-from kvconnector_core.testing.vllm.config import parse_kv_transfer_config
-from kvconnector_core.testing.vllm.model import EOS, LAYOUTS, StubModel
+from kvconnector_core.testing.vllm.model import EOS, StubModel
 from kvconnector_core.testing.vllm.report import RigReport, Stats
 
 __all__ = ["VllmRig", "assert_no_leak"]
@@ -74,7 +74,7 @@ class VllmRig:
             :func:`~.config.multi`); the adapter is selected unless ``kv_transfer`` names
             another connector. To start from a user's whole ``--kv-transfer-config``, use
             :meth:`from_kv_transfer_config`.
-        layout: one of :data:`~.model.LAYOUTS`.
+        layout: one of :data:`~kvconnector_core.testing.kv_transfer_config.LAYOUTS`.
         num_gpu_blocks: GPU pool size, the null block included.
         block_size, num_layers, num_heads, head_size: the KV cache shape.
         num_workers: worker connectors (TP ranks); their outputs are folded with vLLM's

@@ -46,7 +46,7 @@ def test_a_connector_that_corrupts_loaded_blocks_fails_and_names_the_first(tmp_p
     out = capsys.readouterr().out
     assert "result: FAIL" in out
     assert re.search(r"first bad block\s+request r\d+ block #\d+ \(id \d+, hash [0-9a-f]{16}\) "
-                     r"layer model\.layers\.0\.attn worker 0: \d+ bytes differ .*\(loaded block\)",
+                     r"layer model\.layers\.0\.attn worker 0: 1 byte differs .*\(loaded block\)",
                      out), out
     assert main(["vllm-check", "--kv-transfer-config", CORRUPTING, "--json"]) == 1
     (report,) = json.loads(capsys.readouterr().out)
@@ -73,6 +73,9 @@ BAD_INPUT = {
                                  "start_load_kv=often"], "often"),
     "unknown workload": (["--kv-transfer-config", DOCS_OFFLOAD, "--workload", "chatty"],
                          "chatty"),
+    "adapter class misspelled": (
+        ["--kv-transfer-config", DOCS_OFFLOAD.replace("KVConnectorAdapter", "KVConnectorAdaptor")],
+        "KVConnectorAdaptor"),
 }
 
 
@@ -91,3 +94,12 @@ def test_faults_on_a_vllm_connector_that_is_not_the_adapter_are_a_usage_error(ca
     config = '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'
     assert main(["vllm-check", "--kv-transfer-config", config, "--faults", "start_load_kv"]) == 2
     assert "ExampleConnector" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("config", "valid"), [
+    (DOCS_OFFLOAD.replace("KVConnectorAdapter", "KVConnectorAdaptor"), "KVConnectorAdapterHMA"),
+    ('{"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}', "OffloadingConnector"),
+], ids=["adapter", "vllm"])
+def test_an_unknown_connector_class_lists_the_valid_ones(config, valid, capsys):
+    assert main(["vllm-check", "--kv-transfer-config", config]) == 2
+    assert valid in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""KV transfer configs for the rig: parse what a user gives ``vllm serve``, wrap faults in.
+"""KV transfer configs for the vLLM rig: parse what a user gives ``vllm serve``, wrap faults in.
 
 A config here is the dict form of vLLM's ``--kv-transfer-config`` (``kv_connector``,
 ``kv_connector_module_path``, ``kv_role``, ``kv_connector_extra_config``, ...). The
@@ -7,8 +7,12 @@ kvconnector adapter carries its connector's config under
 kit's ``FaultInjector``, which is how the rig injects faults on any hook without reaching
 into the adapter.
 
+Nothing here imports vLLM, so ``kvconnector vllm-check`` rejects a malformed config or an
+unknown layout before it loads vLLM (whose import prints its own notices). The rig package
+(:mod:`kvconnector_core.testing.vllm`) re-exports these names.
+
 Primitives: :func:`parse_kv_transfer_config`, :func:`adapter_config`, :func:`with_faults`,
-:func:`connector`, :func:`offload`, :func:`multi`, :data:`ADAPTER_NAMES`.
+:func:`connector`, :func:`offload`, :func:`multi`, :data:`ADAPTER_NAMES`, :data:`LAYOUTS`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import msgspec
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.testing.fault_settings import FaultSettings
 
-__all__ = ["ADAPTER_NAMES", "adapter_config", "connector", "multi", "offload",
+__all__ = ["ADAPTER_NAMES", "LAYOUTS", "adapter_config", "connector", "multi", "offload",
            "parse_kv_transfer_config", "with_faults"]
+
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""vLLM 0.33's six KV cache layouts."""
 
 ADAPTER_MODULE = "kvconnector_core.integrations.vllm"
 ADAPTER_NAMES = ("KVConnectorAdapter", "KVConnectorAdapterHMA")
@@ -64,8 +71,9 @@ def parse_kv_transfer_config(value: str | Path | Mapping[str, Any]) -> dict[str,
     """The dict of a ``--kv-transfer-config``: JSON text, a JSON file, or a mapping.
 
     Raises:
-        ConfigError: malformed JSON, a missing file, not a JSON object, or no
-            ``kv_connector`` (one-line messages naming the bad value).
+        ConfigError: malformed JSON, a missing file, not a JSON object, no
+            ``kv_connector``, or one the adapter's module does not have (one-line messages
+            naming the bad value).
     """
     if isinstance(value, Mapping):
         data: Any = dict(value)
@@ -91,6 +99,11 @@ def parse_kv_transfer_config(value: str | Path | Mapping[str, Any]) -> dict[str,
         msg = ("--kv-transfer-config names no kv_connector; give a vLLM connector name (e.g. "
                "\"OffloadingConnector\") or \"KVConnectorAdapter\" with kv_connector_module_path "
                f"{ADAPTER_MODULE!r}")
+        raise ConfigError(msg)
+    name = data["kv_connector"]
+    if data.get("kv_connector_module_path") == ADAPTER_MODULE and name not in ADAPTER_NAMES:
+        msg = (f"--kv-transfer-config: kv_connector {name!r} is not in {ADAPTER_MODULE}; "
+               f"valid: {', '.join(ADAPTER_NAMES)}")
         raise ConfigError(msg)
     return data
 
