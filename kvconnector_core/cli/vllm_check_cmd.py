@@ -171,6 +171,24 @@ def _build(rig_pkg: Any, config: dict[str, Any], layout: str, kwargs: dict[str, 
         raise UsageError(msg[:600]) from None
 
 
+def _known_kvconnector(config: dict[str, Any]) -> None:
+    """An installed kvconnector connector named by the adapter's config (one named by
+    ``module_path`` is imported by the adapter later).
+
+    Raises:
+        UnknownConnectorError: no connector of that name is installed (the message lists
+            the installed ones).
+    """
+    from kvconnector_core.connector import get_registry
+    from kvconnector_core.testing.kv_transfer_config import is_adapter
+
+    extra = config.get("kv_connector_extra_config")
+    inner = extra.get("kvconnector") if is_adapter(config) and isinstance(extra, dict) else None
+    if isinstance(inner, dict) and "module_path" not in inner and isinstance(
+            inner.get("name"), str):
+        get_registry().get(inner["name"])
+
+
 def _known_connectors() -> str:
     """What a config may name without a module path: vLLM's registered connectors."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -222,6 +240,7 @@ def _run(args: argparse.Namespace) -> int:
         if faults is not None:
             config = configs.with_faults(config, faults)
         trace = _trace(args)
+        _known_kvconnector(config)
     except KVConnectorError as exc:
         raise UsageError(str(exc)) from None
     rig_pkg = _import_rig()

@@ -33,7 +33,10 @@ def test_vllm_check_without_vllm_is_one_line_and_exit_2(capsys):
      "'XYZ'"),
     (["--kv-transfer-config", '{"kv_connector": "KVConnectorAdaptor", '
       '"kv_connector_module_path": "kvconnector_core.integrations.vllm"}'], "KVConnectorAdaptor"),
-], ids=["json", "layout", "adapter-class"])
+    (["--kv-transfer-config", '{"kv_connector": "KVConnectorAdapter", '
+      '"kv_connector_extra_config": {"kvconnector": {"name": "cpu_ofload"}}}'],
+     "did you mean 'cpu_offload'"),
+], ids=["json", "layout", "adapter-class", "kvconnector-connector"])
 def test_input_errors_are_reported_before_vllm_is_needed(argv, bad, capsys):
     """A malformed config or layout is named (importing vLLM would print its own notices
     first), not reported as vLLM missing."""
