@@ -91,6 +91,18 @@ __all__ = [
 # (``plan_failed``) can mark its stores failed.
 _REMEMBERED_STEPS = 32
 
+# The fields an engine (or vLLM's adapter) sets on the connector it builds. The wrapper is
+# that connector, so the one it wraps must see them too: a cpu_offload worker keys its
+# secondary-tier values by rank and world size, and its scheduler side waits for
+# ``world_size`` reports of a job. (MultiConnector's children inherit the same fields.)
+_ENGINE_FIELDS = ("role", "engine_id", "load_failure_policy", "enable_kv_cache_events",
+                  "world_size", "rank", "pipeline_parallel_size")
+
+
+def _engine_fields(config: KVConnectorConfig) -> dict[str, Any]:
+    """The fields of ``config`` that the engine sets (see ``_ENGINE_FIELDS``)."""
+    return {field: getattr(config, field) for field in _ENGINE_FIELDS}
+
 
 class InjectedFault(TransferError):  # noqa: N818 - a public name; "fault" already says what it is
     """Raised by a :class:`FaultInjectingConnector` hook on purpose."""
@@ -605,7 +617,7 @@ class FaultInjector(FaultInjectingConnector):
         if "inner" not in extra:
             msg = "FaultInjector needs extra_config['inner'], the config of the connector to wrap"
             raise ConfigError(msg)
-        inner_config = KVConnectorConfig.from_dict(extra.pop("inner"))
+        inner_config = _inner_config(extra.pop("inner"), config)
         inner = create_connector(inner_config, role, kv_cache_config)
         s = FaultSettings.from_dict(extra)
         super().__init__(inner, load_failure_rate=s.load_failure_rate,
@@ -613,12 +625,28 @@ class FaultInjector(FaultInjectingConnector):
                          completion_delay_steps=s.completion_delay_steps, seed=s.seed)
 
 
+def _inner_config(inner: KVConnectorConfig | Mapping[str, Any],
+                  outer: KVConnectorConfig) -> KVConnectorConfig:
+    """The wrapped connector's config, with the engine's fields of the wrapper's config.
+
+    :func:`fault_injection_config` copies those fields from the inner config to the
+    wrapper's, so they stay the inner config's own unless the engine set others on the
+    wrapper (vLLM's adapter sets the worker count and each worker's rank): the wrapped
+    connector must run as the worker the engine built, or its workers share one rank's
+    secondary-tier keys and load each other's shards.
+    """
+    fields = inner.to_dict() if isinstance(inner, KVConnectorConfig) else dict(inner)
+    return KVConnectorConfig.from_dict({**fields, **_engine_fields(outer)})
+
+
 def fault_injection_config(inner: KVConnectorConfig | Mapping[str, Any],
                            settings: FaultSettings | None = None) -> KVConnectorConfig:
     """A connector config that creates ``inner`` wrapped in a :class:`FaultInjector`.
 
     Use it wherever a config goes: ``EngineConfig(connector=...)`` or a child of a
-    MultiConnector. Role and load-failure policy are the inner config's.
+    MultiConnector. The fields an engine sets (role, load-failure policy, KV events, world
+    size, rank, pipeline stages) are the inner config's; an engine that sets them on the
+    wrapper (vLLM's adapter, for each worker) sets them on the wrapped connector too.
 
     Args:
         inner: the wrapped connector's config.
@@ -630,4 +658,4 @@ def fault_injection_config(inner: KVConnectorConfig | Mapping[str, Any],
     inner_cfg = KVConnectorConfig.from_dict(dict(inner) if isinstance(inner, Mapping) else inner)
     extra = {"inner": inner_cfg.to_dict(), **msgspec.to_builtins(settings or FaultSettings())}
     return KVConnectorConfig(name=FaultInjector.name, module_path=__name__, extra_config=extra,
-                             role=inner_cfg.role, load_failure_policy=inner_cfg.load_failure_policy)
+                             **_engine_fields(inner_cfg))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 
+import msgspec
 import pytest
 import torch
 from _redis_servers import redis_single, require_redis_server  # noqa: F401 - fixtures
@@ -29,6 +30,8 @@ from kvconnector_core.connector.config import KVConnectorConfig
 from kvconnector_core.engine.engine import EngineConfig
 from kvconnector_core.errors import ConfigError
 from kvconnector_core.kv_cache.hashing import BlockHash
+from kvconnector_core.plugins.registry import create_connector
+from kvconnector_core.testing.faults import fault_injection_config
 from tests.connectors.offload.test_offload_tiering import _poll
 from test_tiers_engine import ENGINE, doc_trace, offload
 
@@ -138,6 +141,25 @@ def test_multiconnector_children_inherit_rank_and_pipeline_size(tmp_path):
         assert child.worker_side.tiers.shard == Shard(2, 4, 2)
     finally:
         multi.shutdown()
+
+
+def test_fault_wrapped_offload_runs_as_the_worker_the_engine_built(tmp_path):
+    """The kit's FaultInjector gives the connector it wraps the world size and rank the
+    engine set on the wrapper (vLLM's adapter sets them per worker): its tier keys name
+    its shard and its scheduler side looks up every rank's."""
+    kv = EngineConfig(num_gpu_blocks=64, max_model_len=256).kv_cache_config()
+    wrapped = fault_injection_config({"name": "cpu_offload", "extra_config": _disk_extra(tmp_path)})
+    config = msgspec.structs.replace(wrapped, world_size=4, rank=3, pipeline_parallel_size=2)
+    worker = create_connector(config, KVConnectorRole.WORKER, kv)
+    sched = create_connector(config, KVConnectorRole.SCHEDULER, kv)
+    try:
+        assert worker.inner.worker_side.tiers.shard == Shard(3, 4, 2)
+        assert sched.inner.scheduler_side.tiers.lookups.shards == tuple(
+            Shard(r, 4, 2) for r in range(4)
+        )
+    finally:
+        worker.shutdown()
+        sched.shutdown()
 
 
 # --------------------------------------------------------------- lookups and bytes
@@ -309,6 +331,18 @@ def test_tp_workers_are_served_their_own_shards_from_disk(tmp_path, tp_baseline,
     tp = world_size // pp
     assert {f.rsplit("-r", 1)[1] for f in files} == {
         f"{r}of{tp}x{pp}.kvb" for r in range(world_size)
+    }
+
+
+def test_tp_workers_behind_the_fault_injector_are_served_their_own_shards(tmp_path, tp_baseline):
+    """vLLM fault sweep finding 2: wrapped in the kit's FaultInjector, cpu_offload ran as
+    one worker of rank 0 in every worker, so the ranks wrote and read each other's disk
+    values."""
+    got = _tp_run(fault_injection_config(offload(_disk(tmp_path))), 2, doc_trace())
+    _assert_same_as(tp_baseline(2), got)
+    assert got[0].metrics.connector_stats["disk_loads"] > 0
+    assert {p.name.rsplit("-r", 1)[1] for p in tmp_path.rglob("*.kvb")} == {
+        "0of2x1.kvb", "1of2x1.kvb"
     }
 
 
