@@ -32,6 +32,8 @@ _WHERE = "MultiConnector extra_config['connectors']"
 # child holds that worker's shard of every block (rank, pipeline_parallel_size).
 _INHERITED = ("role", "engine_id", "load_failure_policy", "enable_kv_cache_events",
               "world_size", "rank", "pipeline_parallel_size")
+# Of those, the ones only the engine knows: a child cannot run as another worker.
+_TOPOLOGY = ("world_size", "rank", "pipeline_parallel_size")
 
 
 class ChildConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -71,8 +73,9 @@ class ChildConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
         Args:
             index: the entry's position, for messages.
-            raw: a dict, or a ready :class:`KVConnectorConfig` (taken whole: it inherits
-                nothing).
+            raw: a dict, or a ready :class:`KVConnectorConfig` (taken whole, but for the
+                worker it runs as: ``world_size``, ``rank`` and
+                ``pipeline_parallel_size`` are always the multi's).
             parent: the multi's config, to explain a bad entry as the child's config.
 
         Raises:
@@ -80,7 +83,8 @@ class ChildConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 message is the one a top-level config gets, prefixed with where it is).
         """
         if isinstance(raw, KVConnectorConfig):
-            return msgspec.convert(raw, cls, from_attributes=True)
+            child = msgspec.convert(raw, cls, from_attributes=True)
+            return msgspec.structs.replace(child, **dict.fromkeys(_TOPOLOGY, UNSET))
         if not isinstance(raw, dict):
             msg = f"{_WHERE}[{index}] must be a dict, got {raw!r}"
             raise ConfigError(msg)
@@ -100,9 +104,16 @@ class ChildConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         """The child's full config: the fields it sets, the rest inherited from ``parent``.
 
         Raises:
-            ConfigError: a field's value is invalid (prefixed with where the child is).
+            ConfigError: a field's value is invalid, or a worker field differs from the
+                multi's (prefixed with where the child is).
         """
         given = msgspec.to_builtins(self)  # unset fields are left out
+        for key in _TOPOLOGY:
+            if key in given and given[key] != getattr(parent, key):
+                msg = (f"{_WHERE}[{index}]: {key}={given[key]}, but a child runs on every "
+                       f"worker of the MultiConnector: {key} is the engine's "
+                       f"({getattr(parent, key)}); leave it out")
+                raise ConfigError(msg)
         try:
             return KVConnectorConfig.from_dict({**_inherited(parent), **given})
         except ConfigError as exc:

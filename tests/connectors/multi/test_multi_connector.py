@@ -244,7 +244,8 @@ def test_bad_configs():
 
 def test_settings_are_typed_child_configs():
     """extra_config converts to MultiSettings: one ChildConfig per child, the fields a child
-    inherits left unset; a ready KVConnectorConfig child is taken whole."""
+    inherits left unset; a ready KVConnectorConfig child is taken whole (but for the
+    worker fields, always the multi's: see test_multi_world_size.py)."""
     assert ChildConfig.__struct_fields__ == KVConnectorConfig.__struct_fields__
     ready = KVConnectorConfig(name="RecordingConnector", role="kv_producer", engine_id="r")
     cfg = KVConnectorConfig(name="MultiConnector", role="kv_consumer", extra_config={
