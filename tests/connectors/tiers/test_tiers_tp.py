@@ -335,9 +335,9 @@ def test_tp_workers_are_served_their_own_shards_from_disk(tmp_path, tp_baseline,
 
 
 def test_tp_workers_behind_the_fault_injector_are_served_their_own_shards(tmp_path, tp_baseline):
-    """vLLM fault sweep finding 2: wrapped in the kit's FaultInjector, cpu_offload ran as
-    one worker of rank 0 in every worker, so the ranks wrote and read each other's disk
-    values."""
+    """Wrapped in the kit's FaultInjector, cpu_offload runs as the worker the engine built:
+    each rank writes and reads its own disk shard (run as rank 0 of 1 everywhere, the
+    ranks wrote and read each other's values)."""
     got = _tp_run(fault_injection_config(offload(_disk(tmp_path))), 2, doc_trace())
     _assert_same_as(tp_baseline(2), got)
     assert got[0].metrics.connector_stats["disk_loads"] > 0

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import vllm_fault_sweep as sweep
 
-QUICK_SEED = 2  # every cell 0 in the full sweep; seeds with open findings: benchmarks/RESULTS.md
+QUICK_SEED = 2  # one seed of every cell (the full sweep: benchmarks/RESULTS.md)
 
 
 @pytest.fixture(autouse=True)
@@ -35,10 +35,10 @@ def test_quick_sweep_does_no_damage(connector):
 
 @pytest.mark.parametrize("seed", [23, 24])
 def test_two_workers_behind_the_fault_injector_load_their_own_disk_shards(seed):
-    """Sweep finding 2: the FaultInjector built cpu_offload as one worker of rank 0 in both
-    vLLM workers, so they shared one disk value per block and one of them loaded the
-    other's shard (these seeds did in 5 of 6 runs; deterministic cases:
-    tests/connectors/tiers/test_tiers_tp.py)."""
+    """cpu_offload with a disk tier behind the FaultInjector, under two vLLM workers: each
+    worker runs as its own rank, so each loads its own shard (when the wrapped connector
+    ran as rank 0 of 1 in both, these seeds loaded the other worker's shard in 5 of 6
+    runs; deterministic cases: tests/connectors/tiers/test_tiers_tp.py)."""
     run = sweep.run_one("offload_disk", "late", seed)
     assert run.settings.startswith("sync-sched") and "2w hybrid" in run.settings
     assert run.failed == [], run.detail
