@@ -190,3 +190,32 @@ def test_a_load_that_always_fails_by_block_is_recomputed_not_retried():
     assert rig.stats.scheduled_tokens[rid] == 64 + 16 + 1
     assert_no_leak(rig)
     rig.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async-sched"])
+def test_a_synchronous_load_failing_on_one_of_two_workers_is_recomputed(async_scheduling):
+    """Two TP workers; one worker's ``start_load_kv`` raises in the step with the load. The
+    worker reports the receive failed, the other received: vLLM takes the receive as failed
+    (any worker's failure counts) and recomputes, and no worker's blocks are served wrong."""
+    rig = VllmRig(PLAIN, num_gpu_blocks=64, num_workers=2, async_scheduling=async_scheduling,
+                  check_every_step=False)
+    prefix = prompt(61, 64)
+    _stored_prefix(rig, prefix)
+    inner = rig.workers[1].worker_side.guard.connector
+    start_load_kv, raised = inner.start_load_kv, []
+
+    def raising_once(*args, **kwargs):
+        if not raised and inner.get_connector_metadata().loads:
+            raised.append(rig.stats.steps)
+            raise RuntimeError("injected: start_load_kv failed on worker 1")
+        return start_load_kv(*args, **kwargs)
+
+    inner.start_load_kv = raising_once
+    _check_after_each_update(rig)
+    rid = rig.add(prefix + prompt(62, 20), max_tokens=2)
+    rig.run(max_steps=500)
+    assert raised
+    assert len(rig.stats.outputs[rid]) == 2
+    assert rig.stats.scheduled_tokens[rid] == 64 + 20 + 1  # the failed load recomputed
+    assert_no_leak(rig)
+    rig.shutdown()
