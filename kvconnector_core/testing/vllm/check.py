@@ -40,6 +40,9 @@ class WrongBlock(msgspec.Struct, frozen=True):
         layer: the layer's name.
         worker: the worker (TP rank).
         wrong_bytes: bytes that differ in this layer-block.
+        looks_like: what the bytes are instead, when the oracle can tell: another
+            worker's or layer's bytes for the same hash (a shard or layer mix-up), or
+            all zeros (never written since the rig zeroed the cache); else empty.
     """
 
     kind: str
@@ -51,12 +54,15 @@ class WrongBlock(msgspec.Struct, frozen=True):
     worker: int
     wrong_bytes: int
 
+    looks_like: str = ""
+
     def describe(self) -> str:
         """One line naming the block."""
         differ = "byte differs" if self.wrong_bytes == 1 else "bytes differ"
+        instead = f"; it holds {self.looks_like}" if self.looks_like else ""
         return (f"request {self.request_id} block #{self.block_index} (id {self.block_id}, hash "
                 f"{self.block_hash}) layer {self.layer} worker {self.worker}: {self.wrong_bytes} "
-                f"{differ} from what the model wrote for its hash ({self.kind} block)")
+                f"{differ} from what the model wrote for its hash ({self.kind} block){instead}")
 
 
 class ByteOracle:
@@ -142,7 +148,7 @@ class ByteOracle:
         got_bytes = view.contiguous().view(torch.uint8)
         wrong = int((got_bytes != want.view(torch.uint8)).sum())
         found = WrongBlock(kind, req.request_id, index, bid, block_hash[:8].hex(), name, worker,
-                           wrong)
+                           wrong, self._looks_like(view, block_hash, where))
         if self.raise_on_wrong:
             raise AssertionError(found.describe())
         key = (bid, block_hash, name, worker)
@@ -150,6 +156,24 @@ class ByteOracle:
             self._reported.add(key)
             self.wrong.append(found)
             self.stats.wrong_bytes[kind] = self.stats.wrong_bytes.get(kind, 0) + wrong
+
+
+    def _looks_like(self, view: torch.Tensor, block_hash: bytes,
+                    where: tuple[int, int, str]) -> str:
+        """What a wrong layer-block holds instead, when it is a known pattern."""
+        worker, layer, name = where
+        if not bool(view.any()):
+            return "zeros (never written)"
+        for w in range(len(self.model.kv_caches)):
+            if w != worker and torch.equal(view, self.model.expected(
+                    block_hash, layer, view, w).to(view.dtype)):
+                return f"worker {w}'s bytes for this hash (another TP shard)"
+        for layers in self.model.group_layers:
+            for other, other_name in layers:
+                if other_name != name and torch.equal(view, self.model.expected(
+                        block_hash, other, view, worker).to(view.dtype)):
+                    return f"layer {other_name}'s bytes for this hash"
+        return ""
 
 
 def _first_invalid(groups: Any, invalid: Collection[int]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -456,3 +457,29 @@ def test_benchmark_runs_and_checks_both_sides_did_the_same_work():
     assert (
         "| cpu_offload via KVConnectorAdapter |" in run.stdout and "Ratio ours / vLLM" in run.stdout
     )
+
+
+def test_a_wrong_block_says_whose_bytes_it_holds():
+    """The oracle names a known pattern in a wrong block: another TP shard's bytes for the
+    same hash, another layer's, or zeros (never written)."""
+    rig = VllmRig(offload(64), num_gpu_blocks=40, num_workers=2, check_every_step=False)
+    rig.add(prompt(3, 67), max_tokens=8)
+    for _ in range(3):
+        rig.step()
+    req = next(iter(rig.scheduler.running))
+    block = rig.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0][0]
+    first, second = rig.layer_names[:2]
+    cases = {
+        "worker 1's bytes for this hash": lambda: rig.kv_caches[1][first][block].clone(),
+        f"layer {second}'s bytes for this hash": lambda: rig.kv_caches[0][second][block].clone(),
+        "zeros (never written)": lambda: torch.zeros_like(rig.kv_caches[0][first][block]),
+    }
+    good = rig.kv_caches[0][first][block].clone()
+    for says, bytes_instead in cases.items():
+        rig.kv_caches[0][first][block].copy_(bytes_instead())
+        with pytest.raises(AssertionError, match=re.escape(f"it holds {says}")):
+            rig.check_blocks()
+        rig.kv_caches[0][first][block].copy_(good)
+    rig.check_blocks()  # restored
+    rig.run()
+    rig.shutdown()
