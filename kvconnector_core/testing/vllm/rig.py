@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import socket
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -190,6 +193,7 @@ class VllmRig:
                 KVCacheGroupSpec(self.layer_names[1::2], window)]
 
     def _build_workers(self, num_workers: int) -> None:
+        _init_process_groups()
         for rank in range(num_workers):
             caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
                                        KVCacheLayout[self.layout], None)
@@ -468,6 +472,24 @@ class _StubAttention:
 
 
 _STUB_ATTN_METADATA = object()  # not MLA metadata: connectors index blocks, not flat slots
+
+
+def _init_process_groups() -> None:
+    """vLLM's process groups, once per process, as vLLM's worker sets them up before it
+    builds its connector (``init_worker_distributed_environment``): a connector may read
+    ``get_tp_group()`` while it is built. The rig's workers share one process, so the
+    groups have one rank (gloo, on a free loopback port); a connector that reads its rank
+    from them sees rank 0 of 1 on every rig worker (``parallel_config.rank`` is right)."""
+    if parallel_state.model_parallel_is_initialized():
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{port}")
+        parallel_state.ensure_model_parallel_initialized(1, 1)
 
 
 def _copy(obj: Any) -> Any:

@@ -65,3 +65,17 @@ def test_vllms_offloading_connectors_need_a_gpu(name, error):
               "kv_connector_extra_config": {"cpu_bytes_to_use": 4_000_000}}
     with pytest.raises(Exception, match=error):
         VllmRig.from_kv_transfer_config(config)
+
+
+def test_a_connector_reading_the_tp_group_when_built_runs(tmp_path):
+    """Third-party connectors (LMCache, sparkcache) read ``get_tp_group()`` while vLLM
+    builds them; vLLM's worker has set its process groups up by then, and so does the rig
+    (one rank: its workers share a process)."""
+    config = {**_example(tmp_path), "kv_connector": "TPGroupConnector",
+              "kv_connector_module_path": "_tp_group_connector"}
+    rig = VllmRig.from_kv_transfer_config(config, num_gpu_blocks=24,
+                                          max_num_batched_tokens=256, raise_on_wrong=False)
+    assert [w.tp_rank for w in rig.workers] == [0]
+    report = _store_then_load(rig, prompt(1, 100))
+    assert report.ok, report.format()
+    assert report.hit_tokens == 96
