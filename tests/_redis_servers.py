@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -40,10 +41,29 @@ def require_redis_server() -> str:
 
 
 def free_port() -> int:
-    """A free loopback port whose cluster bus port (+10000) is in range too."""
+    """A free loopback port whose cluster bus port (+10000) is free too.
+
+    Ports come from 20000-22700, so the bus ports (30000-32700) stay below Linux's
+    ephemeral range (32768 up): a client connection's local port cannot take one between
+    this check and the server's start (a cluster node then fails to bind and exits).
+    """
     from port_for import get_port
 
-    return get_port((20000, 30000))
+    for _ in range(100):
+        port = get_port((20000, 22700))
+        if _can_bind(port + 10000):
+            return port
+    msg = "no free loopback port pair (port, port + 10000) in 20000-22700"
+    raise RuntimeError(msg)
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class RedisNode:
