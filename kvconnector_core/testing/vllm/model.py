@@ -5,6 +5,13 @@ computes, bytes derived from the block's vLLM hash (and the layer and the worker
 ranks hold different shards). Any block a connector later loads, or vLLM serves from its
 prefix cache, can then be checked against its hash (:class:`~.check.ByteOracle`).
 
+As attention does, a forward depends on the KV its tokens attend to: when a block before
+a request's first scheduled token holds wrong bytes (a load that did not happen yet, or
+failed), the blocks the forward writes for that request get wrong bytes too (the
+pattern's complement), and stay wrong until recomputed from good KV. So KV computed on
+a failed or late load shows wherever vLLM keeps it, even after the bad block itself was
+rewritten.
+
 Primitives: :class:`StubModel`, :data:`EOS`.
 """
 
@@ -37,6 +44,8 @@ class StubModel:
         # async scheduling: blocks a step filled before their last token was known (so
         # before their hash): (request id, group, block index, block id), written once known
         self.unhashed: list[tuple[str, int, int, int]] = []
+        # (worker, block id) of blocks part of which was computed on wrong KV
+        self.tainted: set[tuple[int, int]] = set()
 
     @staticmethod
     def pattern(block_hash: bytes, layer: int, numel: int, worker: int = 0) -> torch.Tensor:
@@ -54,7 +63,8 @@ class StubModel:
     def write(self, block_id: int, block_hash: bytes | None, group: int = 0,
               worker: int | None = None) -> None:
         """Write a block's bytes in every layer of its group, on one worker or on all (-1
-        when the block is not full, so it has no hash yet)."""
+        when the block is not full, so it has no hash yet; the pattern's complement when
+        part of it was computed on wrong KV)."""
         if block_id == 0:  # vLLM's null block (a sliding-window position out of the window)
             return
         for w, caches in enumerate(self.kv_caches):
@@ -64,14 +74,21 @@ class StubModel:
                 view = caches[name][block_id]
                 if block_hash is None:
                     view.fill_(-1)
+                elif (w, block_id) in self.tainted:
+                    view.copy_(~self.expected(block_hash, layer, view, w))
                 else:
                     view.copy_(self.expected(block_hash, layer, view, w))
+
+    def loaded(self, block_ids: list[int]) -> None:
+        """A connector load writes these blocks whole: what they held before is gone."""
+        self.tainted -= {(w, b) for w in range(len(self.kv_caches)) for b in block_ids}
 
     def wipe(self) -> None:
         """Zero every KV byte (after a prefix-cache reset only loads can restore them)."""
         for caches in self.kv_caches:
             for t in caches.values():
                 t.zero_()
+        self.tainted.clear()
 
     def forward(self, scheduler: Any, so: Any,
                 worker: int = 0) -> tuple[list[str], list[list[int]]]:
@@ -81,12 +98,20 @@ class StubModel:
         is done."""
         req_ids, sampled = [], []
         bs = self.block_size
+        pending = {bid for _, _, _, bid in self.unhashed}
         for rid, n in so.num_scheduled_tokens.items():
             req = scheduler.requests[rid]
             end = req.num_computed_tokens  # already advanced by schedule()
             start = end - n
-            for g, block_ids in enumerate(scheduler.kv_cache_manager.get_block_ids(rid)):
+            groups = scheduler.kv_cache_manager.get_block_ids(rid)
+            bad = not self._context_holds(req, groups, start, worker, pending)
+            for g, block_ids in enumerate(groups):
                 for i in range(start // bs, -(-end // bs)):
+                    key = (worker, block_ids[i])
+                    if bad or (i * bs < start and key in self.tainted):
+                        self.tainted.add(key)
+                    else:
+                        self.tainted.discard(key)
                     full = i < len(req.block_hashes) and (i + 1) * bs <= end
                     self.write(block_ids[i], req.block_hashes[i] if full else None, g, worker)
                     if not full and (i + 1) * bs <= end and worker == 0:
@@ -94,6 +119,24 @@ class StubModel:
             req_ids.append(rid)
             sampled.append([1000 + len(req.output_token_ids)] if end >= req.num_tokens else [])
         return req_ids, sampled
+
+    def _context_holds(self, req: Any, groups: Any, start: int, worker: int,
+                       pending: set[int]) -> bool:
+        """Whether every full block before token ``start`` (what the step's tokens attend
+        to) holds its hash's bytes on this worker; blocks still waiting for their hash
+        (async scheduling) and vLLM's null block are taken as good."""
+        full = min(start // self.block_size, len(req.block_hashes))
+        caches = self.kv_caches[worker]
+        for g, block_ids in enumerate(groups):
+            for i, bid in enumerate(block_ids[:full]):
+                if bid == 0 or bid in pending:
+                    continue
+                for layer, name in self.group_layers[g]:
+                    view = caches[name][bid]
+                    if not torch.equal(view, self.expected(req.block_hashes[i], layer, view,
+                                                           worker).to(view.dtype)):
+                        return False
+        return True
 
     def write_hashed(self, scheduler: Any) -> None:
         """Async scheduling: give blocks whose hash is now known their bytes (the model

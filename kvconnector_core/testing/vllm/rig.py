@@ -230,6 +230,9 @@ class VllmRig:
                     self.sync_load_steps.append(self.stats.steps)
                 self.oracle.note_load([b.block_id for g in blocks.blocks
                                        for b in g[local:local + n]])
+                touched = -(-num_external_tokens // self.block_size)  # the part-way one too
+                self.model.loaded([b.block_id for g in blocks.blocks
+                                   for b in g[local:local + touched]])
             alloc(request, blocks, num_external_tokens)
 
         conn.get_num_new_matched_tokens = get_num_new_matched_tokens

@@ -219,3 +219,33 @@ def test_a_synchronous_load_failing_on_one_of_two_workers_is_recomputed(async_sc
     assert rig.stats.scheduled_tokens[rid] == 64 + 20 + 1  # the failed load recomputed
     assert_no_leak(rig)
     rig.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async-sched"])
+def test_a_load_planned_when_its_request_is_scheduled_is_caught(async_scheduling):
+    """A connector that emits a synchronous load only once its request appears in
+    ``scheduled_new_reqs`` (vLLM's ExampleConnector style) loads a step late behind the
+    adapter, after the request computed on the unloaded blocks: the rig's stub model
+    writes wrong KV for those tokens, and the check names the block."""
+    late = {"kvconnector": {"name": "LatePlanningConnector",
+                            "module_path": "_late_planning_connector"}}
+    rig = VllmRig(late, num_gpu_blocks=64, async_scheduling=async_scheduling,
+                  raise_on_wrong=False)
+    prefix = prompt(61, 64)
+    _stored_prefix(rig, prefix)
+    rig.add(prefix + prompt(62, 20), max_tokens=4)
+    report = rig.check()
+    assert not report.ok and report.wrong_bytes_other > 0
+    assert report.first_bad_block is not None and "block #4" in report.first_bad_block
+
+
+def test_the_same_connector_planning_at_admission_passes():
+    """The same connector with its load in the plan right after ``update_state_after_alloc``
+    (the documented shape) passes the same check."""
+    rig = VllmRig(PLAIN, num_gpu_blocks=64, raise_on_wrong=False)
+    prefix = prompt(61, 64)
+    _stored_prefix(rig, prefix)
+    rig.add(prefix + prompt(62, 20), max_tokens=4)
+    report = rig.check()
+    assert report.ok, report.format()
+    assert report.loaded_layer_blocks_checked > 0
