@@ -587,6 +587,16 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self.inner.clear_connector_metadata()
         super().clear_connector_metadata()
 
+    def reset_cache(self) -> bool | None:
+        """Forward (or raise): the engine is about to reset its GPU prefix cache."""
+        self._maybe_raise("reset_cache")
+        return self.inner.reset_cache()
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """Forward the inner worker's events (vLLM's optional hook), None without it."""
+        hook = getattr(self.inner, "get_kv_connector_kv_cache_events", None)
+        return hook() if hook is not None else None
+
     def has_pending_work(self) -> bool:
         """Forward (no fault is injected: it only decides whether the engine idles)."""
         hook = getattr(self.inner, "has_pending_work", None)

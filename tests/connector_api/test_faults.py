@@ -259,3 +259,45 @@ def test_injected_fault_stats_are_deltas_so_the_engine_total_is_right():
     assert worker.num_injected["stores"] > 0 and sched.num_injected["loads"] > 0
     assert stats["injected_faults.stores"] == worker.num_injected["stores"]
     assert stats["scheduler.injected_faults.loads"] == sched.num_injected["loads"]
+
+
+def test_the_wrapper_forwards_every_hook_of_the_contract():
+    """A wrapped connector must behave as it does unwrapped but for the faults: every hook
+    a connector may implement reaches it (bind_kv_cache_manager excepted: its default
+    calls bind_gpu_block_pool, which the wrapper forwards)."""
+    from kvconnector_core.connector.base import ABSTRACT_HOOKS, OPTIONAL_HOOKS
+
+    missing = [h for h in (*ABSTRACT_HOOKS, *OPTIONAL_HOOKS)
+               if h != "bind_kv_cache_manager" and h not in vars(FaultInjectingConnector)]
+    assert missing == []
+
+
+def test_reset_cache_reaches_the_wrapped_connector_or_raises():
+    calls = []
+
+    class Resetting(RecordingConnector):
+        def reset_cache(self) -> bool:
+            calls.append("reset_cache")
+            return False
+
+    kvc = make_kv_cache_config()
+    wrapped = FaultInjectingConnector(Resetting(REC, KVConnectorRole.SCHEDULER, kvc))
+    assert wrapped.reset_cache() is False and calls == ["reset_cache"]
+    raising = FaultInjectingConnector(Resetting(REC, KVConnectorRole.SCHEDULER, kvc),
+                                      raise_in=[HookFault(hook="reset_cache", rate=1.0)])
+    with pytest.raises(InjectedFault):
+        raising.reset_cache()
+    assert calls == ["reset_cache"]
+
+
+def test_worker_kv_events_of_the_wrapped_connector_pass_through():
+    kvc = make_kv_cache_config()
+
+    class Evented(RecordingConnector):
+        def get_kv_connector_kv_cache_events(self) -> list[str]:
+            return ["stored"]
+
+    assert FaultInjectingConnector(Evented(REC, KVConnectorRole.WORKER, kvc)
+                                   ).get_kv_connector_kv_cache_events() == ["stored"]
+    assert FaultInjectingConnector(RecordingConnector(REC, KVConnectorRole.WORKER, kvc)
+                                   ).get_kv_connector_kv_cache_events() is None
