@@ -365,12 +365,15 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 - vLLM's name, kept for portabi
         return None
 
     def reset_cache(self) -> bool | None:
-        """Drop cached KV and release every GPU block held (pins); scheduler side, optional.
+        """Release every GPU block held (pins); scheduler side, optional.
 
         Engines call it **before** resetting the GPU prefix cache (kvconnector's
         ``Scheduler.reset_prefix_cache``; inside vLLM the adapter calls it
-        before vLLM's block pool reset, and vLLM calls it again after), so a
-        connector holding pins never makes the reset fail. Must be idempotent.
+        before every block pool reset, and vLLM calls it again after when asked
+        to reset the connector), so a connector holding pins never makes the
+        reset fail. KV the connector's own tier holds stays right for its hashes
+        and may be kept (cpu_offload keeps it); drop it only if it can be stale
+        otherwise (weights reloaded in place). Must be idempotent.
 
         Returns:
             False when the connector could not reset; None or True otherwise.
@@ -804,7 +807,7 @@ class KVConnectorSchedulerSide(abc.ABC):
         return False
 
     def reset_cache(self) -> bool | None:
-        """Drop cached KV and release held GPU blocks before a prefix-cache reset. Default: None."""
+        """Release held GPU blocks (pins) before a prefix-cache reset. Default: None."""
         return None
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
