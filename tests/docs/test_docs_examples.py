@@ -42,6 +42,7 @@ HANDLED = {
     "scheduler-signatures",
     "worker-signatures",
     "block-bytes",
+    "run-by-module-path",
 }
 WORKLOADS = data_check_workloads()
 
@@ -314,6 +315,22 @@ def test_plugin_and_pyproject_blocks(package):
     plugin.kvconnector_register_connectors(registry)
     assert registry.get("SyncMemoryConnector").__module__ == "my_connectors.sync_memory"
     assert registry.get("AsyncMemoryConnector").__module__ == "my_connectors.async_memory"
+
+
+def test_run_by_module_path_block(package, tmp_path, capsys, monkeypatch):
+    """The block's config runs the unpackaged sync example with ``kvconnector run`` (the
+    package fixture puts its parent on the import path, as the block's PYTHONPATH does)."""
+    from kvconnector_core.cli import main
+
+    block = BLOCKS["run-by-module-path"]
+    text = block[block.index("'") + 1:block.rindex("'")]
+    config = json.loads(text)
+    assert config["module_path"] == "my_connectors.sync_memory"
+    assert "PYTHONPATH=" in block and "kvconnector run --config sync.json" in block
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sync.json").write_text(text)
+    assert main(["run", "--config", "sync.json", "--workload", "chat"]) == 0
+    assert "outputs identical to baseline: yes" in capsys.readouterr().out
 
 
 def test_multi_config_block():
