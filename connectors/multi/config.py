@@ -27,12 +27,10 @@ from kvconnector_core.errors import ConfigError
 __all__ = ["ChildConfig", "MultiSettings"]
 
 _WHERE = "MultiConnector extra_config['connectors']"
-# The parent's fields a child inherits unless it sets them. Every child runs on every
-# worker: a store is complete only once all report it (world_size), and on each worker a
-# child holds that worker's shard of every block (rank, pipeline_parallel_size).
-_INHERITED = ("role", "engine_id", "load_failure_policy", "enable_kv_cache_events",
-              "world_size", "rank", "pipeline_parallel_size")
-# Of those, the ones only the engine knows: a child cannot run as another worker.
+# A child inherits the parent's KVConnectorConfig.ENGINE_FIELDS unless it sets them. Every
+# child runs on every worker: a store is complete only once all report it (world_size),
+# and on each worker a child holds that worker's shard of every block (rank,
+# pipeline_parallel_size). Those three only the engine knows: a child cannot set others.
 _TOPOLOGY = ("world_size", "rank", "pipeline_parallel_size")
 
 
@@ -93,7 +91,7 @@ class ChildConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         except msgspec.ValidationError as exc:
             # The child's own config type explains the error as for a top-level connector.
             try:
-                KVConnectorConfig.from_dict({**_inherited(parent), **raw})
+                KVConnectorConfig.from_dict({**parent.engine_fields(), **raw})
             except ConfigError as explained:
                 msg = f"{_WHERE}[{index}]: {explained}"
                 raise ConfigError(msg) from exc
@@ -115,14 +113,11 @@ class ChildConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                        f"({getattr(parent, key)}); leave it out")
                 raise ConfigError(msg)
         try:
-            return KVConnectorConfig.from_dict({**_inherited(parent), **given})
+            return KVConnectorConfig.from_dict({**parent.engine_fields(), **given})
         except ConfigError as exc:
             msg = f"{_WHERE}[{index}]: {exc}"
             raise ConfigError(msg) from exc
 
-
-def _inherited(parent: KVConnectorConfig) -> dict[str, Any]:
-    return {key: getattr(parent, key) for key in _INHERITED}
 
 
 class MultiSettings(ConnectorSettings):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -114,6 +114,13 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     quarantine_after_raises: _Positive | None = DEFAULT_QUARANTINE_AFTER_RAISES
     enable_kv_cache_events: bool = True
 
+    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "role", "engine_id", "load_failure_policy", "enable_kv_cache_events", "world_size",
+        "rank", "pipeline_parallel_size")
+    """The fields the engine sets on the connector it builds (vLLM's adapter from vLLM's
+    config): a connector built inside another one (a MultiConnector child, the connector a
+    FaultInjector wraps) takes them from its parent."""
+
     def __post_init__(self) -> None:
         # msgspec checks the field types on decode and convert, not in the constructor, and
         # a rule between fields in neither: both are checked here (msgspec runs this on
@@ -143,6 +150,10 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     def is_kv_consumer(self) -> bool:
         """True when this connector loads KV (role ``kv_consumer`` or ``kv_both``)."""
         return self.role in ("kv_consumer", "kv_both")
+
+    def engine_fields(self) -> dict[str, Any]:
+        """This config's :attr:`ENGINE_FIELDS`, by name."""
+        return {field: getattr(self, field) for field in self.ENGINE_FIELDS}
 
     def get_from_extra_config(self, key: str, default: Any = None) -> Any:
         """Return ``extra_config[key]``, or ``default`` when the key is absent."""

@@ -91,19 +91,6 @@ __all__ = [
 # (``plan_failed``) can mark its stores failed.
 _REMEMBERED_STEPS = 32
 
-# The fields an engine (or vLLM's adapter) sets on the connector it builds. The wrapper is
-# that connector, so the one it wraps must see them too: a cpu_offload worker keys its
-# secondary-tier values by rank and world size, and its scheduler side waits for
-# ``world_size`` reports of a job. (MultiConnector's children inherit the same fields.)
-_ENGINE_FIELDS = ("role", "engine_id", "load_failure_policy", "enable_kv_cache_events",
-                  "world_size", "rank", "pipeline_parallel_size")
-
-
-def _engine_fields(config: KVConnectorConfig) -> dict[str, Any]:
-    """The fields of ``config`` that the engine sets (see ``_ENGINE_FIELDS``)."""
-    return {field: getattr(config, field) for field in _ENGINE_FIELDS}
-
-
 class InjectedFault(TransferError):  # noqa: N818 - a public name; "fault" already says what it is
     """Raised by a :class:`FaultInjectingConnector` hook on purpose."""
 
@@ -646,7 +633,7 @@ def _inner_config(inner: KVConnectorConfig | Mapping[str, Any],
     secondary-tier keys and load each other's shards.
     """
     fields = inner.to_dict() if isinstance(inner, KVConnectorConfig) else dict(inner)
-    return KVConnectorConfig.from_dict({**fields, **_engine_fields(outer)})
+    return KVConnectorConfig.from_dict({**fields, **outer.engine_fields()})
 
 
 def fault_injection_config(inner: KVConnectorConfig | Mapping[str, Any],
@@ -668,4 +655,4 @@ def fault_injection_config(inner: KVConnectorConfig | Mapping[str, Any],
     inner_cfg = KVConnectorConfig.from_dict(dict(inner) if isinstance(inner, Mapping) else inner)
     extra = {"inner": inner_cfg.to_dict(), **msgspec.to_builtins(settings or FaultSettings())}
     return KVConnectorConfig(name=FaultInjector.name, module_path=__name__, extra_config=extra,
-                             **_engine_fields(inner_cfg))
+                             **inner_cfg.engine_fields())
